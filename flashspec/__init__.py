@@ -1,0 +1,15 @@
+"""flashspec: exact fused sampling and speculative decoding for Hugging Face transformers.
+
+The `[batch, vocab]` logits are never materialized on the fast path: the final hidden
+state goes into fused LM-head kernels (`flashspec.kernels`); `flashspec.reference` is the
+materialized torch oracle and CPU path with the same signatures.
+"""
+
+from . import reference, rng
+from .checks import NonFiniteLogitsError
+from .params import SamplingParams
+from .reference import VerifyOutput
+
+__version__ = "0.1.0"
+
+__all__ = ["NonFiniteLogitsError", "SamplingParams", "VerifyOutput", "reference", "rng"]

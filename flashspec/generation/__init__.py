@@ -1,0 +1,1 @@
+"""Generation engine: the `GenerationMixin` subclass, the speculative loop and the drafters."""

@@ -1,0 +1,46 @@
+"""Triton side of `flashspec.rng`: the same Philox words and the same float32 Gumbel noise.
+
+Keep every operation here in step with `flashspec/rng.py`; `tests/test_rng.py` checks the
+two bit for bit through the interpreter (and on a GPU when one is present).
+"""
+
+import triton
+import triton.language as tl
+
+GUMBEL_STREAM: tl.constexpr = tl.constexpr(0)
+ACCEPT_STREAM: tl.constexpr = tl.constexpr(1)
+
+
+@triton.jit
+def philox_bits(seed, position, token_ids, STREAM: tl.constexpr):
+    """uint32 Philox word of each token: counter (token >> 2, position, STREAM, 0), lane token & 3.
+
+    `seed`, `position` and `token_ids` are int64 and broadcast against each other.
+    """
+    token_ids = token_ids + position * 0
+    position = position + token_ids * 0
+    c0 = (token_ids >> 2).to(tl.uint32)
+    c1 = position.to(tl.uint32)
+    zero = c0 * 0
+    w0, w1, w2, w3 = tl.philox(seed, c0, c1, zero + STREAM, zero)
+    lane = token_ids & 3
+    return tl.where(lane == 0, w0, tl.where(lane == 1, w1, tl.where(lane == 2, w2, w3)))
+
+
+@triton.jit
+def exponential_from_bits(bits):
+    """float32 ``-log(u)``, ``u = (bits + 0.5) / 2**32``; both tails at full relative precision."""
+    upper = bits >= 0x80000000
+    near = tl.where(upper, bits ^ 0xFFFFFFFF, bits)
+    near = (near.to(tl.float32) + 0.5) * 2.3283064365386963e-10  # 2**-32
+    w = 1.0 - near
+    safe = tl.where(w == 1.0, 0.5, w)
+    # log(1 - near) through Kahan's trick: exact enough and needs only log.
+    log1p_neg = tl.where(w == 1.0, -near, tl.log(safe) * (-near) / (safe - 1.0))
+    return tl.where(upper, -log1p_neg, -tl.log(near))
+
+
+@triton.jit
+def gumbel_noise(seed, position, token_ids):
+    """float32 Gumbel noise of the sampling stream for each (seed, position, token id)."""
+    return -tl.log(exponential_from_bits(philox_bits(seed, position, token_ids, GUMBEL_STREAM)))

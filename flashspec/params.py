@@ -1,0 +1,259 @@
+"""Per-row sampling parameters, validated, with Hugging Face `GenerationConfig` semantics.
+
+A row is *greedy* when ``do_sample`` is False or ``temperature == 0``: its token is the
+argmax of the raw logits (lowest id on ties, as ``torch.argmax``). Otherwise the logits go
+through HF's warpers in HF's order, each only where HF would apply it:
+
+    temperature (if != 1)  ->  top-k (if > 0)  ->  top-p (if < 1)  ->  min-p (if > 0)
+
+Float parameters are stored as float64, i.e. exactly the Python floats the user gave, so
+that every implementation can round them the way transformers does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence, Union
+
+import torch
+
+from . import rng
+
+RowValues = Union[bool, int, float, Sequence, torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Sampling parameters of a batch, one entry per row, all tensors of shape ``[B]``.
+
+    Attributes:
+        do_sample: bool. False means greedy for that row.
+        temperature: float64, finite and >= 0; 0 means greedy, 1 means unscaled.
+        top_k: int64, >= 0; 0 disables top-k. Values above the vocabulary keep everything.
+        top_p: float64 in (0, 1]; 1 disables top-p.
+        min_p: float64 in [0, 1]; 0 disables min-p.
+        seed: int64 in [0, 2**63); keys the row's noise together with the sequence position
+            (see `flashspec.rng`).
+
+    Build one with `SamplingParams.create` (scalars or per-row values) or
+    `SamplingParams.from_generation_config` (HF semantics and defaults).
+    """
+
+    do_sample: torch.Tensor
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    seed: torch.Tensor
+
+    def __post_init__(self) -> None:
+        expected = {
+            "do_sample": torch.bool, "temperature": torch.float64, "top_k": torch.int64,
+            "top_p": torch.float64, "min_p": torch.float64, "seed": torch.int64,
+        }
+        batch_size = None
+        device = self.do_sample.device if torch.is_tensor(self.do_sample) else None
+        for name, dtype in expected.items():
+            value = getattr(self, name)
+            if not torch.is_tensor(value):
+                raise ValueError(f"`{name}` must be a torch.Tensor, got {type(value).__name__}")
+            if value.dtype != dtype:
+                raise ValueError(f"`{name}` must have dtype {dtype}, got {value.dtype}")
+            if value.dim() != 1:
+                raise ValueError(f"`{name}` must have shape [batch_size], got {tuple(value.shape)}")
+            if batch_size is None:
+                batch_size = value.shape[0]
+            elif value.shape[0] != batch_size:
+                raise ValueError(
+                    f"`{name}` has {value.shape[0]} rows but `do_sample` has {batch_size}; "
+                    "every parameter needs one entry per row"
+                )
+            if value.device != device:
+                raise ValueError(f"`{name}` is on {value.device} but `do_sample` is on {device}")
+        if batch_size == 0:
+            raise ValueError("SamplingParams needs at least one row, got batch_size=0")
+        _check_range("temperature", self.temperature, "finite and >= 0 (0 means greedy)",
+                     lambda t: torch.isfinite(t) & (t >= 0))
+        _check_range("top_k", self.top_k, ">= 0 (0 disables top-k)", lambda k: k >= 0)
+        _check_range("top_p", self.top_p, "in (0, 1] (1 disables top-p)",
+                     lambda p: (p > 0) & (p <= 1))
+        _check_range("min_p", self.min_p, "in [0, 1] (0 disables min-p)",
+                     lambda p: (p >= 0) & (p <= 1))
+        _check_range("seed", self.seed, f"in [0, {rng.MAX_SEED}]", lambda s: s >= 0)
+
+    @property
+    def batch_size(self) -> int:
+        return self.do_sample.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.do_sample.device
+
+    @property
+    def is_greedy(self) -> torch.Tensor:
+        """bool ``[B]``: rows whose token is the argmax of the raw logits."""
+        return ~self.do_sample | (self.temperature == 0)
+
+    def to(self, device) -> "SamplingParams":
+        return self._map(lambda t: t.to(device))
+
+    def repeat_interleave(self, repeats: int) -> "SamplingParams":
+        """Each row repeated `repeats` times in place (row b becomes rows b*r .. b*r+r-1),
+        seeds included: e.g. one row per verified position of a speculative step."""
+        return self._map(lambda t: t.repeat_interleave(repeats))
+
+    def _map(self, fn) -> "SamplingParams":
+        return SamplingParams(**{f.name: fn(getattr(self, f.name))
+                                 for f in dataclasses.fields(self)})
+
+    @classmethod
+    def create(
+        cls,
+        batch_size: int,
+        *,
+        do_sample: RowValues = True,
+        temperature: RowValues = 1.0,
+        top_k: RowValues = 0,
+        top_p: RowValues = 1.0,
+        min_p: RowValues = 0.0,
+        seed: RowValues | None = None,
+        device=None,
+    ) -> "SamplingParams":
+        """Parameters for ``batch_size`` rows from scalars (shared) or per-row values.
+
+        Unlike `from_generation_config`, nothing is implied: ``top_k=0`` means no top-k.
+        ``seed``: see `row_seeds`.
+        """
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"`batch_size` must be a positive int, got {batch_size!r}")
+        rows = lambda name, value, dtype: _per_row(name, value, dtype, batch_size, device)  # noqa: E731
+        return cls(
+            do_sample=rows("do_sample", do_sample, torch.bool),
+            temperature=rows("temperature", temperature, torch.float64),
+            top_k=rows("top_k", top_k, torch.int64),
+            top_p=rows("top_p", top_p, torch.float64),
+            min_p=rows("min_p", min_p, torch.float64),
+            seed=row_seeds(seed, batch_size, device),
+        )
+
+    @classmethod
+    def from_generation_config(cls, generation_config, batch_size: int, seed=None,
+                               device=None) -> "SamplingParams":
+        """Parameters equivalent to what transformers' `generate` would sample with.
+
+        Fields left as ``None`` take transformers' global defaults
+        (``GenerationConfig._get_default_generation_params``: ``top_k=50``, ``temperature=1``,
+        ``top_p=1``), as `generate` does once the model's own config has been merged in.
+        Warpers flashspec does not fuse (``typical_p``, ``epsilon_cutoff``, ``eta_cutoff``,
+        ``top_h``) and beam search raise instead of being silently dropped.
+        """
+        from transformers import GenerationConfig
+
+        defaults = GenerationConfig._get_default_generation_params()
+
+        def field(name):
+            value = getattr(generation_config, name, None)
+            return defaults.get(name) if value is None else value
+
+        num_beams = field("num_beams")
+        if num_beams is not None and num_beams > 1:
+            raise ValueError(
+                f"`num_beams`={num_beams}: beam search is not supported by flashspec's fused "
+                "sampler; use num_beams=1, or run generate() without sampler='flash'"
+            )
+        do_sample = bool(field("do_sample"))
+        temperature, top_k, top_p, min_p = 1.0, 0, 1.0, 0.0
+        if do_sample:
+            unsupported = {
+                "typical_p": field("typical_p") is not None and field("typical_p") < 1.0,
+                "epsilon_cutoff": _in_open_unit(field("epsilon_cutoff")),
+                "eta_cutoff": _in_open_unit(field("eta_cutoff")),
+                "top_h": field("top_h") is not None,
+            }
+            for name, is_set in unsupported.items():
+                if is_set:
+                    raise ValueError(
+                        f"`{name}`={field(name)!r} is not supported by flashspec's fused sampler "
+                        "(supported: temperature, top_k, top_p, min_p); unset it, or run "
+                        "generate() without sampler='flash'"
+                    )
+            temperature = float(field("temperature"))
+            top_k = field("top_k")
+            if isinstance(top_k, bool) or not isinstance(top_k, int):
+                raise ValueError(f"`top_k` must be an int >= 0, got {top_k!r}")
+            top_p = float(field("top_p"))
+            min_p = 0.0 if field("min_p") is None else float(field("min_p"))
+        return cls.create(batch_size, do_sample=do_sample, temperature=temperature,
+                          top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, device=device)
+
+
+def row_seeds(seed, batch_size: int, device=None) -> torch.Tensor:
+    """int64 ``[batch_size]`` seeds.
+
+    * ``None``: drawn from torch's default generator, so ``torch.manual_seed(s)`` before the
+      call makes the run repeatable, as transformers users expect.
+    * an ``int`` ``s``: row ``b`` gets ``s + b`` (independent Philox keys, reproducible).
+    * a sequence or tensor of ``batch_size`` ints: used as given.
+    """
+    if seed is None:
+        return torch.randint(0, rng.MAX_SEED, (batch_size,), dtype=torch.int64).to(device)
+    if isinstance(seed, bool):
+        raise ValueError(f"`seed` must be an int, a sequence of ints or an int tensor, got {seed!r}")
+    if isinstance(seed, int):
+        if seed < 0 or seed + batch_size - 1 > rng.MAX_SEED:
+            raise ValueError(
+                f"`seed`={seed} must lie in [0, {rng.MAX_SEED - batch_size + 1}] "
+                f"(row b uses seed + b for {batch_size} rows)"
+            )
+        return torch.arange(seed, seed + batch_size, dtype=torch.int64, device=device)
+    return _per_row("seed", seed, torch.int64, batch_size, device, broadcast=False)
+
+
+def _per_row(name: str, value, dtype: torch.dtype, batch_size: int, device,
+             broadcast: bool = True) -> torch.Tensor:
+    if torch.is_tensor(value):
+        if value.dtype.is_complex:
+            raise ValueError(f"`{name}` must be real, got dtype {value.dtype}")
+        if dtype != torch.bool and value.dtype == torch.bool:
+            raise ValueError(f"`{name}` must be numeric, got a bool tensor")
+        if not dtype.is_floating_point and value.dtype.is_floating_point:
+            raise ValueError(f"`{name}` must hold integers, got dtype {value.dtype}")
+        if device is not None and value.device != torch.device(device):
+            raise ValueError(f"`{name}` is on {value.device}, expected {device}")
+        tensor = value.to(dtype)
+    else:
+        _check_python_values(name, value, dtype)
+        tensor = torch.tensor(value, dtype=dtype, device=device)
+    if tensor.dim() == 0 and broadcast:
+        tensor = tensor.expand(batch_size)
+    if tensor.shape != (batch_size,):
+        raise ValueError(
+            f"`{name}` must be a scalar or have shape [{batch_size}] (one value per row), "
+            f"got shape {tuple(tensor.shape)}"
+        )
+    return tensor.contiguous()
+
+
+def _check_python_values(name: str, value, dtype: torch.dtype) -> None:
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    for v in values:
+        if dtype == torch.bool:
+            ok = isinstance(v, bool)
+        elif dtype.is_floating_point:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        else:
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        if not ok:
+            kind = {torch.bool: "a bool", torch.int64: "an int"}.get(dtype, "a float")
+            raise ValueError(f"`{name}` must be {kind} or a sequence of them, got {v!r}")
+
+
+def _check_range(name: str, values: torch.Tensor, allowed: str, is_ok) -> None:
+    bad = ~is_ok(values)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(f"`{name}`={values[row].item()} (row {row}) is not allowed: must be {allowed}")
+
+
+def _in_open_unit(value) -> bool:
+    return value is not None and 0.0 < value < 1.0

@@ -1,0 +1,283 @@
+"""Materialized torch implementation: the oracle for the kernels and the CPU path.
+
+It computes the full ``[rows, V]`` logits, applies Hugging Face's warpers with their exact
+arithmetic (temperature, then top-k, then top-p, then min-p; see `flashspec.params`), and
+samples by Gumbel-max with the counter-based noise of `flashspec.rng`:
+
+    token = argmax_v ( transformed_logits[v] + gumbel(seed, position, v) )
+
+which draws exactly from softmax(transformed_logits). Greedy rows take the argmax of the
+raw logits (lowest id on ties). Logits are float32 (float64 when the inputs are float64).
+
+Tie rule where transformers leaves it to an unstable sort: at the top-p boundary, tokens
+with equal logits are dropped highest id first (the kernels' preference order is higher
+logit, then lower id). The number of tokens kept always equals transformers'.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import rng
+from .checks import (NonFiniteLogitsError, check_draft_tokens, check_lm_head,
+                     check_sampling_inputs)
+from .params import SamplingParams
+
+INVALID_TOKEN = -1
+ACCEPTANCE_MODES = ("strict", "probabilistic")
+
+
+class VerifyOutput(NamedTuple):
+    """Result of verifying G drafted tokens per row.
+
+    Attributes:
+        num_accepted: int64 ``[B]``, accepted drafts per row (-1 for a row whose logits were
+            not finite, with ``check_finite=False``).
+        tokens: int64 ``[B, G+1]``; ``tokens[b, :num_accepted[b] + 1]`` are emitted (the
+            accepted drafts, then one recovered or bonus token), the rest is -1.
+        accept_probs: ``[B, G]``, probability that the draft is accepted: p(x) under the
+            transformed target distribution for sampled rows, 1 or 0 (draft == argmax) for
+            greedy rows, 0 for padded drafts.
+        logprobs: ``[B, G+1]``, log-probability of each emitted token under the row's
+            transformed distribution (the raw softmax for greedy rows); 0 where nothing
+            was emitted.
+    """
+
+    num_accepted: torch.Tensor
+    tokens: torch.Tensor
+    accept_probs: torch.Tensor
+    logprobs: torch.Tensor
+
+
+def compute_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``hidden[..., D] @ weight[V, D].T`` in float32 (float64 for float64 inputs)."""
+    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    return hidden.to(dtype) @ weight.to(dtype).T
+
+
+def transform_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits ``[B, V]`` after HF's warpers, ``-inf`` outside the support.
+
+    Greedy rows are returned unchanged (transformers applies no warper without sampling).
+    """
+    sampled = ~params.is_greedy
+    scores = logits.clone()
+    # HF divides by the Python float, which torch rounds to the logits' dtype first.
+    scaled = sampled & (params.temperature != 1.0)
+    scores = torch.where(scaled[:, None], scores / _safe_temperature(params, logits.dtype), scores)
+
+    use_top_k = sampled & (params.top_k > 0)
+    if bool(use_top_k.any()):
+        scores = torch.where(use_top_k[:, None], _top_k(scores, params.top_k), scores)
+    use_top_p = sampled & (params.top_p < 1.0)
+    if bool(use_top_p.any()):
+        scores = torch.where(use_top_p[:, None], _top_p(scores, params.top_p), scores)
+    use_min_p = sampled & (params.min_p > 0.0)
+    if bool(use_min_p.any()):
+        scores = torch.where(use_min_p[:, None], _min_p(scores, params.min_p), scores)
+    return scores
+
+
+def _top_k(scores: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """HF `TopKLogitsWarper`: drop scores below the k-th largest (ties with it are kept)."""
+    vocab_size = scores.shape[-1]
+    k = top_k.clamp(1, vocab_size)
+    kth = scores.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])
+    return scores.masked_fill(scores < kth, float("-inf"))
+
+
+def _top_p(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """HF `TopPLogitsWarper`: ascending sort, drop tokens whose cumulative mass from the
+    bottom is <= 1 - top_p, always keep the top token.
+
+    HF sorts with an unstable sort; here ties sort by descending id (stable sort of the
+    reversed row), so the lowest ids of a tie class straddling the boundary are kept.
+    """
+    vocab_size = scores.shape[-1]
+    sorted_scores, order = torch.sort(scores.flip(-1), dim=-1, stable=True)
+    order = vocab_size - 1 - order
+    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    # HF computes 1 - top_p on the Python float, then compares in the logits' dtype.
+    threshold = (1.0 - top_p).to(scores.dtype)[:, None]
+    drop_sorted = cumulative <= threshold
+    drop_sorted[:, -1] = False
+    drop = drop_sorted.scatter(1, order, drop_sorted)
+    return scores.masked_fill(drop, float("-inf"))
+
+
+def _min_p(scores: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """HF `MinPLogitsWarper`: drop tokens with probability < min_p * (top probability)."""
+    probs = scores.softmax(dim=-1)
+    top_prob = probs.amax(dim=-1, keepdim=True)
+    drop = probs < min_p.to(scores.dtype)[:, None] * top_prob
+    drop.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
+    return scores.masked_fill(drop, float("-inf"))
+
+
+def _finite_rows(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """bool ``[B]``: raw logits finite and, for sampled rows, logits / temperature too."""
+    finite = torch.isfinite(logits).all(dim=-1)
+    scaled_finite = torch.isfinite(logits / _safe_temperature(params, logits.dtype)).all(dim=-1)
+    return finite & (params.is_greedy | scaled_finite)
+
+
+def _safe_temperature(params: SamplingParams, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, 1]`` temperatures in `dtype`, with greedy rows' 0 replaced by 1 (unused there)."""
+    temperature = params.temperature.to(dtype)
+    return torch.where(temperature > 0, temperature, 1.0)[:, None]
+
+
+def _gumbel_argmax(scores: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
+                   exclude: torch.Tensor | None = None) -> torch.Tensor:
+    """argmax_v (scores[r, v] + gumbel(seed[r], position[r], v)), optionally skipping
+    token ``exclude[r]`` (>= 0) of each row."""
+    vocab = torch.arange(scores.shape[-1], device=scores.device)
+    noise = rng.gumbel(seed[:, None], position[:, None], vocab[None, :], dtype=scores.dtype)
+    perturbed = scores + noise
+    if exclude is not None:
+        hit = (vocab[None, :] == exclude[:, None]) & (exclude[:, None] >= 0)
+        perturbed = perturbed.masked_fill(hit, float("-inf"))
+    return perturbed.argmax(dim=-1)
+
+
+def _choose(logits: torch.Tensor, params: SamplingParams, positions: torch.Tensor,
+            exclude: torch.Tensor | None = None):
+    """Tokens of rows ``[B, V]`` (greedy or Gumbel-max), with their transformed scores."""
+    scores = transform_logits(logits, params)
+    sampled = _gumbel_argmax(scores, params.seed, positions, exclude)
+    greedy_scores = logits
+    if exclude is not None:
+        vocab = torch.arange(logits.shape[-1], device=logits.device)
+        greedy_scores = logits.masked_fill(vocab[None, :] == exclude[:, None], float("-inf"))
+    greedy = greedy_scores.argmax(dim=-1)
+    return torch.where(params.is_greedy, greedy, sampled), scores
+
+
+def lm_head_argmax(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Greedy token ``argmax(hidden @ weight.T)`` per row (lowest id on ties), int64 ``[B]``.
+
+    A row with NaN logits yields -1 instead of an arbitrary id.
+    """
+    check_lm_head(hidden, weight, hidden_dims=2)
+    logits = compute_logits(hidden, weight)
+    tokens = logits.argmax(dim=-1)
+    return torch.where(torch.isnan(logits).any(dim=-1), INVALID_TOKEN, tokens)
+
+
+def lm_head_sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
+                   positions: torch.Tensor, return_logprobs: bool = False, *,
+                   check_finite: bool = True):
+    """Sample one token per row from softmax of the transformed logits ``hidden @ weight.T``.
+
+    Args:
+        hidden: ``[B, D]`` final hidden states (after the model's last norm).
+        weight: ``[V, D]`` LM-head weight, same dtype and device as `hidden`.
+        params: per-row `SamplingParams`.
+        positions: int64 ``[B]``, the sequence index of the token being sampled; it keys the
+            noise, so the same (seed, position) gives the same token wherever it is computed.
+        return_logprobs: also return each token's log-probability under the transformed
+            distribution (the raw softmax for greedy rows).
+        check_finite: raise `NonFiniteLogitsError` for rows with NaN/inf logits; when False
+            such rows get token -1 and logprob NaN.
+
+    Returns:
+        int64 ``[B]`` tokens, or ``(tokens, logprobs)``.
+    """
+    check_lm_head(hidden, weight, hidden_dims=2)
+    check_sampling_inputs(hidden, params, positions)
+    logits = compute_logits(hidden, weight)
+    finite = _finite_rows(logits, params)
+    _raise_if_non_finite(finite, check_finite)
+    tokens, scores = _choose(logits, params, positions)
+    tokens = torch.where(finite, tokens, INVALID_TOKEN)
+    if not return_logprobs:
+        return tokens
+    logprobs = _logprobs_of(scores, tokens.clamp_min(0))
+    return tokens, torch.where(finite, logprobs, float("nan"))
+
+
+def lm_head_verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tensor,
+                   params: SamplingParams, positions: torch.Tensor, *,
+                   acceptance: str = "strict", check_finite: bool = True) -> VerifyOutput:
+    """Verify G drafted tokens per row against the target, emitting accepted drafts plus one
+    recovered or bonus token.
+
+    Args:
+        hidden: ``[B, G+1, D]`` target hidden states; ``hidden[b, j]`` predicts sequence
+            index ``positions[b] + j``.
+        weight: ``[V, D]`` LM-head weight.
+        draft_tokens: int64 ``[B, G]`` drafted ids (from a greedy drafter), -1 padded.
+        params: per-row `SamplingParams`.
+        positions: int64 ``[B]``, sequence index of the first drafted token.
+        acceptance: ``"strict"`` (default): the target draws its own Gumbel-max sample at
+            each position and accepts the draft iff they are equal; on rejection that sample
+            is the recovered token. Emitted tokens are then exactly what `lm_head_sample`
+            gives at the same positions, whatever the drafts. ``"probabilistic"``: accept
+            iff u < p(draft), u from the independent acceptance stream; on rejection the
+            token is the Gumbel-max sample with the draft masked out. Both are exact
+            speculative sampling for greedy (one-hot) drafts.
+        check_finite: as in `lm_head_sample`; a non-finite row gets num_accepted -1.
+    """
+    check_lm_head(hidden, weight, hidden_dims=3)
+    vocab_size = weight.shape[0]
+    check_draft_tokens(draft_tokens, hidden, vocab_size)
+    num_positions = hidden.shape[1]
+    check_sampling_inputs(hidden, params, positions, num_positions)
+    if acceptance not in ACCEPTANCE_MODES:
+        raise ValueError(f"`acceptance`={acceptance!r} is not allowed: use one of {ACCEPTANCE_MODES}")
+
+    batch_size, num_drafts = draft_tokens.shape
+    logits = compute_logits(hidden.reshape(batch_size * num_positions, -1), weight)
+    flat_params = params.repeat_interleave(num_positions)
+    offsets = torch.arange(num_positions, device=hidden.device)
+    flat_positions = (positions[:, None] + offsets[None, :]).reshape(-1)
+    finite = _finite_rows(logits, flat_params).view(batch_size, num_positions).all(dim=1)
+    _raise_if_non_finite(finite, check_finite)
+
+    # Drafts end at the first padding; the position after the last draft gets no draft.
+    is_draft = (draft_tokens >= 0).cumprod(dim=1).bool()
+    drafts = torch.cat([torch.where(is_draft, draft_tokens, -1),
+                        draft_tokens.new_full((batch_size, 1), -1)], dim=1)
+    target, scores = _choose(logits, flat_params, flat_positions)
+    target = target.view(batch_size, num_positions)
+    scores = scores.view(batch_size, num_positions, vocab_size)
+    draft_index = drafts.clamp_min(0)[..., None]
+    log_norm = scores.logsumexp(dim=-1)
+    draft_prob = (scores.gather(-1, draft_index).squeeze(-1) - log_norm).exp()
+    greedy = params.is_greedy[:, None]
+    accept_prob = torch.where(greedy, (drafts == target).to(scores.dtype), draft_prob)
+    accept_prob = torch.where(drafts >= 0, accept_prob, 0.0)
+
+    if acceptance == "strict":
+        accepted = (drafts == target) & (drafts >= 0)
+        replacement = target
+    else:
+        u = rng.uniform(params.seed[:, None], positions[:, None] + offsets[None, :], 0,
+                        stream=rng.ACCEPT_STREAM)
+        accepted = torch.where(greedy, drafts == target, u < accept_prob.double()) & (drafts >= 0)
+        masked, _ = _choose(logits, flat_params, flat_positions, exclude=drafts.reshape(-1))
+        replacement = torch.where(drafts >= 0, masked.view(batch_size, num_positions), target)
+
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
+    emitted = offsets[None, :] <= num_accepted[:, None]
+    at_stop = offsets[None, :] == num_accepted[:, None]
+    tokens = torch.where(at_stop, replacement, drafts)
+    tokens = torch.where(emitted, tokens, INVALID_TOKEN)
+    logprobs = scores.gather(-1, tokens.clamp_min(0)[..., None]).squeeze(-1) - log_norm
+    logprobs = torch.where(emitted, logprobs, 0.0)
+
+    tokens = torch.where(finite[:, None], tokens, INVALID_TOKEN)
+    num_accepted = torch.where(finite, num_accepted, -1)
+    logprobs = torch.where(finite[:, None], logprobs, 0.0)
+    return VerifyOutput(num_accepted, tokens, accept_prob[:, :num_drafts], logprobs)
+
+
+def _logprobs_of(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return scores.gather(-1, tokens[..., None]).squeeze(-1) - scores.logsumexp(dim=-1)
+
+
+def _raise_if_non_finite(finite: torch.Tensor, check_finite: bool) -> None:
+    if check_finite and not bool(finite.all()):
+        raise NonFiniteLogitsError((~finite).nonzero().flatten().tolist())

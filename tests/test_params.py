@@ -1,0 +1,127 @@
+"""SamplingParams: validation, HF defaults and precedence, seeds."""
+
+import math
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from flashspec import SamplingParams, rng
+
+
+def test_create_broadcasts_scalars_and_keeps_exact_floats():
+    p = SamplingParams.create(3, temperature=0.7, top_k=[0, 5, 20], top_p=0.95, seed=11)
+    assert p.batch_size == 3
+    assert p.temperature.dtype == torch.float64 and p.temperature.tolist() == [0.7] * 3
+    assert p.top_k.tolist() == [0, 5, 20]
+    assert p.seed.tolist() == [11, 12, 13]
+    assert p.min_p.tolist() == [0.0] * 3
+
+
+def test_greedy_rows():
+    p = SamplingParams.create(4, do_sample=[True, False, True, True],
+                              temperature=[1.0, 1.0, 0.0, 0.5], seed=0)
+    assert p.is_greedy.tolist() == [False, True, True, False]
+
+
+@pytest.mark.parametrize("name,value,match", [
+    ("temperature", -0.1, "temperature.*-0.1.*>= 0"),
+    ("temperature", float("nan"), "temperature.*nan"),
+    ("temperature", float("inf"), "temperature.*inf"),
+    ("top_p", 0.0, r"top_p.*0.0.*\(0, 1\]"),
+    ("top_p", 1.5, r"top_p.*1.5.*\(0, 1\]"),
+    ("top_p", float("nan"), "top_p.*nan"),
+    ("min_p", -0.01, r"min_p.*-0.01.*\[0, 1\]"),
+    ("min_p", 1.01, r"min_p.*1.01.*\[0, 1\]"),
+    ("min_p", float("nan"), "min_p.*nan"),
+    ("top_k", -1, "top_k.*-1.*>= 0"),
+    ("top_k", 2.5, "top_k.*int"),
+    ("do_sample", 1, "do_sample.*bool"),
+    ("seed", -5, "seed.*-5"),
+    ("seed", 2**63, "seed"),
+    ("seed", 1.5, "seed"),
+])
+def test_bad_values_name_parameter_value_and_range(name, value, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams.create(2, **{name: value})
+
+
+def test_bad_shapes_and_devices():
+    with pytest.raises(ValueError, match=r"top_k.*shape \[3\].*\(2,\)"):
+        SamplingParams.create(3, top_k=[1, 2])
+    with pytest.raises(ValueError, match="seed.*shape"):
+        SamplingParams.create(2, seed=torch.tensor([[1, 2]]))
+    with pytest.raises(ValueError, match="batch_size"):
+        SamplingParams.create(0)
+    good = SamplingParams.create(2, seed=0)
+    with pytest.raises(ValueError, match="temperature.*rows"):
+        SamplingParams(good.do_sample, good.temperature[:1], good.top_k, good.top_p,
+                       good.min_p, good.seed)
+    with pytest.raises(ValueError, match="top_p.*dtype"):
+        SamplingParams(good.do_sample, good.temperature, good.top_k, good.top_p.float(),
+                       good.min_p, good.seed)
+    with pytest.raises(ValueError, match="temperature.*meta"):
+        SamplingParams(good.do_sample, good.temperature.to("meta"), good.top_k, good.top_p,
+                       good.min_p, good.seed)
+
+
+def test_hf_defaults_when_sampling():
+    p = SamplingParams.from_generation_config(GenerationConfig(do_sample=True), 2, seed=0)
+    assert p.top_k.tolist() == [50, 50]          # transformers' default top_k when sampling
+    assert p.temperature.tolist() == [1.0, 1.0]
+    assert p.top_p.tolist() == [1.0, 1.0]
+    assert p.min_p.tolist() == [0.0, 0.0]
+    assert not p.is_greedy.any()
+
+
+def test_hf_precedence_explicit_values_win():
+    config = GenerationConfig(do_sample=True, temperature=0.6, top_k=20, top_p=0.95, min_p=0.05)
+    p = SamplingParams.from_generation_config(config, 1, seed=3)
+    assert (p.temperature.item(), p.top_k.item(), p.top_p.item(), p.min_p.item()) == (
+        0.6, 20, 0.95, 0.05)
+    p = SamplingParams.from_generation_config(GenerationConfig(do_sample=True, top_k=0), 1, seed=3)
+    assert p.top_k.item() == 0                   # explicit 0 disables top-k, as in HF
+
+
+def test_greedy_configs():
+    for config in (GenerationConfig(), GenerationConfig(do_sample=False, temperature=0.3),
+                   GenerationConfig(do_sample=True, temperature=0.0)):
+        assert SamplingParams.from_generation_config(config, 2, seed=0).is_greedy.all()
+
+
+@pytest.mark.parametrize("option,value", [("typical_p", 0.9), ("epsilon_cutoff", 3e-4),
+                                          ("eta_cutoff", 3e-4), ("top_h", 0.5)])
+def test_unfused_warpers_are_refused(option, value):
+    with pytest.raises(ValueError, match=f"`{option}`.*not supported.*sampler='flash'"):
+        SamplingParams.from_generation_config(GenerationConfig(do_sample=True, **{option: value}), 1)
+
+
+def test_beam_search_is_refused():
+    with pytest.raises(ValueError, match="num_beams.*beam search"):
+        SamplingParams.from_generation_config(GenerationConfig(num_beams=4), 1)
+
+
+def test_seed_from_torch_default_generator_is_repeatable():
+    config = GenerationConfig(do_sample=True)
+    torch.manual_seed(0)
+    a = SamplingParams.from_generation_config(config, 4).seed
+    torch.manual_seed(0)
+    b = SamplingParams.from_generation_config(config, 4).seed
+    c = SamplingParams.from_generation_config(config, 4).seed
+    assert torch.equal(a, b) and not torch.equal(b, c)
+    assert len(set(a.tolist())) == 4 and int(a.min()) >= 0
+
+
+def test_seed_forms():
+    assert SamplingParams.create(3, seed=torch.tensor([5, 1, 9])).seed.tolist() == [5, 1, 9]
+    assert SamplingParams.create(2, seed=[rng.MAX_SEED, 0]).seed.tolist() == [rng.MAX_SEED, 0]
+    with pytest.raises(ValueError, match="seed.*row b uses seed \\+ b"):
+        SamplingParams.create(2, seed=rng.MAX_SEED)
+
+
+def test_repeat_interleave_and_to():
+    p = SamplingParams.create(2, top_k=[1, 2], seed=[7, 8])
+    r = p.repeat_interleave(3)
+    assert r.top_k.tolist() == [1, 1, 1, 2, 2, 2] and r.seed.tolist() == [7, 7, 7, 8, 8, 8]
+    assert p.to("cpu").device == torch.device("cpu")
+    assert math.isclose(r.top_p[0].item(), 1.0)
