@@ -62,9 +62,11 @@ def check_lm_head(hidden: torch.Tensor, weight: torch.Tensor, hidden_dims: int) 
 
 
 def check_sampling_inputs(hidden: torch.Tensor, params: SamplingParams,
-                          positions: torch.Tensor, num_positions: int = 1) -> None:
+                          positions: torch.Tensor, num_positions: int = 1,
+                          check_values: bool = True) -> None:
     """`params` and `positions` match `hidden`'s batch and device; positions leave room for
-    `num_positions` consecutive sequence indices."""
+    `num_positions` consecutive sequence indices (a device read: skipped when
+    `check_values` is False, as in CUDA-graph capture)."""
     batch_size = hidden.shape[0]
     if not isinstance(params, SamplingParams):
         raise ValueError(f"`params` must be a flashspec.SamplingParams, got {type(params).__name__}")
@@ -82,7 +84,7 @@ def check_sampling_inputs(hidden: torch.Tensor, params: SamplingParams,
     if positions.device != hidden.device:
         raise ValueError(f"`positions` is on {positions.device} but `hidden` is on {hidden.device}")
     last = rng.MAX_POSITION - (num_positions - 1)
-    if bool(((positions < 0) | (positions > last)).any()):
+    if check_values and bool(((positions < 0) | (positions > last)).any()):
         raise ValueError(
             f"`positions` must lie in [0, {last}], got values in "
             f"[{int(positions.min())}, {int(positions.max())}]"

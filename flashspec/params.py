@@ -45,6 +45,10 @@ class SamplingParams:
     top_p: torch.Tensor
     min_p: torch.Tensor
     seed: torch.Tensor
+    # Host-side summaries, computed once at construction (validation reads the values
+    # anyway) so that kernel launches never need a device-to-host read.
+    any_truncation: bool = dataclasses.field(init=False, repr=False, compare=False)
+    all_greedy: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         expected = {
@@ -80,6 +84,10 @@ class SamplingParams:
         _check_range("min_p", self.min_p, "in [0, 1] (0 disables min-p)",
                      lambda p: (p >= 0) & (p <= 1))
         _check_range("seed", self.seed, f"in [0, {rng.MAX_SEED}]", lambda s: s >= 0)
+        sampled = ~self.is_greedy
+        truncated = sampled & ((self.top_k > 0) | (self.top_p < 1) | (self.min_p > 0))
+        object.__setattr__(self, "any_truncation", bool(truncated.any()))
+        object.__setattr__(self, "all_greedy", not bool(sampled.any()))
 
     @property
     def batch_size(self) -> int:
@@ -102,9 +110,13 @@ class SamplingParams:
         seeds included: e.g. one row per verified position of a speculative step."""
         return self._map(lambda t: t.repeat_interleave(repeats))
 
+    def select(self, rows: torch.Tensor) -> "SamplingParams":
+        """The parameters of the given rows (an index tensor), in that order."""
+        return self._map(lambda t: t[rows.to(t.device)])
+
     def _map(self, fn) -> "SamplingParams":
         return SamplingParams(**{f.name: fn(getattr(self, f.name))
-                                 for f in dataclasses.fields(self)})
+                                 for f in dataclasses.fields(self) if f.init})
 
     @classmethod
     def create(

@@ -51,10 +51,19 @@ class VerifyOutput(NamedTuple):
     logprobs: torch.Tensor
 
 
-def compute_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``hidden[..., D] @ weight[V, D].T`` in float32 (float64 for float64 inputs)."""
+def compute_logits(hidden: torch.Tensor, weight: torch.Tensor,
+                   chunk_rows: int = 32768) -> torch.Tensor:
+    """``hidden[..., D] @ weight[V, D].T`` in float32 (float64 for float64 inputs).
+
+    The weight is upcast `chunk_rows` vocabulary rows at a time, so a large bf16 head never
+    needs a full float32 copy.
+    """
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    return hidden.to(dtype) @ weight.to(dtype).T
+    hidden = hidden.to(dtype)
+    if weight.dtype == dtype:
+        return hidden @ weight.T
+    return torch.cat([hidden @ weight[v:v + chunk_rows].to(dtype).T
+                      for v in range(0, weight.shape[0], chunk_rows)], dim=-1)
 
 
 def transform_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -158,17 +167,17 @@ def _choose(logits: torch.Tensor, params: SamplingParams, positions: torch.Tenso
 def lm_head_argmax(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Greedy token ``argmax(hidden @ weight.T)`` per row (lowest id on ties), int64 ``[B]``.
 
-    A row with NaN logits yields -1 instead of an arbitrary id.
+    A row with NaN or infinite logits yields -1 instead of an arbitrary id.
     """
     check_lm_head(hidden, weight, hidden_dims=2)
     logits = compute_logits(hidden, weight)
     tokens = logits.argmax(dim=-1)
-    return torch.where(torch.isnan(logits).any(dim=-1), INVALID_TOKEN, tokens)
+    return torch.where(torch.isfinite(logits).all(dim=-1), tokens, INVALID_TOKEN)
 
 
 def lm_head_sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
                    positions: torch.Tensor, return_logprobs: bool = False, *,
-                   check_finite: bool = True):
+                   return_lse: bool = False, check_finite: bool = True):
     """Sample one token per row from softmax of the transformed logits ``hidden @ weight.T``.
 
     Args:
@@ -179,11 +188,13 @@ def lm_head_sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingP
             noise, so the same (seed, position) gives the same token wherever it is computed.
         return_logprobs: also return each token's log-probability under the transformed
             distribution (the raw softmax for greedy rows).
+        return_lse: also return the log-sum-exp of the transformed logits over the support
+            (of the raw logits for greedy rows), so that logprob = logit' - lse.
         check_finite: raise `NonFiniteLogitsError` for rows with NaN/inf logits; when False
-            such rows get token -1 and logprob NaN.
+            such rows get token -1 and logprob and lse NaN.
 
     Returns:
-        int64 ``[B]`` tokens, or ``(tokens, logprobs)``.
+        int64 ``[B]`` tokens, or a tuple ``(tokens, logprobs?, lse?)`` of those requested.
     """
     check_lm_head(hidden, weight, hidden_dims=2)
     check_sampling_inputs(hidden, params, positions)
@@ -192,10 +203,10 @@ def lm_head_sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingP
     _raise_if_non_finite(finite, check_finite)
     tokens, scores = _choose(logits, params, positions)
     tokens = torch.where(finite, tokens, INVALID_TOKEN)
-    if not return_logprobs:
-        return tokens
-    logprobs = _logprobs_of(scores, tokens.clamp_min(0))
-    return tokens, torch.where(finite, logprobs, float("nan"))
+    lse = torch.where(finite, scores.logsumexp(dim=-1), float("nan"))
+    logprobs = scores.gather(-1, tokens.clamp_min(0)[:, None]).squeeze(-1) - lse
+    result = (tokens,) + ((logprobs,) if return_logprobs else ()) + ((lse,) if return_lse else ())
+    return result[0] if len(result) == 1 else result
 
 
 def lm_head_verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tensor,
@@ -272,10 +283,6 @@ def lm_head_verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: tor
     num_accepted = torch.where(finite, num_accepted, -1)
     logprobs = torch.where(finite[:, None], logprobs, 0.0)
     return VerifyOutput(num_accepted, tokens, accept_prob[:, :num_drafts], logprobs)
-
-
-def _logprobs_of(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    return scores.gather(-1, tokens[..., None]).squeeze(-1) - scores.logsumexp(dim=-1)
 
 
 def _raise_if_non_finite(finite: torch.Tensor, check_finite: bool) -> None:

@@ -120,3 +120,62 @@ def ks_uniform_pvalue(values: torch.Tensor) -> float:
         return 1.0
     series = sum((-1) ** (k - 1) * math.exp(-2.0 * k * k * lam * lam) for k in range(1, 101))
     return max(0.0, min(1.0, 2.0 * series))
+
+
+def _support(scores: torch.Tensor, top_k: int, top_p: float, min_p: float,
+             slack: float) -> torch.Tensor:
+    """float64 support of HF's top-k -> top-p -> min-p on `scores` ``[V]``, with every
+    threshold moved by `slack` (positive: more permissive, negative: stricter)."""
+    keep = torch.isfinite(scores)
+    vocab_size = scores.numel()
+    if 0 < top_k < vocab_size:
+        kth = scores.sort(descending=True).values[top_k - 1]
+        keep &= scores >= kth - slack
+    if top_p < 1.0:
+        order = scores.masked_fill(~keep, float("-inf")).argsort(descending=True, stable=True)
+        probs = scores.masked_fill(~keep, float("-inf")).softmax(-1)[order]
+        before = probs.cumsum(0) - probs
+        kept_sorted = before < top_p + slack
+        kept_sorted[0] = True
+        keep &= torch.zeros_like(keep).scatter(0, order, kept_sorted)
+    if min_p > 0.0:
+        top = scores.masked_fill(~keep, float("-inf")).max()
+        keep &= torch.exp(scores - top) >= min_p - slack
+    return keep
+
+
+def is_near_tie(logits64: torch.Tensor, do_sample: bool, temperature: float, top_k: int,
+                top_p: float, min_p: float, noise64: torch.Tensor, token_a: int, token_b: int,
+                tol: float = 1e-4) -> bool:
+    """Can two implementations that differ only by floating-point rounding pick `token_a`
+    and `token_b` for this row?
+
+    Yes when, in float64, the two perturbed scores are within `tol` (relative) of each
+    other, or when some token sits within `tol` of a truncation threshold and each token
+    is the Gumbel-max winner of a support between the strict and the permissive reading.
+    `logits64` and `noise64` are the row's float64 logits and Gumbel noise ``[V]``.
+    """
+    if token_a == token_b:
+        return True
+    if not do_sample or temperature == 0.0:
+        a, b = float(logits64[token_a]), float(logits64[token_b])
+        return abs(a - b) <= tol * (1.0 + max(abs(a), abs(b)))
+    scores = logits64 / temperature
+    perturbed = scores + noise64
+    a, b = float(perturbed[token_a]), float(perturbed[token_b])
+    supports = [_support(scores, top_k, top_p, min_p, slack) for slack in (-tol, 0.0, tol)]
+    both_kept = all(bool(supports[2][t]) for t in (token_a, token_b))
+    if both_kept and abs(a - b) <= tol * (1.0 + max(abs(a), abs(b))):
+        return True
+    winners = set()
+    strict, permissive = supports[0], supports[2]
+    borderline = (permissive & ~strict).nonzero().flatten().tolist()
+    if len(borderline) > 12:
+        return False
+    for extra in range(2 ** len(borderline)):
+        support = strict.clone()
+        for i, token in enumerate(borderline):
+            if extra >> i & 1:
+                support[token] = True
+        winners.add(int(perturbed.masked_fill(~support, float("-inf")).argmax()))
+    return token_a in winners and token_b in winners

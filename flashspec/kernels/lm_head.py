@@ -1,0 +1,222 @@
+"""Fused LM-head Triton kernels: logits are computed tile by tile on chip and never stored.
+
+Stage 1 (`lm_head_tiles_kernel`), one program per (vocab tile, row tile): the logits tile
+``weight[v0:v0+BV] @ hidden[r0:r0+BR].T`` in fp32, then per (row, tile) summaries:
+
+* the best score and its id: argmax of ``s + g`` for sampled rows (``s`` = logits /
+  temperature, ``g`` = Gumbel noise of `flashspec.rng`), of the raw logits for greedy rows;
+* optionally the tile's max of ``s`` and sum of ``exp(s - max)`` (log-sum-exp), and the
+  ``s`` of the best token (for its logprob);
+* optionally the tile's top ``CAND`` raw logits as packed int64 keys (truncation);
+* the count of non-finite ``s`` (NaN/inf is reported, never sampled).
+
+Stage 2 (`lm_head_rows_kernel`), one program per row, merges the tiles on the GPU: the
+row's token, logprob, log-sum-exp and a status (0 ok, 1 needs exact completion, 2
+non-finite). Truncated rows (top-k / top-p / min-p) merge the candidate keys, apply HF's
+rules on the top ``K_MAX`` of them, and sample among the survivors with the same noise.
+The survivors are *certified* to be the whole support unless some tile's last reported
+candidate survives too (that tile may hold more) or all K_MAX survive; such rows get
+status 1 and are completed exactly by the caller.
+
+Candidate keys: ``(order_key(raw logit) << 32) | (2**31 - 1 - token id)``, so that a
+larger key means a larger logit, then a lower id (the preference order of argmax).
+"""
+
+import triton
+import triton.language as tl
+
+from .noise import gumbel_noise
+
+STATUS_OK = 0
+STATUS_NEEDS_COMPLETION = 1
+STATUS_NON_FINITE = 2
+
+# pack(-inf, id 2**31 - 1): below every real candidate, decodes to -inf.
+PAD_KEY = -2139095041 * 2**32
+
+
+@triton.jit
+def _order_key(x):
+    """fp32 -> int32 whose signed order is the float order (for finite and +-inf)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def pack_candidates(values, ids):
+    return (_order_key(values).to(tl.int64) << 32) | (0x7FFFFFFF - ids).to(tl.int64)
+
+
+@triton.jit
+def unpack_candidates(keys):
+    key = (keys >> 32).to(tl.int32)
+    values = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    ids = 0x7FFFFFFF - (keys & 0x7FFFFFFF).to(tl.int32)
+    return values, ids
+
+
+@triton.jit
+def _row_params(do_sample_ptr, temperature_ptr, rows, ROWS_PER_PARAM):
+    """Sampled flag and effective temperature of (in-bounds) rows: the temperature rounded
+    to fp32 as transformers rounds it, 1 for greedy rows."""
+    param_rows = rows // ROWS_PER_PARAM
+    do_sample = tl.load(do_sample_ptr + param_rows) != 0
+    temperature = tl.load(temperature_ptr + param_rows).to(tl.float32)
+    sampled = do_sample & (temperature != 0.0)
+    return sampled, tl.where(sampled, temperature, 1.0)
+
+
+@triton.jit
+def _row_noise_keys(seed_ptr, position_ptr, rows, ROWS_PER_PARAM):
+    """Seed and sequence position of (in-bounds) rows: row r is position j = r % ROWS_PER_PARAM
+    of batch row r // ROWS_PER_PARAM (verification flattens [B, G+1] this way)."""
+    param_rows = rows // ROWS_PER_PARAM
+    seed = tl.load(seed_ptr + param_rows)
+    position = tl.load(position_ptr + param_rows) + rows % ROWS_PER_PARAM
+    return seed, position
+
+
+@triton.jit
+def lm_head_tiles_kernel(
+    hidden_ptr, weight_ptr, do_sample_ptr, temperature_ptr, seed_ptr, position_ptr,
+    best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, cand_ptr,
+    R, V, D, stride_hidden, stride_weight, NUM_VT, ROWS_PER_PARAM,
+    SAMPLE: tl.constexpr, LSE: tl.constexpr, CAND: tl.constexpr, IEEE_DOT: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    # Row tiles of one vocab tile are neighbours in launch order: the weight tile is read
+    # from HBM once and from L2 by the other row tiles.
+    num_rt = tl.cdiv(R, BLOCK_R)
+    pid_r = pid % num_rt
+    pid_v = pid // num_rt
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    v_ok = offs_v < V
+    r_ok = offs_r < R
+
+    w_ptrs = weight_ptr + offs_v[:, None].to(tl.int64) * stride_weight + offs_d[None, :]
+    h_ptrs = hidden_ptr + offs_r[:, None].to(tl.int64) * stride_hidden + offs_d[None, :]
+    acc = tl.zeros((BLOCK_V, BLOCK_R), dtype=tl.float32)
+    for k in tl.range(0, D, BLOCK_D, num_stages=NUM_STAGES):
+        d_ok = (k + offs_d) < D
+        w = tl.load(w_ptrs + k, mask=v_ok[:, None] & d_ok[None, :], other=0.0)
+        h = tl.load(h_ptrs + k, mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+        if IEEE_DOT:
+            acc = tl.dot(w, tl.trans(h), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(h), acc)
+
+    logits = tl.where(v_ok[:, None], acc, float("-inf"))
+    safe_rows = tl.where(r_ok, offs_r, 0)
+    sampled, temperature = _row_params(do_sample_ptr, temperature_ptr, safe_rows, ROWS_PER_PARAM)
+    s = logits / temperature[None, :]
+    score = s
+    if SAMPLE:
+        seed, position = _row_noise_keys(seed_ptr, position_ptr, safe_rows, ROWS_PER_PARAM)
+        noise = gumbel_noise(seed[None, :], position[None, :], offs_v[:, None].to(tl.int64))
+        score = s + tl.where(sampled[None, :], noise, 0.0)
+
+    out = offs_r * NUM_VT + pid_v
+    best = tl.max(score, axis=0)
+    best_id = pid_v * BLOCK_V + tl.argmax(score, axis=0, tie_break_left=True)
+    tl.store(best_ptr + out, best, mask=r_ok)
+    tl.store(best_id_ptr + out, best_id, mask=r_ok)
+    non_finite = v_ok[:, None] & ~(tl.abs(s) < float("inf"))
+    tl.store(bad_ptr + out, tl.sum(non_finite.to(tl.int32), axis=0), mask=r_ok)
+    if LSE:
+        tile_max = tl.max(s, axis=0)
+        tl.store(max_ptr + out, tile_max, mask=r_ok)
+        tl.store(sumexp_ptr + out, tl.sum(tl.exp(s - tile_max[None, :]), axis=0), mask=r_ok)
+        best_s = tl.sum(tl.where(offs_v[:, None] == best_id[None, :], s, 0.0), axis=0)
+        tl.store(best_s_ptr + out, best_s, mask=r_ok)
+    if CAND > 0:
+        keys = pack_candidates(tl.trans(logits), offs_v[None, :])
+        top = tl.topk(keys, CAND, dim=1)
+        offs_c = tl.arange(0, CAND)
+        cand_ptrs = cand_ptr + (offs_r[:, None] * NUM_VT + pid_v) * CAND + offs_c[None, :]
+        tl.store(cand_ptrs, top, mask=r_ok[:, None])
+
+
+@triton.jit
+def lm_head_rows_kernel(
+    best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, cand_ptr,
+    do_sample_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, position_ptr,
+    token_ptr, logprob_ptr, lse_ptr, status_ptr,
+    V, NUM_VT, ROWS_PER_PARAM,
+    LSE: tl.constexpr, CAND: tl.constexpr, K_MAX: tl.constexpr,
+    VT_POW2: tl.constexpr, CAND_POW2: tl.constexpr, PAD: tl.constexpr,
+):
+    row = tl.program_id(0)
+    tiles = tl.arange(0, VT_POW2)
+    t_ok = tiles < NUM_VT
+    base = row * NUM_VT
+    best = tl.load(best_ptr + base + tiles, mask=t_ok, other=float("-inf"))
+    ids = tl.load(best_id_ptr + base + tiles, mask=t_ok, other=0)
+    winner = tl.argmax(best, axis=0, tie_break_left=True)
+    token = tl.sum(tl.where(tiles == winner, ids, 0))
+    bad = tl.sum(tl.load(bad_ptr + base + tiles, mask=t_ok, other=0))
+    status = tl.where(bad > 0, STATUS_NON_FINITE, STATUS_OK)
+
+    lse = 0.0
+    logprob = 0.0
+    if LSE:
+        tile_max = tl.load(max_ptr + base + tiles, mask=t_ok, other=float("-inf"))
+        tile_sum = tl.load(sumexp_ptr + base + tiles, mask=t_ok, other=0.0)
+        row_max = tl.max(tile_max, axis=0)
+        lse = row_max + tl.log(tl.sum(tile_sum * tl.exp(tile_max - row_max), axis=0))
+        best_s = tl.load(best_s_ptr + base + tiles, mask=t_ok, other=0.0)
+        logprob = tl.sum(tl.where(tiles == winner, best_s, 0.0)) - lse
+
+    if CAND > 0:
+        sampled, temperature = _row_params(do_sample_ptr, temperature_ptr, row, ROWS_PER_PARAM)
+        param_row = row // ROWS_PER_PARAM
+        top_k = tl.load(top_k_ptr + param_row)
+        top_p = tl.load(top_p_ptr + param_row).to(tl.float32)
+        min_p = tl.load(min_p_ptr + param_row).to(tl.float32)
+        use_top_k = (top_k > 0) & (top_k < V)
+        truncated = sampled & (use_top_k | (top_p < 1.0) | (min_p > 0.0))
+        if truncated:
+            offs = tl.arange(0, CAND_POW2)
+            cand_base = cand_ptr + row.to(tl.int64) * NUM_VT * CAND
+            keys = tl.load(cand_base + offs, mask=offs < NUM_VT * CAND, other=PAD)
+            top = tl.topk(keys, K_MAX)
+            raw, cand_ids = unpack_candidates(top)
+            s = raw / temperature
+            rank = tl.arange(0, K_MAX)
+            s0 = tl.max(s, axis=0)
+            keep = raw > float("-inf")
+            if use_top_k:
+                kth = tl.sum(tl.where(rank == top_k - 1, s, 0.0))
+                keep = keep & (s >= kth)
+            if top_p < 1.0:
+                mass = tl.where(keep, tl.exp(s - s0), 0.0)
+                if use_top_k:
+                    total = tl.sum(mass)
+                else:
+                    total = tl.exp(lse - s0)
+                before = tl.cumsum(mass, 0) - mass
+                keep = keep & ((before < top_p * total) | (rank == 0))
+            if min_p > 0.0:
+                keep = keep & (tl.exp(s - s0) >= min_p)
+            num_keep = tl.sum(keep.to(tl.int32))
+            last_key = tl.sum(tl.where(rank == num_keep - 1, top, 0))
+            tile_last = tl.load(cand_base + tiles * CAND + CAND - 1, mask=t_ok, other=PAD)
+            saturated = tl.sum(((tile_last >= last_key) & t_ok).to(tl.int32)) > 0
+            saturated = saturated | (num_keep == K_MAX) | (use_top_k & (top_k > K_MAX))
+            seed, position = _row_noise_keys(seed_ptr, position_ptr, row, ROWS_PER_PARAM)
+            noise = gumbel_noise(seed, position, cand_ids.to(tl.int64))
+            score = tl.where(keep, s + noise, float("-inf"))
+            pick = tl.argmax(score, axis=0, tie_break_left=True)
+            token = tl.sum(tl.where(rank == pick, cand_ids, 0))
+            lse = s0 + tl.log(tl.sum(tl.where(keep, tl.exp(s - s0), 0.0)))
+            logprob = tl.sum(tl.where(rank == pick, s, 0.0)) - lse
+            status = tl.where((status == STATUS_OK) & saturated, STATUS_NEEDS_COMPLETION, status)
+
+    tl.store(token_ptr + row, tl.where(status == STATUS_OK, token, -1).to(tl.int64))
+    tl.store(status_ptr + row, status)
+    if LSE:
+        tl.store(lse_ptr + row, lse)
+        tl.store(logprob_ptr + row, logprob)

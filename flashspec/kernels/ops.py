@@ -1,0 +1,228 @@
+"""Launchers and public entry points of the fused LM-head kernels.
+
+Two layers:
+
+* ``*_unchecked`` functions launch stage 1 and stage 2 and return device tensors, with no
+  host synchronisation and no data-dependent allocation: safe to capture in a CUDA graph.
+  They report per-row status instead of acting on it.
+* `lm_head_argmax` / `lm_head_sample` have the signatures and results of
+  `flashspec.reference`: they validate values, read the status once, raise on non-finite
+  logits and complete the rare rows whose truncated support did not fit the candidate
+  budget through the exact materialized path (counted in `stats()`).
+
+Tile sizes come from a fixed table keyed by the number of rows (no autotuning: re-tuning
+per batch size is what wrecks serving); results never depend on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+import triton
+
+from .. import reference
+from ..checks import NonFiniteLogitsError, check_lm_head, check_sampling_inputs
+from ..params import SamplingParams
+from . import lm_head
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Tile shape of stage 1 and the candidate budget of truncation.
+
+    block_v: vocabulary rows of the weight per program; block_r: hidden rows per program
+    (>= 16 for tl.dot); block_d: reduction step; candidates: top logits kept per
+    (row, vocab tile); max_support: largest truncated support handled without completion.
+    """
+
+    block_v: int = 128
+    block_r: int = 16
+    block_d: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    candidates: int = 8
+    max_support: int = 64
+
+    def __post_init__(self):
+        for name in ("block_v", "block_r", "block_d", "candidates", "max_support"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"TileConfig.{name}={value} must be a power of two")
+        if self.block_r < 16 or self.block_d < 16:
+            raise ValueError("TileConfig.block_r and block_d must be >= 16 (tl.dot)")
+        if self.candidates > self.block_v:
+            raise ValueError(f"TileConfig.candidates={self.candidates} exceeds block_v")
+
+
+def default_config(num_rows: int) -> TileConfig:
+    """Fixed tile table by number of rows (decode batch, or batch x (G+1) for verify)."""
+    if num_rows <= 16:
+        return TileConfig(block_r=16, block_d=128, num_warps=4, num_stages=4)
+    if num_rows <= 32:
+        return TileConfig(block_r=32, block_d=128, num_warps=4, num_stages=4)
+    if num_rows <= 64:
+        return TileConfig(block_r=64, block_d=64, num_warps=4, num_stages=4)
+    return TileConfig(block_r=128, block_d=64, num_warps=8, num_stages=3)
+
+
+class SampleOutput(NamedTuple):
+    """Device tensors of one fused sampling launch (nothing read back).
+
+    tokens: int64 [R], -1 where status != 0. logprobs, lse: float32 [R] (zeros unless
+    requested). status: int32 [R]: 0 ok, 1 needs exact completion, 2 non-finite logits.
+    """
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    lse: torch.Tensor
+    status: torch.Tensor
+
+
+@dataclasses.dataclass
+class KernelStats:
+    rows_sampled: int = 0
+    rows_completed: int = 0  # truncated rows finished by the exact materialized path
+
+
+_stats = KernelStats()
+
+
+def stats() -> KernelStats:
+    """Counters of the checked entry points since the last `reset_stats()`."""
+    return dataclasses.replace(_stats)
+
+
+def reset_stats() -> None:
+    _stats.rows_sampled = 0
+    _stats.rows_completed = 0
+
+
+_greedy_rows: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+
+def _greedy_row_params(device: torch.device):
+    """One greedy parameter row shared by every row (argmax), cached per device."""
+    if device not in _greedy_rows:
+        _greedy_rows[device] = (
+            torch.zeros(1, dtype=torch.bool, device=device),
+            torch.ones(1, dtype=torch.float64, device=device),
+            torch.zeros(1, dtype=torch.int64, device=device),
+        )
+    return _greedy_rows[device]
+
+
+def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams | None,
+            positions: torch.Tensor | None, rows_per_param: int, want_lse: bool,
+            config: TileConfig | None) -> SampleOutput:
+    """Stage 1 + stage 2 over rows of `hidden` ``[R, D]``; row r uses parameter row
+    r // rows_per_param and noise position positions[r // rows_per_param] + r % rows_per_param."""
+    num_rows, dim = hidden.shape
+    vocab_size = weight.shape[0]
+    config = config or default_config(num_rows)
+    device = hidden.device
+    if hidden.stride(-1) != 1:
+        hidden = hidden.contiguous()
+    sample = params is not None and not params.all_greedy
+    truncate = params is not None and params.any_truncation
+    need_lse = want_lse or truncate  # top-p without top-k normalises by the full sum
+    cand = config.candidates if truncate else 0
+    if params is None:
+        do_sample, temperature, zeros = _greedy_row_params(device)
+        params_args = (do_sample, temperature, zeros, zeros)
+        tensors = dict(top_k=zeros, top_p=temperature, min_p=temperature)
+        rows_per_param = num_rows
+    else:
+        params_args = (params.do_sample, params.temperature, params.seed, positions)
+        tensors = dict(top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
+
+    num_vt = triton.cdiv(vocab_size, config.block_v)
+    f32 = dict(dtype=torch.float32, device=device)
+    best = torch.empty(num_rows, num_vt, **f32)
+    best_id = torch.empty(num_rows, num_vt, dtype=torch.int32, device=device)
+    bad = torch.empty(num_rows, num_vt, dtype=torch.int32, device=device)
+    best_s, tile_max, tile_sum = (torch.empty(num_rows, num_vt, **f32) if need_lse else best
+                                  for _ in range(3))
+    candidates = (torch.empty(num_rows, num_vt, cand, dtype=torch.int64, device=device)
+                  if cand else best_id)
+    grid = (num_vt * triton.cdiv(num_rows, config.block_r),)
+    lm_head.lm_head_tiles_kernel[grid](
+        hidden, weight, *params_args,
+        best, best_id, best_s, tile_max, tile_sum, bad, candidates,
+        num_rows, vocab_size, dim, hidden.stride(0), weight.stride(0), num_vt, rows_per_param,
+        SAMPLE=sample, LSE=need_lse, CAND=cand, IEEE_DOT=hidden.dtype == torch.float32,
+        BLOCK_V=config.block_v, BLOCK_R=config.block_r, BLOCK_D=config.block_d,
+        NUM_STAGES=config.num_stages, num_warps=config.num_warps,
+    )
+    tokens = torch.empty(num_rows, dtype=torch.int64, device=device)
+    status = torch.empty(num_rows, dtype=torch.int32, device=device)
+    logprobs = torch.zeros(num_rows, **f32) if not need_lse else torch.empty(num_rows, **f32)
+    lse = torch.zeros(num_rows, **f32) if not need_lse else torch.empty(num_rows, **f32)
+    lm_head.lm_head_rows_kernel[(num_rows,)](
+        best, best_id, best_s, tile_max, tile_sum, bad, candidates,
+        params_args[0], params_args[1], tensors["top_k"], tensors["top_p"], tensors["min_p"],
+        params_args[2], params_args[3],
+        tokens, logprobs, lse, status,
+        vocab_size, num_vt, rows_per_param,
+        LSE=need_lse, CAND=cand, K_MAX=config.max_support,
+        VT_POW2=triton.next_power_of_2(num_vt),
+        CAND_POW2=triton.next_power_of_2(max(num_vt * cand, config.max_support)),
+        PAD=lm_head.PAD_KEY, num_warps=4,
+    )
+    return SampleOutput(tokens, logprobs, lse, status)
+
+
+def argmax_unchecked(hidden: torch.Tensor, weight: torch.Tensor,
+                     config: TileConfig | None = None) -> torch.Tensor:
+    """Fused greedy tokens ``[B]`` (-1 for rows with non-finite logits); no host sync."""
+    check_lm_head(hidden, weight, hidden_dims=2)
+    return _launch(hidden, weight, None, None, 1, False, config).tokens
+
+
+def sample_unchecked(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
+                     positions: torch.Tensor, *, want_lse: bool = False,
+                     config: TileConfig | None = None) -> SampleOutput:
+    """Fused sampling of one token per row; no host sync (CUDA-graph safe). Rows with
+    status 1 must be completed (see `lm_head_sample`), status 2 rows were not sampled."""
+    check_lm_head(hidden, weight, hidden_dims=2)
+    check_sampling_inputs(hidden, params, positions, check_values=False)
+    return _launch(hidden, weight, params, positions, 1, want_lse, config)
+
+
+def lm_head_argmax(hidden: torch.Tensor, weight: torch.Tensor, *,
+                   config: TileConfig | None = None) -> torch.Tensor:
+    """Same contract as `flashspec.reference.lm_head_argmax`, fused."""
+    return argmax_unchecked(hidden, weight, config)
+
+
+def lm_head_sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
+                   positions: torch.Tensor, return_logprobs: bool = False, *,
+                   return_lse: bool = False, check_finite: bool = True,
+                   config: TileConfig | None = None):
+    """Same contract as `flashspec.reference.lm_head_sample`, fused; reads the per-row status
+    once to raise on non-finite rows and to complete saturated truncated rows exactly."""
+    check_lm_head(hidden, weight, hidden_dims=2)
+    check_sampling_inputs(hidden, params, positions)
+    out = _launch(hidden, weight, params, positions, 1, return_logprobs or return_lse, config)
+    tokens, logprobs, lse = out.tokens, out.logprobs, out.lse
+    flagged = torch.nonzero(out.status).flatten()
+    _stats.rows_sampled += hidden.shape[0]
+    if flagged.numel():
+        status = out.status[flagged]
+        non_finite = flagged[status == lm_head.STATUS_NON_FINITE]
+        if check_finite and non_finite.numel():
+            raise NonFiniteLogitsError(non_finite.tolist())
+        logprobs = logprobs.index_fill(0, non_finite, float("nan"))
+        lse = lse.index_fill(0, non_finite, float("nan"))
+        incomplete = flagged[status == lm_head.STATUS_NEEDS_COMPLETION]
+        if incomplete.numel():
+            _stats.rows_completed += incomplete.numel()
+            done, done_logprobs, done_lse = reference.lm_head_sample(
+                hidden[incomplete], weight, params.select(incomplete), positions[incomplete],
+                return_logprobs=True, return_lse=True, check_finite=False)
+            tokens = tokens.index_copy(0, incomplete, done)
+            logprobs = logprobs.index_copy(0, incomplete, done_logprobs.float())
+            lse = lse.index_copy(0, incomplete, done_lse.float())
+    result = (tokens,) + ((logprobs,) if return_logprobs else ()) + ((lse,) if return_lse else ())
+    return result[0] if len(result) == 1 else result

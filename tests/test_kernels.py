@@ -1,0 +1,205 @@
+"""Fused Triton kernels against the torch reference.
+
+On a CPU machine the kernels run through Triton's interpreter on small shapes; on a CUDA
+machine the same tests run compiled, and the `gpu` tests add D=4096, V=151,936.
+"""
+
+import pytest
+import torch
+
+from flashspec import NonFiniteLogitsError, SamplingParams, kernels, reference, rng
+from flashspec.testing import assert_samples_match, is_near_tie
+
+import test_reference as semantics
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+# Small tiles on the interpreter so that small shapes still span several vocab tiles.
+SMALL = None if ON_GPU else kernels.TileConfig(block_v=32, block_r=16, block_d=16,
+                                               candidates=4, max_support=32)
+OTHER = kernels.TileConfig(block_v=64, block_r=32, block_d=32, candidates=8, max_support=64)
+
+
+def mixed_params(g: torch.Generator, batch: int, seed: int = 0) -> SamplingParams:
+    """Greedy and sampled rows with every truncation mode, varied temperatures."""
+    pick = lambda options: [options[int(i)] for i in torch.randint(len(options), (batch,), generator=g)]  # noqa
+    return SamplingParams.create(
+        batch, do_sample=pick([True, True, True, False]),
+        temperature=pick([1.0, 0.6, 0.7, 1.5, 0.0, 0.05]),
+        top_k=pick([0, 0, 1, 5, 20, 50]), top_p=pick([1.0, 1.0, 0.9, 0.95, 0.5]),
+        min_p=pick([0.0, 0.0, 0.05, 0.2]), seed=seed, device=DEVICE)
+
+
+def random_problem(g, batch, vocab_size, dim, dtype=torch.float32, scale=3.0):
+    weight = (torch.randn(vocab_size, dim, generator=g) / dim**0.5).to(DEVICE, dtype)
+    hidden = (torch.randn(batch, dim, generator=g) * scale).to(DEVICE, dtype)
+    positions = torch.randint(0, 10_000, (batch,), generator=g).to(DEVICE)
+    return hidden, weight, positions
+
+
+def assert_same_tokens(ours, theirs, hidden, weight, params, positions, what=""):
+    """Token for token equal, except rows that are float64 near-ties (asserted, counted)."""
+    mismatches = (ours != theirs).nonzero().flatten().tolist()
+    if not mismatches:
+        return 0
+    logits64 = reference.compute_logits(hidden.double(), weight.double())
+    vocab = torch.arange(weight.shape[0], device=hidden.device)
+    for row in mismatches:
+        noise = rng.gumbel(params.seed[row], positions[row], vocab)
+        assert is_near_tie(logits64[row], bool(params.do_sample[row]),
+                           float(params.temperature[row]), int(params.top_k[row]),
+                           float(params.top_p[row]), float(params.min_p[row]), noise,
+                           int(ours[row]), int(theirs[row])), (
+            f"{what} row {row}: kernel {int(ours[row])} vs reference {int(theirs[row])} "
+            "is not a near-tie")
+    assert len(mismatches) <= max(1, len(ours) // 20), f"{what}: {len(mismatches)} near-ties"
+    return len(mismatches)
+
+
+@pytest.mark.parametrize("batch,vocab_size,dim", [
+    (1, 97, 16), (2, 300, 40), (5, 513, 64), (16, 130, 24), (17, 257, 48),
+])
+def test_sample_pathwise_equals_reference(batch, vocab_size, dim):
+    g = torch.Generator().manual_seed(batch * 1000 + vocab_size)
+    hidden, weight, positions = random_problem(g, batch, vocab_size, dim)
+    params = mixed_params(g, batch, seed=batch)
+    ours, ours_lp, ours_lse = kernels.lm_head_sample(hidden, weight, params, positions, True,
+                                                     return_lse=True, config=SMALL)
+    theirs, lp, lse = reference.lm_head_sample(hidden, weight, params, positions, True,
+                                               return_lse=True)
+    assert_same_tokens(ours, theirs, hidden, weight, params, positions)
+    same = ours == theirs
+    assert torch.allclose(ours_lp[same], lp[same], atol=2e-4, rtol=1e-4)
+    assert torch.allclose(ours_lse, lse, atol=2e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", list(semantics.TRUNCATION_CASES))
+def test_each_truncation_mode_pathwise(case):
+    g = torch.Generator().manual_seed(7)
+    hidden, weight, positions = random_problem(g, 6, 200, 32)
+    params = SamplingParams.create(6, seed=11, device=DEVICE, **semantics.TRUNCATION_CASES[case])
+    ours = kernels.lm_head_sample(hidden, weight, params, positions, config=SMALL)
+    theirs = reference.lm_head_sample(hidden, weight, params, positions)
+    assert_same_tokens(ours, theirs, hidden, weight, params, positions, case)
+
+
+def test_argmax_pathwise_and_ties():
+    g = torch.Generator().manual_seed(3)
+    for batch, vocab_size, dim in [(1, 100, 16), (9, 333, 32)]:
+        hidden, weight, _ = random_problem(g, batch, vocab_size, dim)
+        ours = kernels.lm_head_argmax(hidden, weight, config=SMALL)
+        theirs = reference.lm_head_argmax(hidden, weight)
+        greedy = SamplingParams.create(batch, do_sample=False, seed=0, device=DEVICE)
+        assert_same_tokens(ours, theirs, hidden, weight, greedy, torch.zeros_like(ours))
+    weight = torch.zeros(100, 16, device=DEVICE)
+    weight[[37, 70, 90], 0] = 1.0  # an exact three-way tie across vocab tiles
+    hidden = torch.zeros(2, 16, device=DEVICE)
+    hidden[:, 0] = 1.0
+    assert kernels.lm_head_argmax(hidden, weight, config=SMALL).tolist() == [37, 37]
+
+
+def test_whole_top_k_inside_one_tile_is_completed_exactly():
+    """The 20 best tokens are neighbours: one vocab tile holds them all, more than its
+    candidate budget, so the row must go through the exact completion path."""
+    g = torch.Generator().manual_seed(5)
+    vocab_size, dim = 300, 32
+    hidden, weight, positions = random_problem(g, 3, vocab_size, dim, scale=0.1)
+    direction = torch.randn(dim, generator=g).to(DEVICE)
+    weight[64:84] += direction * 4.0 / direction.norm()
+    hidden[:] += direction * 2.0 / direction.norm()
+    params = SamplingParams.create(3, temperature=0.7, top_k=[20, 10, 0], top_p=[1.0, 0.95, 0.9],
+                                   seed=1, device=DEVICE)
+    kernels.reset_stats()
+    ours = kernels.lm_head_sample(hidden, weight, params, positions, config=SMALL)
+    assert kernels.stats().rows_completed == 3
+    theirs = reference.lm_head_sample(hidden, weight, params, positions)
+    assert torch.equal(ours, theirs)
+    assert ((ours >= 64) & (ours < 84)).all()
+
+
+def test_tile_configurations_give_identical_tokens():
+    g = torch.Generator().manual_seed(9)
+    hidden, weight, positions = random_problem(g, 7, 400, 48)
+    params = mixed_params(g, 7, seed=4)
+    a = kernels.lm_head_sample(hidden, weight, params, positions, config=SMALL)
+    b = kernels.lm_head_sample(hidden, weight, params, positions, config=OTHER)
+    assert_same_tokens(a, b, hidden, weight, params, positions, "two tilings")
+    assert torch.equal(kernels.lm_head_argmax(hidden, weight, config=SMALL),
+                       kernels.lm_head_argmax(hidden, weight, config=OTHER))
+
+
+def test_row_token_does_not_depend_on_the_rest_of_the_batch():
+    g = torch.Generator().manual_seed(10)
+    hidden, weight, positions = random_problem(g, 9, 250, 32)
+    params = mixed_params(g, 9, seed=2)
+    full = kernels.lm_head_sample(hidden, weight, params, positions, config=SMALL)
+    others = hidden.clone()
+    others[1:] = torch.randn(8, 32, generator=g).to(DEVICE) * 3
+    changed = kernels.lm_head_sample(others, weight, params, positions, config=SMALL)
+    rows = torch.tensor([4, 0, 7])
+    subset = kernels.lm_head_sample(hidden[rows.to(DEVICE)], weight, params.select(rows),
+                                    positions[rows.to(DEVICE)], config=SMALL)
+    assert full[0] == changed[0]
+    assert torch.equal(subset, full[rows.to(DEVICE)])
+
+
+def kernel_sampler(hidden, weight, params, positions):
+    """`lm_head_sample` on DEVICE for checks written with CPU tensors."""
+    return kernels.lm_head_sample(hidden.to(DEVICE), weight.to(DEVICE), params.to(DEVICE),
+                                  positions.to(DEVICE), config=SMALL).cpu()
+
+
+def test_sampling_goodness_of_fit_untruncated():
+    num_samples = 20_000 if ON_GPU else 4_000
+    semantics.check_truncation_gof("temperature", num_samples=num_samples, sample=kernel_sampler)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(semantics.TRUNCATION_CASES))
+def test_sampling_goodness_of_fit_every_mode_gpu(case):
+    # CPU twin: test_each_truncation_mode_pathwise (the reference passes the same test).
+    semantics.check_truncation_gof(case, sample=kernel_sampler)
+
+
+def test_non_finite_rows_are_reported():
+    g = torch.Generator().manual_seed(0)
+    hidden, weight, positions = random_problem(g, 3, 120, 16)
+    hidden[2, 3] = float("nan")
+    params = SamplingParams.create(3, seed=0, device=DEVICE)
+    with pytest.raises(NonFiniteLogitsError, match=r"rows \[2\]"):
+        kernels.lm_head_sample(hidden, weight, params, positions, config=SMALL)
+    tokens, logprobs = kernels.lm_head_sample(hidden, weight, params, positions, True,
+                                              check_finite=False, config=SMALL)
+    assert tokens[2] == -1 and torch.isnan(logprobs[2]) and (tokens[:2] >= 0).all()
+    assert kernels.lm_head_argmax(hidden, weight, config=SMALL)[2] == -1
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda h, w: (h[:, :5], w), "hidden size mismatch"),
+    (lambda h, w: (h.half(), w), "float16.*float32"),
+    (lambda h, w: (h[:0], w), "empty batch"),
+    (lambda h, w: (h, w.T.contiguous().T), "`weight` must be contiguous"),
+])
+def test_bad_inputs_are_refused_before_launch(make, match):
+    g = torch.Generator().manual_seed(0)
+    hidden, weight, _ = random_problem(g, 3, 50, 16)
+    with pytest.raises(ValueError, match=match):
+        kernels.lm_head_argmax(*make(hidden, weight))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_full_size_head_bf16_gpu(batch):
+    """D=4096, V=151,936 in bf16: pathwise equal to the reference (near-ties allowed)."""
+    g = torch.Generator().manual_seed(batch)
+    hidden, weight, positions = random_problem(g, batch, 151_936, 4096, torch.bfloat16, scale=4.0)
+    params = mixed_params(g, batch, seed=batch)
+    kernels.reset_stats()
+    ours, ours_lp = kernels.lm_head_sample(hidden, weight, params, positions, True)
+    theirs, lp = reference.lm_head_sample(hidden, weight, params, positions, True)
+    assert_same_tokens(ours, theirs, hidden, weight, params, positions, f"B={batch}")
+    same = ours == theirs
+    assert torch.allclose(ours_lp[same], lp[same], atol=1e-3, rtol=1e-3)
+    greedy = SamplingParams.create(batch, do_sample=False, seed=0, device=DEVICE)
+    assert_same_tokens(kernels.lm_head_argmax(hidden, weight), reference.lm_head_argmax(hidden, weight),
+                       hidden, weight, greedy, positions, "argmax")
