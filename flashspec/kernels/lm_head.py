@@ -30,6 +30,9 @@ from .noise import gumbel_noise
 STATUS_OK = 0
 STATUS_NEEDS_COMPLETION = 1
 STATUS_NON_FINITE = 2
+_OK = tl.constexpr(STATUS_OK)
+_NEEDS_COMPLETION = tl.constexpr(STATUS_NEEDS_COMPLETION)
+_NON_FINITE = tl.constexpr(STATUS_NON_FINITE)
 
 # pack(-inf, id 2**31 - 1): below every real candidate, decodes to -inf.
 PAD_KEY = -2139095041 * 2**32
@@ -158,7 +161,7 @@ def lm_head_rows_kernel(
     winner = tl.argmax(best, axis=0, tie_break_left=True)
     token = tl.sum(tl.where(tiles == winner, ids, 0))
     bad = tl.sum(tl.load(bad_ptr + base + tiles, mask=t_ok, other=0))
-    status = tl.where(bad > 0, STATUS_NON_FINITE, STATUS_OK)
+    status = tl.where(bad > 0, _NON_FINITE, _OK)
 
     lse = 0.0
     logprob = 0.0
@@ -213,9 +216,9 @@ def lm_head_rows_kernel(
             token = tl.sum(tl.where(rank == pick, cand_ids, 0))
             lse = s0 + tl.log(tl.sum(tl.where(keep, tl.exp(s - s0), 0.0)))
             logprob = tl.sum(tl.where(rank == pick, s, 0.0)) - lse
-            status = tl.where((status == STATUS_OK) & saturated, STATUS_NEEDS_COMPLETION, status)
+            status = tl.where((status == _OK) & saturated, _NEEDS_COMPLETION, status)
 
-    tl.store(token_ptr + row, tl.where(status == STATUS_OK, token, -1).to(tl.int64))
+    tl.store(token_ptr + row, tl.where(status == _OK, token, -1).to(tl.int64))
     tl.store(status_ptr + row, status)
     if LSE:
         tl.store(lse_ptr + row, lse)
