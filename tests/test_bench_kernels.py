@@ -152,6 +152,16 @@ def test_bad_arguments_exit_nonzero_naming_the_option(option, value, tmp_path, c
     assert option in capsys.readouterr().err
 
 
+def test_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--shapes", "--batch-sizes", "--variants", "--rep-ms", "--out", "--quick"):
+        assert option in text
+    assert "PYTHONPATH=. python scripts/bench_kernels.py" in text
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
 def test_full_run_needs_cuda(tmp_path, capsys):
     assert bench.main(["--out", str(tmp_path)]) == 2
