@@ -136,3 +136,24 @@ def test_torch_noise_on_cuda_equals_cpu():
     cpu = rng.random_bits(seeds, positions, tokens)
     cuda = rng.random_bits(seeds.cuda(), positions.cuda(), tokens.cuda())
     assert torch.equal(cpu, cuda.cpu())
+
+
+@triton.jit
+def _noise_tile_probe_kernel(seed_ptr, pos_ptr, out_ptr, FIRST: tl.constexpr,
+                             ROWS: tl.constexpr, COLS: tl.constexpr):
+    rows = tl.arange(0, ROWS)
+    seed = tl.load(seed_ptr + rows)[:, None]
+    pos = tl.load(pos_ptr + rows)[:, None]
+    tile = noise.gumbel_noise_tile(seed, pos, FIRST, ROWS, COLS)
+    tl.store(out_ptr + rows[:, None] * COLS + tl.arange(0, COLS)[None, :], tile)
+
+
+def test_tile_noise_uses_all_four_philox_words_in_token_order():
+    seeds = torch.tensor([3, 2**62 + 5], device=DEVICE)
+    positions = torch.tensor([0, 12345], device=DEVICE)
+    out = torch.empty(2, 32, device=DEVICE)
+    _noise_tile_probe_kernel[(1,)](seeds, positions, out, 64, 2, 32)
+    tokens = torch.arange(64, 96)
+    expected = rng.gumbel(seeds.cpu()[:, None], positions.cpu()[:, None], tokens[None, :],
+                          dtype=torch.float32)
+    assert torch.allclose(out.cpu(), expected, rtol=2e-6, atol=2e-6)

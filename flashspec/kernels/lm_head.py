@@ -1,7 +1,7 @@
 """Fused LM-head Triton kernels: logits are computed tile by tile on chip and never stored.
 
 Stage 1 (`lm_head_tiles_kernel`), one program per (vocab tile, row tile): the logits tile
-``weight[v0:v0+BV] @ hidden[r0:r0+BR].T`` in fp32, then per (row, tile) summaries:
+``hidden[r0:r0+BR] @ weight[v0:v0+BV].T`` in fp32, then per (row, tile) summaries:
 
 * the best score and its id: argmax of ``s + g`` for sampled rows (``s`` = logits /
   temperature, ``g`` = Gumbel noise of `flashspec.rng`), of the raw logits for greedy rows;
@@ -25,7 +25,7 @@ larger key means a larger logit, then a lower id (the preference order of argmax
 import triton
 import triton.language as tl
 
-from .noise import gumbel_noise
+from .noise import gumbel_noise, gumbel_noise_tile
 
 STATUS_OK = 0
 STATUS_NEEDS_COMPLETION = 1
@@ -94,50 +94,54 @@ def lm_head_tiles_kernel(
     num_rt = tl.cdiv(R, BLOCK_R)
     pid_r = pid % num_rt
     pid_v = pid // num_rt
-    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_d = tl.arange(0, BLOCK_D)
-    v_ok = offs_v < V
     r_ok = offs_r < R
+    v_ok = offs_v < V
 
-    w_ptrs = weight_ptr + offs_v[:, None].to(tl.int64) * stride_weight + offs_d[None, :]
+    # The tile is [rows, vocab]: per-row reductions run along the MMA's N dimension, inside
+    # a warp, instead of across warps through shared memory.
     h_ptrs = hidden_ptr + offs_r[:, None].to(tl.int64) * stride_hidden + offs_d[None, :]
-    acc = tl.zeros((BLOCK_V, BLOCK_R), dtype=tl.float32)
+    w_ptrs = weight_ptr + offs_v[:, None].to(tl.int64) * stride_weight + offs_d[None, :]
+    acc = tl.zeros((BLOCK_R, BLOCK_V), dtype=tl.float32)
     for k in tl.range(0, D, BLOCK_D, num_stages=NUM_STAGES):
         d_ok = (k + offs_d) < D
-        w = tl.load(w_ptrs + k, mask=v_ok[:, None] & d_ok[None, :], other=0.0)
         h = tl.load(h_ptrs + k, mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs + k, mask=v_ok[:, None] & d_ok[None, :], other=0.0)
         if IEEE_DOT:
-            acc = tl.dot(w, tl.trans(h), acc, input_precision="ieee")
+            acc = tl.dot(h, tl.trans(w), acc, input_precision="ieee")
         else:
-            acc = tl.dot(w, tl.trans(h), acc)
+            acc = tl.dot(h, tl.trans(w), acc)
 
-    logits = tl.where(v_ok[:, None], acc, float("-inf"))
+    logits = tl.where(v_ok[None, :], acc, float("-inf"))
     safe_rows = tl.where(r_ok, offs_r, 0)
     sampled, temperature = _row_params(do_sample_ptr, temperature_ptr, safe_rows, ROWS_PER_PARAM)
-    s = logits / temperature[None, :]
+    # One division per row; the product differs from HF's division by at most an ulp,
+    # which only matters at near-ties (stage 2 divides exactly where thresholds are set).
+    s = logits * (1.0 / temperature)[:, None]
     score = s
     if SAMPLE:
         seed, position = _row_noise_keys(seed_ptr, position_ptr, safe_rows, ROWS_PER_PARAM)
-        noise = gumbel_noise(seed[None, :], position[None, :], offs_v[:, None].to(tl.int64))
-        score = s + tl.where(sampled[None, :], noise, 0.0)
+        noise = gumbel_noise_tile(seed[:, None], position[:, None], pid_v * BLOCK_V,
+                                  BLOCK_R, BLOCK_V)
+        score = s + tl.where(sampled[:, None], noise, 0.0)
 
     out = offs_r * NUM_VT + pid_v
-    best = tl.max(score, axis=0)
-    best_id = pid_v * BLOCK_V + tl.argmax(score, axis=0, tie_break_left=True)
+    best = tl.max(score, axis=1)
+    best_id = pid_v * BLOCK_V + tl.argmax(score, axis=1, tie_break_left=True)
     tl.store(best_ptr + out, best, mask=r_ok)
     tl.store(best_id_ptr + out, best_id, mask=r_ok)
-    non_finite = v_ok[:, None] & ~(tl.abs(s) < float("inf"))
-    tl.store(bad_ptr + out, tl.sum(non_finite.to(tl.int32), axis=0), mask=r_ok)
+    non_finite = v_ok[None, :] & ~(tl.abs(s) < float("inf"))
+    tl.store(bad_ptr + out, tl.sum(non_finite.to(tl.int32), axis=1), mask=r_ok)
     if LSE:
-        tile_max = tl.max(s, axis=0)
+        tile_max = tl.max(s, axis=1)
         tl.store(max_ptr + out, tile_max, mask=r_ok)
-        tl.store(sumexp_ptr + out, tl.sum(tl.exp(s - tile_max[None, :]), axis=0), mask=r_ok)
-        best_s = tl.sum(tl.where(offs_v[:, None] == best_id[None, :], s, 0.0), axis=0)
+        tl.store(sumexp_ptr + out, tl.sum(tl.exp(s - tile_max[:, None]), axis=1), mask=r_ok)
+        best_s = tl.sum(tl.where(offs_v[None, :] == best_id[:, None], s, 0.0), axis=1)
         tl.store(best_s_ptr + out, best_s, mask=r_ok)
     if CAND > 0:
-        keys = pack_candidates(tl.trans(logits), offs_v[None, :])
-        top = tl.topk(keys, CAND, dim=1)
+        top = tl.topk(pack_candidates(logits, offs_v[None, :]), CAND, dim=1)
         offs_c = tl.arange(0, CAND)
         cand_ptrs = cand_ptr + (offs_r[:, None] * NUM_VT + pid_v) * CAND + offs_c[None, :]
         tl.store(cand_ptrs, top, mask=r_ok[:, None])

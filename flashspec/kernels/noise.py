@@ -44,3 +44,22 @@ def exponential_from_bits(bits):
 def gumbel_noise(seed, position, token_ids):
     """float32 Gumbel noise of the sampling stream for each (seed, position, token id)."""
     return -tl.log(exponential_from_bits(philox_bits(seed, position, token_ids, GUMBEL_STREAM)))
+
+
+@triton.jit
+def gumbel_noise_tile(seed, position, first_token, BLOCK_R: tl.constexpr,
+                      BLOCK_V: tl.constexpr):
+    """float32 Gumbel noise ``[BLOCK_R, BLOCK_V]`` for tokens first_token + [0, BLOCK_V).
+
+    One Philox call per four neighbouring tokens (all four output words are used), which
+    is how `flashspec.rng` defines the counter; `seed` and `position` are ``[BLOCK_R, 1]``,
+    `first_token` a multiple of 4.
+    """
+    blocks = first_token // 4 + tl.arange(0, BLOCK_V // 4)
+    c0 = (blocks[None, :] + position * 0).to(tl.uint32)
+    c1 = (position + blocks[None, :] * 0).to(tl.uint32)
+    zero = c0 * 0
+    w0, w1, w2, w3 = tl.philox(seed, c0, c1, zero + GUMBEL_STREAM, zero)
+    # join(join(w0, w2), join(w1, w3))[r, q, i, j] = w_{2i+j}: token 4q + 2i + j.
+    bits = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (BLOCK_R, BLOCK_V))
+    return -tl.log(exponential_from_bits(bits))

@@ -50,14 +50,22 @@ class TileConfig:
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"TileConfig.{name}={value} must be a power of two")
-        if self.block_r < 16 or self.block_d < 16:
-            raise ValueError("TileConfig.block_r and block_d must be >= 16 (tl.dot)")
+        if min(self.block_v, self.block_r, self.block_d) < 16:
+            raise ValueError("TileConfig.block_v, block_r and block_d must be >= 16 (tl.dot)")
         if self.candidates > self.block_v:
             raise ValueError(f"TileConfig.candidates={self.candidates} exceeds block_v")
 
 
-def default_config(num_rows: int) -> TileConfig:
-    """Fixed tile table by number of rows (decode batch, or batch x (G+1) for verify)."""
+def default_config(num_rows: int, element_size: int = 2) -> TileConfig:
+    """Fixed tile table by number of rows (decode batch, or batch x (G+1) for verify);
+    4-byte inputs take half the reduction step to fit the same shared memory."""
+    config = _bf16_config(num_rows)
+    if element_size > 2:
+        config = dataclasses.replace(config, block_d=max(16, config.block_d // 2))
+    return config
+
+
+def _bf16_config(num_rows: int) -> TileConfig:
     if num_rows <= 16:
         return TileConfig(block_r=16, block_d=128, num_warps=4, num_stages=4)
     if num_rows <= 32:
@@ -120,7 +128,7 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
     r // rows_per_param and noise position positions[r // rows_per_param] + r % rows_per_param."""
     num_rows, dim = hidden.shape
     vocab_size = weight.shape[0]
-    config = config or default_config(num_rows)
+    config = config or default_config(num_rows, hidden.element_size())
     device = hidden.device
     if hidden.stride(-1) != 1:
         hidden = hidden.contiguous()
