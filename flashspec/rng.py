@@ -117,23 +117,20 @@ def uniform(seed, position, token_ids, stream: int = GUMBEL_STREAM) -> torch.Ten
 def exponential_from_bits(bits: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """``E = -log(u)`` with ``u = (bits + 0.5) / 2**32``, accurate in both tails in ``dtype``.
 
-    Mirrored operation for operation by the Triton kernels (``flashspec.kernels.noise``).
+    Mirrored operation for operation by the Triton kernels (``flashspec.kernels.noise``):
+    one ``log`` per value, of ``u`` itself below 1/2, of ``w = 1 - (1 - u)`` above, where
+    Kahan's ``log(w) * v / (w - 1)`` recovers ``log1p(-v)`` for ``v = 1 - u``.
     """
     upper = bits >= 2**31
     # Distance of u from the nearer end of (0, 1): u itself, or 1 - u = (~x + 0.5) / 2**32.
     near = torch.where(upper, _MASK32 - bits, bits).to(dtype)
     near = (near + 0.5) * 2.0**-32
-    exp_lower = -torch.log(near)
-    exp_upper = -_log1p_neg(near)
-    return torch.where(upper, exp_upper, exp_lower)
-
-
-def _log1p_neg(v: torch.Tensor) -> torch.Tensor:
-    """``log(1 - v)`` for 0 < v <= 1/2 through Kahan's trick (only ``log`` needed)."""
-    w = 1.0 - v
-    safe = torch.where(w == 1.0, torch.full_like(w, 0.5), w)
-    kahan = torch.log(safe) * (-v) / (safe - 1.0)
-    return torch.where(w == 1.0, -v, kahan)
+    w = 1.0 - near
+    exact_w = w == 1.0  # then log1p(-near) = -near to within near / 2 relative
+    safe_w = torch.where(exact_w, 0.5, w)
+    log_x = torch.log(torch.where(upper, safe_w, near))
+    log1p_neg = torch.where(exact_w, -near, log_x * (-near) / (safe_w - 1.0))
+    return torch.where(upper, -log1p_neg, -log_x)
 
 
 def gumbel(seed, position, token_ids, stream: int = GUMBEL_STREAM,

@@ -85,6 +85,7 @@ def lm_head_tiles_kernel(
     best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, cand_ptr,
     R, V, D, stride_hidden, stride_weight, NUM_VT, ROWS_PER_PARAM,
     SAMPLE: tl.constexpr, LSE: tl.constexpr, CAND: tl.constexpr, IEEE_DOT: tl.constexpr,
+    EVEN_V: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
@@ -106,20 +107,31 @@ def lm_head_tiles_kernel(
     w_ptrs = weight_ptr + offs_v[:, None].to(tl.int64) * stride_weight + offs_d[None, :]
     acc = tl.zeros((BLOCK_R, BLOCK_V), dtype=tl.float32)
     for k in tl.range(0, D, BLOCK_D, num_stages=NUM_STAGES):
-        d_ok = (k + offs_d) < D
+        d_ok = ((k + offs_d) < D) | EVEN_D
         h = tl.load(h_ptrs + k, mask=r_ok[:, None] & d_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs + k, mask=v_ok[:, None] & d_ok[None, :], other=0.0)
+        if EVEN_V and EVEN_D:
+            w = tl.load(w_ptrs + k)
+        else:
+            w = tl.load(w_ptrs + k, mask=v_ok[:, None] & d_ok[None, :], other=0.0)
         if IEEE_DOT:
             acc = tl.dot(h, tl.trans(w), acc, input_precision="ieee")
         else:
             acc = tl.dot(h, tl.trans(w), acc)
 
-    logits = tl.where(v_ok[None, :], acc, float("-inf"))
     safe_rows = tl.where(r_ok, offs_r, 0)
     sampled, temperature = _row_params(do_sample_ptr, temperature_ptr, safe_rows, ROWS_PER_PARAM)
     # One division per row; the product differs from HF's division by at most an ulp,
     # which only matters at near-ties (stage 2 divides exactly where thresholds are set).
-    s = logits * (1.0 / temperature)[:, None]
+    s = acc * (1.0 / temperature)[:, None]
+    # NaN/inf anywhere in a row makes its sum non-finite (masked columns hold 0 here); a
+    # finite row could only overflow the sum with |s| > 1e36, which is reported too.
+    row_sum = tl.sum(s, axis=1)
+    tl.store(bad_ptr + offs_r * NUM_VT + pid_v, (~(tl.abs(row_sum) < float("inf"))).to(tl.int32),
+             mask=r_ok)
+    logits = acc
+    if not EVEN_V:
+        logits = tl.where(v_ok[None, :], acc, float("-inf"))
+        s = tl.where(v_ok[None, :], s, float("-inf"))
     score = s
     if SAMPLE:
         seed, position = _row_noise_keys(seed_ptr, position_ptr, safe_rows, ROWS_PER_PARAM)
@@ -132,8 +144,6 @@ def lm_head_tiles_kernel(
     best_id = pid_v * BLOCK_V + tl.argmax(score, axis=1, tie_break_left=True)
     tl.store(best_ptr + out, best, mask=r_ok)
     tl.store(best_id_ptr + out, best_id, mask=r_ok)
-    non_finite = v_ok[None, :] & ~(tl.abs(s) < float("inf"))
-    tl.store(bad_ptr + out, tl.sum(non_finite.to(tl.int32), axis=1), mask=r_ok)
     if LSE:
         tile_max = tl.max(s, axis=1)
         tl.store(max_ptr + out, tile_max, mask=r_ok)

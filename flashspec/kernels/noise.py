@@ -34,10 +34,12 @@ def exponential_from_bits(bits):
     near = tl.where(upper, bits ^ 0xFFFFFFFF, bits)
     near = (near.to(tl.float32) + 0.5) * 2.3283064365386963e-10  # 2**-32
     w = 1.0 - near
-    safe = tl.where(w == 1.0, 0.5, w)
-    # log(1 - near) through Kahan's trick: exact enough and needs only log.
-    log1p_neg = tl.where(w == 1.0, -near, tl.log(safe) * (-near) / (safe - 1.0))
-    return tl.where(upper, -log1p_neg, -tl.log(near))
+    exact_w = w == 1.0
+    safe_w = tl.where(exact_w, 0.5, w)
+    # One log per value; log(1 - near) through Kahan's trick (log(w) * near / (1 - w)).
+    log_x = tl.log(tl.where(upper, safe_w, near))
+    log1p_neg = tl.where(exact_w, -near, log_x * (-near) / (safe_w - 1.0))
+    return tl.where(upper, -log1p_neg, -log_x)
 
 
 @triton.jit

@@ -160,6 +160,7 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
         best, best_id, best_s, tile_max, tile_sum, bad, candidates,
         num_rows, vocab_size, dim, hidden.stride(0), weight.stride(0), num_vt, rows_per_param,
         SAMPLE=sample, LSE=need_lse, CAND=cand, IEEE_DOT=hidden.dtype == torch.float32,
+        EVEN_V=vocab_size % config.block_v == 0, EVEN_D=dim % config.block_d == 0,
         BLOCK_V=config.block_v, BLOCK_R=config.block_r, BLOCK_D=config.block_d,
         NUM_STAGES=config.num_stages, num_warps=config.num_warps,
     )
