@@ -117,6 +117,21 @@ def test_whole_top_k_inside_one_tile_is_completed_exactly():
     assert ((ours >= 64) & (ours < 84)).all()
 
 
+def test_top_k_beyond_one_tiles_budget_is_not_certified():
+    """Regression: top_k larger than a tile's candidate budget, with top-p cutting inside
+    the candidates. The merged list is incomplete below the tile's last candidate, so top-p
+    cannot be normalised from it: every row must be completed, and exactly."""
+    g = torch.Generator().manual_seed(12)
+    hidden, weight, positions = random_problem(g, 4, 30, 16)  # one vocab tile of SMALL
+    params = SamplingParams.create(4, temperature=1.5, top_k=12, top_p=0.5, min_p=0.05,
+                                   seed=3, device=DEVICE)
+    config = kernels.TileConfig(block_v=32, block_r=16, block_d=16, candidates=4, max_support=32)
+    kernels.reset_stats()
+    ours = kernels.lm_head_sample(hidden, weight, params, positions, config=config)
+    assert kernels.stats().rows_completed == 4
+    assert torch.equal(ours, reference.lm_head_sample(hidden, weight, params, positions))
+
+
 def test_tile_configurations_give_identical_tokens():
     g = torch.Generator().manual_seed(9)
     hidden, weight, positions = random_problem(g, 7, 400, 48)

@@ -14,8 +14,9 @@ Stage 2 (`lm_head_rows_kernel`), one program per row, merges the tiles on the GP
 row's token, logprob, log-sum-exp and a status (0 ok, 1 needs exact completion, 2
 non-finite). Truncated rows (top-k / top-p / min-p) merge the candidate keys, apply HF's
 rules on the top ``K_MAX`` of them, and sample among the survivors with the same noise.
-The survivors are *certified* to be the whole support unless some tile's last reported
-candidate survives too (that tile may hold more) or all K_MAX survive; such rows get
+The merged list is exact down to the largest "last candidate" of any tile (a missing
+token sits below its tile's last one); the survivors are *certified* to be the whole
+support when they, and top-k's tie class, end strictly above that key. Other rows get
 status 1 and are completed exactly by the caller.
 
 Candidate keys: ``(order_key(raw logit) << 32) | (2**31 - 1 - token id)``, so that a
@@ -205,6 +206,7 @@ def lm_head_rows_kernel(
             rank = tl.arange(0, K_MAX)
             s0 = tl.max(s, axis=0)
             keep = raw > float("-inf")
+            kth = float("-inf")
             if use_top_k:
                 kth = tl.sum(tl.where(rank == top_k - 1, s, 0.0))
                 keep = keep & (s >= kth)
@@ -218,11 +220,18 @@ def lm_head_rows_kernel(
                 keep = keep & ((before < top_p * total) | (rank == 0))
             if min_p > 0.0:
                 keep = keep & (tl.exp(s - s0) >= min_p)
-            num_keep = tl.sum(keep.to(tl.int32))
-            last_key = tl.sum(tl.where(rank == num_keep - 1, top, 0))
+            # Certificate: a token missing from the merged list has a key below its tile's
+            # last candidate, so the list is exact down to the largest such key (or the
+            # K_MAX-th). The support and top-k's tie class must end strictly above it.
             tile_last = tl.load(cand_base + tiles * CAND + CAND - 1, mask=t_ok, other=PAD)
-            saturated = tl.sum(((tile_last >= last_key) & t_ok).to(tl.int32)) > 0
-            saturated = saturated | (num_keep == K_MAX) | (use_top_k & (top_k > K_MAX))
+            floor_key = tl.maximum(tl.max(tile_last, axis=0),
+                                   tl.sum(tl.where(rank == K_MAX - 1, top, 0)))
+            num_certified = tl.sum((top >= floor_key).to(tl.int32))
+            num_keep = tl.sum(keep.to(tl.int32))
+            saturated = num_keep >= num_certified
+            if use_top_k:
+                top_k_support = tl.sum(((s >= kth) & (raw > float("-inf"))).to(tl.int32))
+                saturated = saturated | (top_k_support >= num_certified)
             seed, position = _row_noise_keys(seed_ptr, position_ptr, row, ROWS_PER_PARAM)
             noise = gumbel_noise(seed, position, cand_ids.to(tl.int64))
             score = tl.where(keep, s + noise, float("-inf"))
