@@ -164,8 +164,8 @@ def lm_head_rows_kernel(
     do_sample_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, position_ptr,
     token_ptr, logprob_ptr, lse_ptr, status_ptr,
     V, NUM_VT, ROWS_PER_PARAM,
-    LSE: tl.constexpr, CAND: tl.constexpr, K_MAX: tl.constexpr,
-    VT_POW2: tl.constexpr, CAND_POW2: tl.constexpr, PAD: tl.constexpr,
+    LSE: tl.constexpr, CAND: tl.constexpr, K_MAX: tl.constexpr, TOP_TILES: tl.constexpr,
+    BLOCK_V: tl.constexpr, VT_POW2: tl.constexpr, PAD: tl.constexpr,
 ):
     row = tl.program_id(0)
     tiles = tl.arange(0, VT_POW2)
@@ -197,10 +197,16 @@ def lm_head_rows_kernel(
         use_top_k = (top_k > 0) & (top_k < V)
         truncated = sampled & (use_top_k | (top_p < 1.0) | (min_p > 0.0))
         if truncated:
-            offs = tl.arange(0, CAND_POW2)
             cand_base = cand_ptr + row.to(tl.int64) * NUM_VT * CAND
-            keys = tl.load(cand_base + offs, mask=offs < NUM_VT * CAND, other=PAD)
-            top = tl.topk(keys, K_MAX)
+            # Every top-K_MAX candidate lies in one of the TOP_TILES tiles with the largest
+            # maxima (any other candidate has that many tile maxima above it), so only
+            # their candidates are merged: a short sort instead of one over every tile.
+            tile_first = tl.load(cand_base + tiles * CAND, mask=t_ok, other=PAD)
+            _, first_ids = unpack_candidates(tl.topk(tile_first, TOP_TILES))
+            tile_of = first_ids // BLOCK_V
+            gathered = tl.load(cand_base + tile_of[:, None] * CAND + tl.arange(0, CAND)[None, :],
+                               mask=(tile_of < NUM_VT)[:, None], other=PAD)
+            top = tl.topk(tl.reshape(gathered, (TOP_TILES * CAND,)), K_MAX)
             raw, cand_ids = unpack_candidates(top)
             s = raw / temperature
             rank = tl.arange(0, K_MAX)

@@ -169,15 +169,16 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
     status = torch.empty(num_rows, dtype=torch.int32, device=device)
     logprobs = torch.zeros(num_rows, **f32) if not need_lse else torch.empty(num_rows, **f32)
     lse = torch.zeros(num_rows, **f32) if not need_lse else torch.empty(num_rows, **f32)
+    vt_pow2 = triton.next_power_of_2(num_vt)
+    top_tiles = min(config.max_support, vt_pow2)
     lm_head.lm_head_rows_kernel[(num_rows,)](
         best, best_id, best_s, tile_max, tile_sum, bad, candidates,
         params_args[0], params_args[1], tensors["top_k"], tensors["top_p"], tensors["min_p"],
         params_args[2], params_args[3],
         tokens, logprobs, lse, status,
         vocab_size, num_vt, rows_per_param,
-        LSE=need_lse, CAND=cand, K_MAX=config.max_support,
-        VT_POW2=triton.next_power_of_2(num_vt),
-        CAND_POW2=triton.next_power_of_2(max(num_vt * cand, config.max_support)),
+        LSE=need_lse, CAND=cand, K_MAX=min(config.max_support, top_tiles * max(cand, 1)),
+        TOP_TILES=top_tiles, BLOCK_V=config.block_v, VT_POW2=vt_pow2,
         PAD=lm_head.PAD_KEY, num_warps=4,
     )
     return SampleOutput(tokens, logprobs, lse, status)
