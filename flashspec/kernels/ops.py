@@ -34,7 +34,8 @@ class TileConfig:
 
     block_v: vocabulary rows of the weight per program; block_r: hidden rows per program
     (>= 16 for tl.dot); block_d: reduction step; candidates: top logits kept per
-    (row, vocab tile); max_support: largest truncated support handled without completion.
+    (row, vocab tile); max_support: largest truncated support handled without completion;
+    merge_warps: warps of the per-row stage 2 (its sorts are the cost of truncation).
     """
 
     block_v: int = 128
@@ -42,8 +43,9 @@ class TileConfig:
     block_d: int = 128
     num_warps: int = 4
     num_stages: int = 4
-    candidates: int = 8
+    candidates: int = 4
     max_support: int = 64
+    merge_warps: int = 16
 
     def __post_init__(self):
         for name in ("block_v", "block_r", "block_d", "candidates", "max_support"):
@@ -66,9 +68,10 @@ def default_config(num_rows: int, element_size: int = 2) -> TileConfig:
 
 
 def _bf16_config(num_rows: int) -> TileConfig:
-    # From scripts/sweep_tiles.py on an H200 (D=4096, V=151,936, bf16), 2026-11-21.
+    # From scripts/sweep_tiles.py on an H200 (D=4096, V=151,936, bf16), 2026-11-21. At small
+    # B, 64- and 128-wide vocab tiles tie; 128 halves the tile maxima that truncation sorts.
     if num_rows <= 16:
-        return TileConfig(block_v=64, block_r=16, block_d=128, num_warps=4, num_stages=4)
+        return TileConfig(block_v=128, block_r=16, block_d=128, num_warps=4, num_stages=4)
     if num_rows <= 32:
         return TileConfig(block_v=128, block_r=32, block_d=128, num_warps=4, num_stages=4)
     if num_rows <= 64:
@@ -179,7 +182,7 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
         vocab_size, num_vt, rows_per_param,
         LSE=need_lse, CAND=cand, K_MAX=min(config.max_support, top_tiles * max(cand, 1)),
         TOP_TILES=top_tiles, BLOCK_V=config.block_v, VT_POW2=vt_pow2,
-        PAD=lm_head.PAD_KEY, num_warps=4,
+        PAD=lm_head.PAD_KEY, num_warps=config.merge_warps if cand else 4,
     )
     return SampleOutput(tokens, logprobs, lse, status)
 
