@@ -30,8 +30,10 @@ def test_near_tie_detector():
     noise = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
     assert is_near_tie(logits, True, 1.0, 0, 1.0, 0.0, noise, 1, 2)
     assert not is_near_tie(logits, True, 1.0, 0, 1.0, 0.0, noise, 0, 1)
-    # top-k boundary: token 0 and token 3 tie for the second place within rounding
+    # top-k=2 boundary: tokens 0 and 3 tie for second place within rounding. With token 0
+    # kept it wins (2 + 4 > 5); without it token 1 wins: both readings are defensible.
     logits = torch.tensor([2.0, 5.0, -1.0, 2.0 + 1e-8], dtype=torch.float64)
     noise = torch.tensor([4.0, 0.0, 0.0, 0.5], dtype=torch.float64)
-    assert is_near_tie(logits, True, 1.0, 2, 1.0, 0.0, noise, 0, 3)
-    assert not is_near_tie(logits, True, 1.0, 2, 1.0, 0.0, noise, 0, 2)
+    assert is_near_tie(logits, True, 1.0, 2, 1.0, 0.0, noise, 0, 1)
+    assert not is_near_tie(logits, True, 1.0, 2, 1.0, 0.0, noise, 0, 3)  # 3 never wins
+    assert not is_near_tie(logits, True, 1.0, 2, 1.0, 0.0, noise, 0, 2)  # 2 is far outside
