@@ -151,17 +151,16 @@ def _gumbel_argmax(scores: torch.Tensor, seed: torch.Tensor, position: torch.Ten
     return perturbed.argmax(dim=-1)
 
 
-def _choose(logits: torch.Tensor, params: SamplingParams, positions: torch.Tensor,
-            exclude: torch.Tensor | None = None):
-    """Tokens of rows ``[B, V]`` (greedy or Gumbel-max), with their transformed scores."""
-    scores = transform_logits(logits, params)
+def _choose(logits: torch.Tensor, scores: torch.Tensor, params: SamplingParams,
+            positions: torch.Tensor, exclude: torch.Tensor | None = None) -> torch.Tensor:
+    """Token of each row ``[B, V]``: argmax of the raw `logits` for greedy rows, Gumbel-max
+    of the transformed `scores` otherwise; token ``exclude[r]`` (>= 0) is skipped."""
     sampled = _gumbel_argmax(scores, params.seed, positions, exclude)
     greedy_scores = logits
     if exclude is not None:
         vocab = torch.arange(logits.shape[-1], device=logits.device)
         greedy_scores = logits.masked_fill(vocab[None, :] == exclude[:, None], float("-inf"))
-    greedy = greedy_scores.argmax(dim=-1)
-    return torch.where(params.is_greedy, greedy, sampled), scores
+    return torch.where(params.is_greedy, greedy_scores.argmax(dim=-1), sampled)
 
 
 def lm_head_argmax(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -201,8 +200,8 @@ def lm_head_sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingP
     logits = compute_logits(hidden, weight)
     finite = _finite_rows(logits, params)
     _raise_if_non_finite(finite, check_finite)
-    tokens, scores = _choose(logits, params, positions)
-    tokens = torch.where(finite, tokens, INVALID_TOKEN)
+    scores = transform_logits(logits, params)
+    tokens = torch.where(finite, _choose(logits, scores, params, positions), INVALID_TOKEN)
     lse = torch.where(finite, scores.logsumexp(dim=-1), float("nan"))
     logprobs = scores.gather(-1, tokens.clamp_min(0)[:, None]).squeeze(-1) - lse
     result = (tokens,) + ((logprobs,) if return_logprobs else ()) + ((lse,) if return_lse else ())
@@ -251,9 +250,9 @@ def lm_head_verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: tor
     is_draft = (draft_tokens >= 0).cumprod(dim=1).bool()
     drafts = torch.cat([torch.where(is_draft, draft_tokens, -1),
                         draft_tokens.new_full((batch_size, 1), -1)], dim=1)
-    target, scores = _choose(logits, flat_params, flat_positions)
-    target = target.view(batch_size, num_positions)
-    scores = scores.view(batch_size, num_positions, vocab_size)
+    flat_scores = transform_logits(logits, flat_params)
+    target = _choose(logits, flat_scores, flat_params, flat_positions).view(batch_size, num_positions)
+    scores = flat_scores.view(batch_size, num_positions, vocab_size)
     draft_index = drafts.clamp_min(0)[..., None]
     log_norm = scores.logsumexp(dim=-1)
     draft_prob = (scores.gather(-1, draft_index).squeeze(-1) - log_norm).exp()
@@ -268,7 +267,7 @@ def lm_head_verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: tor
         u = rng.uniform(params.seed[:, None], positions[:, None] + offsets[None, :], 0,
                         stream=rng.ACCEPT_STREAM)
         accepted = torch.where(greedy, drafts == target, u < accept_prob.double()) & (drafts >= 0)
-        masked, _ = _choose(logits, flat_params, flat_positions, exclude=drafts.reshape(-1))
+        masked = _choose(logits, flat_scores, flat_params, flat_positions, exclude=drafts.reshape(-1))
         replacement = torch.where(drafts >= 0, masked.view(batch_size, num_positions), target)
 
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)

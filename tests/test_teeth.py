@@ -64,6 +64,6 @@ def test_invariance_catches_noise_keyed_one_position_off():
 def test_probabilistic_check_catches_unmasked_recovery(monkeypatch):
     original = reference._choose
     monkeypatch.setattr(reference, "_choose",
-                        lambda logits, params, positions, exclude=None:
-                        original(logits, params, positions))
+                        lambda logits, scores, params, positions, exclude=None:
+                        original(logits, scores, params, positions))
     _fails(semantics.check_probabilistic_acceptance)

@@ -249,6 +249,5 @@ def lm_head_rows_kernel(
 
     tl.store(token_ptr + row, tl.where(status == _OK, token, -1).to(tl.int64))
     tl.store(status_ptr + row, status)
-    if LSE:
-        tl.store(lse_ptr + row, lse)
-        tl.store(logprob_ptr + row, logprob)
+    tl.store(lse_ptr + row, lse)  # 0 unless LSE: written here, no separate fill launch
+    tl.store(logprob_ptr + row, logprob)

@@ -140,14 +140,15 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
     truncate = params is not None and params.any_truncation
     need_lse = want_lse or truncate  # top-p without top-k normalises by the full sum
     cand = config.candidates if truncate else 0
-    if params is None:
+    if params is None:  # argmax: every row reads the one greedy parameter row
         do_sample, temperature, zeros = _greedy_row_params(device)
-        params_args = (do_sample, temperature, zeros, zeros)
-        tensors = dict(top_k=zeros, top_p=temperature, min_p=temperature)
+        row = dict(do_sample=do_sample, temperature=temperature, top_k=zeros, top_p=temperature,
+                   min_p=temperature, seed=zeros, position=zeros)
         rows_per_param = num_rows
     else:
-        params_args = (params.do_sample, params.temperature, params.seed, positions)
-        tensors = dict(top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
+        row = dict(do_sample=params.do_sample, temperature=params.temperature,
+                   top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+                   seed=params.seed, position=positions)
 
     num_vt = triton.cdiv(vocab_size, config.block_v)
     f32 = dict(dtype=torch.float32, device=device)
@@ -160,7 +161,7 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
                   if cand else best_id)
     grid = (num_vt * triton.cdiv(num_rows, config.block_r),)
     lm_head.lm_head_tiles_kernel[grid](
-        hidden, weight, *params_args,
+        hidden, weight, row["do_sample"], row["temperature"], row["seed"], row["position"],
         best, best_id, best_s, tile_max, tile_sum, bad, candidates,
         num_rows, vocab_size, dim, hidden.stride(0), weight.stride(0), num_vt, rows_per_param,
         SAMPLE=sample, LSE=need_lse, CAND=cand, IEEE_DOT=hidden.dtype == torch.float32,
@@ -170,14 +171,14 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
     )
     tokens = torch.empty(num_rows, dtype=torch.int64, device=device)
     status = torch.empty(num_rows, dtype=torch.int32, device=device)
-    logprobs = torch.zeros(num_rows, **f32) if not need_lse else torch.empty(num_rows, **f32)
-    lse = torch.zeros(num_rows, **f32) if not need_lse else torch.empty(num_rows, **f32)
+    logprobs = torch.empty(num_rows, **f32)
+    lse = torch.empty(num_rows, **f32)
     vt_pow2 = triton.next_power_of_2(num_vt)
     top_tiles = min(config.max_support, vt_pow2)
     lm_head.lm_head_rows_kernel[(num_rows,)](
         best, best_id, best_s, tile_max, tile_sum, bad, candidates,
-        params_args[0], params_args[1], tensors["top_k"], tensors["top_p"], tensors["min_p"],
-        params_args[2], params_args[3],
+        row["do_sample"], row["temperature"], row["top_k"], row["top_p"], row["min_p"],
+        row["seed"], row["position"],
         tokens, logprobs, lse, status,
         vocab_size, num_vt, rows_per_param,
         LSE=need_lse, CAND=cand, K_MAX=min(config.max_support, top_tiles * max(cand, 1)),
