@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dim", type=int, default=4096)
     parser.add_argument("--vocab", type=int, default=151_936)
-    parser.add_argument("--batch-sizes", default="1,16,64,128,256")
+    parser.add_argument("--batch-sizes", default="1,16,32,64,128,256")
     parser.add_argument("--truncation", action="store_true", help="time top_k=20, top_p=0.95")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
@@ -49,9 +49,12 @@ def main(argv=None) -> int:
         positions = torch.zeros(batch, dtype=torch.long, device="cuda")
         floor_ms = (args.vocab * args.dim + batch * args.dim) * 2 / bandwidth * 1e3
         matmul_ms = triton.testing.do_bench(lambda: hidden @ weight.T, return_mode="median")
-        block_rs = [16] if batch <= 16 else [32, 64] if batch <= 64 else [64, 128]
+        block_rs = ([16] if batch <= 16 else [16, 32] if batch <= 32 else [32, 64] if batch <= 64
+                    else [64, 128])
+        # Two stages leave room for two resident programs per SM, so one program's
+        # sampling epilogue can overlap another's main loop.
         for block_v, block_r, block_d, warps, stages in itertools.product(
-                [64, 128, 256], block_rs, [64, 128], [4, 8], [3, 4]):
+                [64, 128], block_rs, [64, 128], [4, 8], [2, 3, 4]):
             config = TileConfig(block_v=block_v, block_r=block_r, block_d=block_d,
                                 num_warps=warps, num_stages=stages)
             try:
