@@ -68,14 +68,12 @@ def default_config(num_rows: int, element_size: int = 2) -> TileConfig:
 
 
 def _bf16_config(num_rows: int) -> TileConfig:
-    # From scripts/sweep_tiles.py on an H200 (D=4096, V=151,936, bf16), 2026-11-21. At small
-    # B, 64- and 128-wide vocab tiles tie; 128 halves the tile maxima that truncation sorts.
+    # From scripts/sweep_tiles.py on an H200 (D=4096, V=151,936, bf16), 2026-11-21. Vocab
+    # tiles stay 128 wide: 64 ties untruncated but doubles the tile maxima truncation sorts.
     if num_rows <= 16:
-        return TileConfig(block_v=128, block_r=16, block_d=128, num_warps=4, num_stages=4)
-    if num_rows <= 32:
-        return TileConfig(block_v=128, block_r=32, block_d=128, num_warps=4, num_stages=4)
-    if num_rows <= 64:
-        return TileConfig(block_v=128, block_r=64, block_d=128, num_warps=8, num_stages=4)
+        return TileConfig(block_v=128, block_r=16, block_d=128, num_warps=4, num_stages=3)
+    if num_rows <= 32:  # two stages: two programs per SM, epilogue overlaps the main loop
+        return TileConfig(block_v=128, block_r=32, block_d=128, num_warps=8, num_stages=2)
     return TileConfig(block_v=128, block_r=64, block_d=64, num_warps=8, num_stages=4)
 
 
