@@ -59,6 +59,7 @@ def assert_same_tokens(ours, theirs, hidden, weight, params, positions, what="")
 @pytest.mark.parametrize("batch,vocab_size,dim", [
     (1, 97, 16), (2, 300, 40), (5, 513, 64), (16, 130, 24), (17, 257, 48),
     (3, 2000, 16),  # more vocab tiles than the merge keeps (max_support): two-level merge
+    (4, 150, 13),   # 52-byte rows: not TMA-aligned, the pointer-load path
 ])
 def test_sample_pathwise_equals_reference(batch, vocab_size, dim):
     g = torch.Generator().manual_seed(batch * 1000 + vocab_size)

@@ -82,11 +82,11 @@ def _row_noise_keys(seed_ptr, position_ptr, rows, ROWS_PER_PARAM):
 
 @triton.jit
 def lm_head_tiles_kernel(
-    hidden_ptr, weight_ptr, do_sample_ptr, temperature_ptr, seed_ptr, position_ptr,
+    hidden_ptr, weight_ptr, hidden_desc, weight_desc, do_sample_ptr, temperature_ptr, seed_ptr, position_ptr,
     best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, cand_ptr,
     R, V, D, stride_hidden, stride_weight, NUM_VT, ROWS_PER_PARAM,
     SAMPLE: tl.constexpr, LSE: tl.constexpr, CAND: tl.constexpr, IEEE_DOT: tl.constexpr,
-    EVEN_V: tl.constexpr, EVEN_D: tl.constexpr,
+    EVEN_V: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
@@ -103,17 +103,23 @@ def lm_head_tiles_kernel(
     v_ok = offs_v < V
 
     # The tile is [rows, vocab]: per-row reductions run along the MMA's N dimension, inside
-    # a warp, instead of across warps through shared memory.
+    # a warp, instead of across warps through shared memory. Loads go through TMA
+    # descriptors (zero-filled out of bounds) when the rows are 16-byte aligned: at large
+    # B that is what brings the main loop to cuBLAS's speed.
     h_ptrs = hidden_ptr + offs_r[:, None].to(tl.int64) * stride_hidden + offs_d[None, :]
     w_ptrs = weight_ptr + offs_v[:, None].to(tl.int64) * stride_weight + offs_d[None, :]
     acc = tl.zeros((BLOCK_R, BLOCK_V), dtype=tl.float32)
     for k in tl.range(0, D, BLOCK_D, num_stages=NUM_STAGES):
-        d_ok = ((k + offs_d) < D) | EVEN_D
-        h = tl.load(h_ptrs + k, mask=r_ok[:, None] & d_ok[None, :], other=0.0)
-        if EVEN_V and EVEN_D:
-            w = tl.load(w_ptrs + k)
+        if TMA:
+            h = hidden_desc.load([pid_r * BLOCK_R, k])
+            w = weight_desc.load([pid_v * BLOCK_V, k])
         else:
-            w = tl.load(w_ptrs + k, mask=v_ok[:, None] & d_ok[None, :], other=0.0)
+            d_ok = ((k + offs_d) < D) | EVEN_D
+            h = tl.load(h_ptrs + k, mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+            if EVEN_V and EVEN_D:
+                w = tl.load(w_ptrs + k)
+            else:
+                w = tl.load(w_ptrs + k, mask=v_ok[:, None] & d_ok[None, :], other=0.0)
         if IEEE_DOT:
             acc = tl.dot(h, tl.trans(w), acc, input_precision="ieee")
         else:

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import reference
 from ..checks import NonFiniteLogitsError, check_lm_head, check_sampling_inputs
@@ -158,12 +159,17 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
     candidates = (torch.empty(num_rows, num_vt, cand, dtype=torch.int64, device=device)
                   if cand else best_id)
     grid = (num_vt * triton.cdiv(num_rows, config.block_r),)
+    tma = _tma_ready(hidden) and _tma_ready(weight)
+    hidden_desc, weight_desc = (
+        (TensorDescriptor.from_tensor(hidden, [config.block_r, config.block_d]),
+         TensorDescriptor.from_tensor(weight, [config.block_v, config.block_d]))
+        if tma else (hidden, weight))
     lm_head.lm_head_tiles_kernel[grid](
-        hidden, weight, row["do_sample"], row["temperature"], row["seed"], row["position"],
+        hidden, weight, hidden_desc, weight_desc, row["do_sample"], row["temperature"], row["seed"], row["position"],
         best, best_id, best_s, tile_max, tile_sum, bad, candidates,
         num_rows, vocab_size, dim, hidden.stride(0), weight.stride(0), num_vt, rows_per_param,
         SAMPLE=sample, LSE=need_lse, CAND=cand, IEEE_DOT=hidden.dtype == torch.float32,
-        EVEN_V=vocab_size % config.block_v == 0, EVEN_D=dim % config.block_d == 0,
+        EVEN_V=vocab_size % config.block_v == 0, EVEN_D=dim % config.block_d == 0, TMA=tma,
         BLOCK_V=config.block_v, BLOCK_R=config.block_r, BLOCK_D=config.block_d,
         NUM_STAGES=config.num_stages, num_warps=config.num_warps,
     )
@@ -184,6 +190,12 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
         PAD=lm_head.PAD_KEY, num_warps=config.merge_warps if cand else 4,
     )
     return SampleOutput(tokens, logprobs, lse, status)
+
+
+def _tma_ready(matrix: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned base and row stride (any real LM head: D % 8 == 0 in bf16)."""
+    row_bytes = matrix.stride(0) * matrix.element_size()
+    return matrix.data_ptr() % 16 == 0 and row_bytes % 16 == 0
 
 
 def argmax_unchecked(hidden: torch.Tensor, weight: torch.Tensor,
