@@ -59,10 +59,11 @@ class TileConfig:
             raise ValueError(f"TileConfig.candidates={self.candidates} exceeds block_v")
 
 
-def default_config(num_rows: int, element_size: int = 2) -> TileConfig:
-    """Fixed tile table by number of rows (decode batch, or batch x (G+1) for verify);
-    4-byte inputs take half the reduction step to fit the same shared memory."""
-    config = _bf16_config(num_rows)
+def default_config(num_rows: int, element_size: int = 2, truncation: bool = False) -> TileConfig:
+    """Fixed tile table by number of rows (decode batch, or batch x (G+1) for verify) and by
+    whether candidates are kept (a heavier epilogue: other shapes win); 4-byte inputs take
+    half the reduction step to fit the same shared memory."""
+    config = _bf16_truncation_config(num_rows) if truncation else _bf16_config(num_rows)
     if element_size > 2:
         config = dataclasses.replace(config, block_d=max(16, config.block_d // 2))
     return config
@@ -76,6 +77,15 @@ def _bf16_config(num_rows: int) -> TileConfig:
     if num_rows <= 32:  # two stages: two programs per SM, epilogue overlaps the main loop
         return TileConfig(block_v=128, block_r=32, block_d=128, num_warps=8, num_stages=2)
     return TileConfig(block_v=128, block_r=64, block_d=64, num_warps=8, num_stages=4)
+
+
+def _bf16_truncation_config(num_rows: int) -> TileConfig:
+    # scripts/sweep_tiles.py --truncation on an H200, 2026-11-21 (top_k=20, top_p=0.95).
+    if num_rows <= 32:
+        return _bf16_config(num_rows)
+    if num_rows <= 64:
+        return TileConfig(block_v=64, block_r=64, block_d=64, num_warps=8, num_stages=4)
+    return TileConfig(block_v=64, block_r=128, block_d=128, num_warps=8, num_stages=4)
 
 
 class SampleOutput(NamedTuple):
@@ -131,12 +141,12 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
     r // rows_per_param and noise position positions[r // rows_per_param] + r % rows_per_param."""
     num_rows, dim = hidden.shape
     vocab_size = weight.shape[0]
-    config = config or default_config(num_rows, hidden.element_size())
+    sample = params is not None and not params.all_greedy
+    truncate = params is not None and params.any_truncation
+    config = config or default_config(num_rows, hidden.element_size(), truncate)
     device = hidden.device
     if hidden.stride(-1) != 1:
         hidden = hidden.contiguous()
-    sample = params is not None and not params.all_greedy
-    truncate = params is not None and params.any_truncation
     need_lse = want_lse or truncate  # top-p without top-k normalises by the full sum
     cand = config.candidates if truncate else 0
     if params is None:  # argmax: every row reads the one greedy parameter row
