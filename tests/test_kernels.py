@@ -17,7 +17,8 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 # Small tiles on the interpreter so that small shapes still span several vocab tiles.
 SMALL = None if ON_GPU else kernels.TileConfig(block_v=32, block_r=16, block_d=16,
                                                candidates=4, max_support=32)
-OTHER = kernels.TileConfig(block_v=64, block_r=32, block_d=32, candidates=8, max_support=64)
+OTHER = kernels.TileConfig(block_v=64, block_r=32, block_d=32, candidates=8, max_support=64,
+                           split_epilogue=True)
 
 
 def mixed_params(g: torch.Generator, batch: int, seed: int = 0) -> SamplingParams:
@@ -138,9 +139,12 @@ def test_tile_configurations_give_identical_tokens():
     g = torch.Generator().manual_seed(9)
     hidden, weight, positions = random_problem(g, 7, 400, 48)
     params = mixed_params(g, 7, seed=4)
-    a = kernels.lm_head_sample(hidden, weight, params, positions, config=SMALL)
-    b = kernels.lm_head_sample(hidden, weight, params, positions, config=OTHER)
+    a, a_lse = kernels.lm_head_sample(hidden, weight, params, positions, return_lse=True,
+                                      config=SMALL)
+    b, b_lse = kernels.lm_head_sample(hidden, weight, params, positions, return_lse=True,
+                                      config=OTHER)
     assert_same_tokens(a, b, hidden, weight, params, positions, "two tilings")
+    assert torch.allclose(a_lse, b_lse, atol=1e-4, rtol=1e-5)
     assert torch.equal(kernels.lm_head_argmax(hidden, weight, config=SMALL),
                        kernels.lm_head_argmax(hidden, weight, config=OTHER))
 

@@ -81,12 +81,40 @@ def _row_noise_keys(seed_ptr, position_ptr, rows, ROWS_PER_PARAM):
 
 
 @triton.jit
+def _tile_summary(acc, first_v, V, inv_t, sampled, seed, position,
+                  BLOCK_R: tl.constexpr, PART_V: tl.constexpr, EVEN_V: tl.constexpr,
+                  SAMPLE: tl.constexpr, LSE: tl.constexpr):
+    """Per-row summaries of logits ``acc[BLOCK_R, PART_V]`` for tokens first_v + [0, PART_V):
+    best score and its id, the sum of s (non-finite check), and, with LSE, max and
+    sum of exp of s and the s of the best token."""
+    offs_v = first_v + tl.arange(0, PART_V)
+    s = acc * inv_t[:, None]
+    row_sum = tl.sum(s, axis=1)  # masked columns hold 0 here
+    if not EVEN_V:
+        s = tl.where((offs_v < V)[None, :], s, float("-inf"))
+    score = s
+    if SAMPLE:
+        noise = gumbel_noise_tile(seed[:, None], position[:, None], first_v, BLOCK_R, PART_V)
+        score = s + tl.where(sampled[:, None], noise, 0.0)
+    best = tl.max(score, axis=1)
+    best_id = first_v + tl.argmax(score, axis=1, tie_break_left=True)
+    tile_max = best
+    sumexp = best
+    best_s = best
+    if LSE:
+        tile_max = tl.max(s, axis=1)
+        sumexp = tl.sum(tl.exp(s - tile_max[:, None]), axis=1)
+        best_s = tl.sum(tl.where(offs_v[None, :] == best_id[:, None], s, 0.0), axis=1)
+    return best, best_id, row_sum, tile_max, sumexp, best_s
+
+
+@triton.jit
 def lm_head_tiles_kernel(
     hidden_ptr, weight_ptr, hidden_desc, weight_desc, do_sample_ptr, temperature_ptr, seed_ptr, position_ptr,
     best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, cand_ptr,
     R, V, D, stride_hidden, stride_weight, NUM_VT, ROWS_PER_PARAM,
     SAMPLE: tl.constexpr, LSE: tl.constexpr, CAND: tl.constexpr, IEEE_DOT: tl.constexpr,
-    EVEN_V: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr,
+    EVEN_V: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
@@ -129,35 +157,50 @@ def lm_head_tiles_kernel(
     sampled, temperature = _row_params(do_sample_ptr, temperature_ptr, safe_rows, ROWS_PER_PARAM)
     # One division per row; the product differs from HF's division by at most an ulp,
     # which only matters at near-ties (stage 2 divides exactly where thresholds are set).
-    s = acc * (1.0 / temperature)[:, None]
-    # NaN/inf anywhere in a row makes its sum non-finite (masked columns hold 0 here); a
-    # finite row could only overflow the sum with |s| > 1e36, which is reported too.
-    row_sum = tl.sum(s, axis=1)
-    tl.store(bad_ptr + offs_r * NUM_VT + pid_v, (~(tl.abs(row_sum) < float("inf"))).to(tl.int32),
-             mask=r_ok)
-    logits = acc
-    if not EVEN_V:
-        logits = tl.where(v_ok[None, :], acc, float("-inf"))
-        s = tl.where(v_ok[None, :], s, float("-inf"))
-    score = s
-    if SAMPLE:
-        seed, position = _row_noise_keys(seed_ptr, position_ptr, safe_rows, ROWS_PER_PARAM)
-        noise = gumbel_noise_tile(seed[:, None], position[:, None], pid_v * BLOCK_V,
-                                  BLOCK_R, BLOCK_V)
-        score = s + tl.where(sampled[:, None], noise, 0.0)
+    inv_t = 1.0 / temperature
+    seed, position = _row_noise_keys(seed_ptr, position_ptr, safe_rows, ROWS_PER_PARAM)
+    first_v = pid_v * BLOCK_V
+    if SPLIT:
+        # Two vocab halves one after the other: half the epilogue's live registers, so
+        # 128x128 tiles (what the main loop wants at large B) do not spill.
+        lo, hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_R, 2, BLOCK_V // 2)), (0, 2, 1)))
+        best, best_id, row_sum, tile_max, sumexp, best_s = _tile_summary(
+            lo, first_v, V, inv_t, sampled, seed, position, BLOCK_R, BLOCK_V // 2, EVEN_V,
+            SAMPLE, LSE)
+        best1, best_id1, row_sum1, tile_max1, sumexp1, best_s1 = _tile_summary(
+            hi, first_v + BLOCK_V // 2, V, inv_t, sampled, seed, position, BLOCK_R,
+            BLOCK_V // 2, EVEN_V, SAMPLE, LSE)
+        second = best1 > best  # ties stay with the lower ids
+        best = tl.where(second, best1, best)
+        best_id = tl.where(second, best_id1, best_id)
+        row_sum += row_sum1
+        if LSE:
+            merged_max = tl.maximum(tile_max, tile_max1)
+            # The upper half of the last tile may lie wholly past V (its sum is NaN there).
+            upper = tl.where(tile_max1 > float("-inf"),
+                             sumexp1 * tl.exp(tile_max1 - merged_max), 0.0)
+            sumexp = sumexp * tl.exp(tile_max - merged_max) + upper
+            tile_max = merged_max
+            best_s = tl.where(second, best_s1, best_s)
+    else:
+        best, best_id, row_sum, tile_max, sumexp, best_s = _tile_summary(
+            acc, first_v, V, inv_t, sampled, seed, position, BLOCK_R, BLOCK_V, EVEN_V,
+            SAMPLE, LSE)
 
     out = offs_r * NUM_VT + pid_v
-    best = tl.max(score, axis=1)
-    best_id = pid_v * BLOCK_V + tl.argmax(score, axis=1, tie_break_left=True)
+    # NaN/inf anywhere in a row makes its sum non-finite; a finite row could only
+    # overflow the sum with |s| > 1e36, which is reported too.
+    tl.store(bad_ptr + out, (~(tl.abs(row_sum) < float("inf"))).to(tl.int32), mask=r_ok)
     tl.store(best_ptr + out, best, mask=r_ok)
     tl.store(best_id_ptr + out, best_id, mask=r_ok)
     if LSE:
-        tile_max = tl.max(s, axis=1)
         tl.store(max_ptr + out, tile_max, mask=r_ok)
-        tl.store(sumexp_ptr + out, tl.sum(tl.exp(s - tile_max[:, None]), axis=1), mask=r_ok)
-        best_s = tl.sum(tl.where(offs_v[None, :] == best_id[:, None], s, 0.0), axis=1)
+        tl.store(sumexp_ptr + out, sumexp, mask=r_ok)
         tl.store(best_s_ptr + out, best_s, mask=r_ok)
     if CAND > 0:
+        logits = acc
+        if not EVEN_V:
+            logits = tl.where(v_ok[None, :], acc, float("-inf"))
         top = tl.topk(pack_candidates(logits, offs_v[None, :]), CAND, dim=1)
         offs_c = tl.arange(0, CAND)
         cand_ptrs = cand_ptr + (offs_r[:, None] * NUM_VT + pid_v) * CAND + offs_c[None, :]

@@ -36,7 +36,8 @@ class TileConfig:
     block_v: vocabulary rows of the weight per program; block_r: hidden rows per program
     (>= 16 for tl.dot); block_d: reduction step; candidates: top logits kept per
     (row, vocab tile); max_support: largest truncated support handled without completion;
-    merge_warps: warps of the per-row stage 2 (its sorts are the cost of truncation).
+    merge_warps: warps of the per-row stage 2 (its sorts are the cost of truncation);
+    split_epilogue: summarise the tile in two vocab halves (fewer live registers).
     """
 
     block_v: int = 128
@@ -47,6 +48,7 @@ class TileConfig:
     candidates: int = 4
     max_support: int = 64
     merge_warps: int = 16
+    split_epilogue: bool = False
 
     def __post_init__(self):
         for name in ("block_v", "block_r", "block_d", "candidates", "max_support"):
@@ -76,7 +78,12 @@ def _bf16_config(num_rows: int) -> TileConfig:
         return TileConfig(block_v=128, block_r=16, block_d=128, num_warps=4, num_stages=3)
     if num_rows <= 32:  # two stages: two programs per SM, epilogue overlaps the main loop
         return TileConfig(block_v=128, block_r=32, block_d=128, num_warps=8, num_stages=2)
-    return TileConfig(block_v=128, block_r=64, block_d=64, num_warps=8, num_stages=4)
+    if num_rows <= 64:
+        return TileConfig(block_v=128, block_r=64, block_d=64, num_warps=8, num_stages=4)
+    # 128x128 tiles keep the TMA main loop near cuBLAS; the split epilogue keeps them from
+    # spilling (measured: 1.78x -> 1.55x matmul at B=256, 1.52x -> 1.34x at B=128).
+    return TileConfig(block_v=128, block_r=128, block_d=64, num_warps=8, num_stages=4,
+                      split_epilogue=True)
 
 
 def _bf16_truncation_config(num_rows: int) -> TileConfig:
@@ -180,6 +187,7 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
         num_rows, vocab_size, dim, hidden.stride(0), weight.stride(0), num_vt, rows_per_param,
         SAMPLE=sample, LSE=need_lse, CAND=cand, IEEE_DOT=hidden.dtype == torch.float32,
         EVEN_V=vocab_size % config.block_v == 0, EVEN_D=dim % config.block_d == 0, TMA=tma,
+        SPLIT=config.split_epilogue,
         BLOCK_V=config.block_v, BLOCK_R=config.block_r, BLOCK_D=config.block_d,
         NUM_STAGES=config.num_stages, num_warps=config.num_warps,
     )
