@@ -8,9 +8,12 @@ Definition (the contract; changing it changes every seeded output):
 
 * Generator: Philox4x32-10, exactly as Triton's ``tl.philox`` computes it
   (key = (seed & 0xffffffff, seed >> 32), the Random123 round and key constants).
-* Counter for token ``t`` at sequence position ``p`` in stream ``s``:
-  ``(t >> 2, p, s, 0)``; the token's 32-bit word is output word ``t & 3``. One Philox call
-  thus serves four neighbouring token ids, which the fused kernels exploit.
+* Counter for token ``t`` at sequence position ``p`` in stream ``s``: ``(b, p, s, 0)`` with
+  block ``b = 4 * (t >> 4) + ((t >> 1) & 3)``; the token's 32-bit word is output word
+  ``(t & 1) + 2 * ((t >> 3) & 1)``. Writing ``t = 16a + 8h + 2m + l``: block ``4a + m``,
+  word ``2h + l``. One Philox call thus serves tokens c, c + 1, c + 8, c + 9 (c = 16a + 2m),
+  the four columns that one thread holds in an NVIDIA tensor-core accumulator tile, so
+  the fused kernels use all four words without moving data between threads.
 * Streams: ``GUMBEL_STREAM`` (0) keys the Gumbel-max noise of sampling and verification;
   ``ACCEPT_STREAM`` (1) keys the uniforms of probabilistic acceptance (token id 0).
 * Uniform: ``u = (x + 0.5) / 2**32`` for the 32-bit word ``x``: exact in float64, strictly
@@ -97,11 +100,12 @@ def random_bits(seed, position, token_ids, stream: int = GUMBEL_STREAM) -> torch
     if stream not in (GUMBEL_STREAM, ACCEPT_STREAM):
         raise ValueError(f"`stream` must be {GUMBEL_STREAM} or {ACCEPT_STREAM}, got {stream}")
     seed, position, token_ids = torch.broadcast_tensors(seed, position, token_ids)
+    block = ((token_ids >> 4) << 2) | ((token_ids >> 1) & 3)
     words = philox4x32(
-        token_ids >> 2, position, torch.full_like(position, stream), torch.zeros_like(position),
+        block, position, torch.full_like(position, stream), torch.zeros_like(position),
         seed & _MASK32, seed >> 32,
     )
-    lane = token_ids & 3
+    lane = (token_ids & 1) | ((token_ids >> 2) & 2)
     out = words[3]
     for i in (2, 1, 0):
         out = torch.where(lane == i, words[i], out)

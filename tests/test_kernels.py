@@ -18,7 +18,7 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 SMALL = None if ON_GPU else kernels.TileConfig(block_v=32, block_r=16, block_d=16,
                                                candidates=4, max_support=32)
 OTHER = kernels.TileConfig(block_v=64, block_r=32, block_d=32, candidates=8, max_support=64,
-                           split_epilogue=True)
+                           epilogue_parts=2)
 
 
 def mixed_params(g: torch.Generator, batch: int, seed: int = 0) -> SamplingParams:

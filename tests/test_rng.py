@@ -109,7 +109,7 @@ def check_triton_matches_torch(seed=0, n=1024):
     seeds[:4] = torch.tensor([0, 1, 2**62, rng.MAX_SEED])
     positions = torch.randint(0, rng.MAX_POSITION + 1, (n,), generator=g)
     tokens = torch.randint(0, rng.MAX_TOKEN_ID + 1, (n,), generator=g)
-    tokens[4:12] = torch.arange(8)  # every lane of two neighbouring Philox blocks
+    tokens[4:36] = torch.arange(32)  # every word of the Philox blocks of two token groups
     args = [t.to(DEVICE) for t in (seeds, positions, tokens)]
     bits = torch.empty(n, dtype=torch.int64, device=DEVICE)
     accept_bits = torch.empty_like(bits)
@@ -146,6 +146,19 @@ def _noise_tile_probe_kernel(seed_ptr, pos_ptr, out_ptr, FIRST: tl.constexpr,
     pos = tl.load(pos_ptr + rows)[:, None]
     tile = noise.gumbel_noise_tile(seed, pos, FIRST, ROWS, COLS)
     tl.store(out_ptr + rows[:, None] * COLS + tl.arange(0, COLS)[None, :], tile)
+
+
+def test_token_to_philox_block_and_word():
+    """Token 16a + 8h + 2m + l is word 2h + l of Philox block 4a + m (the documented contract)."""
+    seed, position = 2**40 + 7, 99
+    tokens = torch.arange(64)
+    a, h, m, l = tokens // 16, (tokens // 8) % 2, (tokens // 2) % 4, tokens % 2
+    words = rng.philox4x32(4 * a + m, torch.tensor(position), torch.tensor(rng.GUMBEL_STREAM),
+                           torch.tensor(0), torch.tensor(seed & 0xFFFFFFFF), torch.tensor(seed >> 32))
+    expected = torch.stack(words).gather(0, (2 * h + l)[None, :])[0]
+    assert torch.equal(rng.random_bits(seed, position, tokens), expected)
+    # A bijection: 64 tokens use each of the 16 blocks' four words exactly once.
+    assert len(set(zip((4 * a + m).tolist(), (2 * h + l).tolist()))) == 64
 
 
 def test_tile_noise_uses_all_four_philox_words_in_token_order():

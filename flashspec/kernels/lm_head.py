@@ -109,12 +109,37 @@ def _tile_summary(acc, first_v, V, inv_t, sampled, seed, position,
 
 
 @triton.jit
+def _halves(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Columns [0, COLS/2) and [COLS/2, COLS) of x [ROWS, COLS] (register moves only)."""
+    return tl.split(tl.permute(tl.reshape(x, (ROWS, 2, COLS // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _merge_summaries(a, b, LSE: tl.constexpr):
+    """Summary of two neighbouring vocab parts, `a` holding the lower token ids."""
+    best, best_id, row_sum, tile_max, sumexp, best_s = a
+    best1, best_id1, row_sum1, tile_max1, sumexp1, best_s1 = b
+    second = best1 > best  # ties stay with the lower ids
+    best = tl.where(second, best1, best)
+    best_id = tl.where(second, best_id1, best_id)
+    row_sum += row_sum1
+    if LSE:
+        merged_max = tl.maximum(tile_max, tile_max1)
+        # A part of the last tile may lie wholly past V (its sum is NaN there).
+        upper = tl.where(tile_max1 > float("-inf"), sumexp1 * tl.exp(tile_max1 - merged_max), 0.0)
+        sumexp = sumexp * tl.exp(tile_max - merged_max) + upper
+        tile_max = merged_max
+        best_s = tl.where(second, best_s1, best_s)
+    return best, best_id, row_sum, tile_max, sumexp, best_s
+
+
+@triton.jit
 def lm_head_tiles_kernel(
     hidden_ptr, weight_ptr, hidden_desc, weight_desc, do_sample_ptr, temperature_ptr, seed_ptr, position_ptr,
     best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, cand_ptr,
     R, V, D, stride_hidden, stride_weight, NUM_VT, ROWS_PER_PARAM,
     SAMPLE: tl.constexpr, LSE: tl.constexpr, CAND: tl.constexpr, IEEE_DOT: tl.constexpr,
-    EVEN_V: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr, SPLIT: tl.constexpr,
+    EVEN_V: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr, PARTS: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
@@ -160,32 +185,35 @@ def lm_head_tiles_kernel(
     inv_t = 1.0 / temperature
     seed, position = _row_noise_keys(seed_ptr, position_ptr, safe_rows, ROWS_PER_PARAM)
     first_v = pid_v * BLOCK_V
-    if SPLIT:
-        # Two vocab halves one after the other: half the epilogue's live registers, so
-        # 128x128 tiles (what the main loop wants at large B) do not spill.
-        lo, hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_R, 2, BLOCK_V // 2)), (0, 2, 1)))
-        best, best_id, row_sum, tile_max, sumexp, best_s = _tile_summary(
-            lo, first_v, V, inv_t, sampled, seed, position, BLOCK_R, BLOCK_V // 2, EVEN_V,
-            SAMPLE, LSE)
-        best1, best_id1, row_sum1, tile_max1, sumexp1, best_s1 = _tile_summary(
-            hi, first_v + BLOCK_V // 2, V, inv_t, sampled, seed, position, BLOCK_R,
-            BLOCK_V // 2, EVEN_V, SAMPLE, LSE)
-        second = best1 > best  # ties stay with the lower ids
-        best = tl.where(second, best1, best)
-        best_id = tl.where(second, best_id1, best_id)
-        row_sum += row_sum1
-        if LSE:
-            merged_max = tl.maximum(tile_max, tile_max1)
-            # The upper half of the last tile may lie wholly past V (its sum is NaN there).
-            upper = tl.where(tile_max1 > float("-inf"),
-                             sumexp1 * tl.exp(tile_max1 - merged_max), 0.0)
-            sumexp = sumexp * tl.exp(tile_max - merged_max) + upper
-            tile_max = merged_max
-            best_s = tl.where(second, best_s1, best_s)
+    # The tile is summarised in PARTS vocab parts one after the other: fewer values live
+    # at once, so large tiles (what the main loop wants at large B) need fewer registers.
+    if PARTS == 1:
+        summary = _tile_summary(acc, first_v, V, inv_t, sampled, seed, position,
+                                BLOCK_R, BLOCK_V, EVEN_V, SAMPLE, LSE)
     else:
-        best, best_id, row_sum, tile_max, sumexp, best_s = _tile_summary(
-            acc, first_v, V, inv_t, sampled, seed, position, BLOCK_R, BLOCK_V, EVEN_V,
-            SAMPLE, LSE)
+        lo, hi = _halves(acc, BLOCK_R, BLOCK_V)
+        if PARTS == 2:
+            summary = _tile_summary(lo, first_v, V, inv_t, sampled, seed, position,
+                                    BLOCK_R, BLOCK_V // 2, EVEN_V, SAMPLE, LSE)
+            summary = _merge_summaries(summary, _tile_summary(
+                hi, first_v + BLOCK_V // 2, V, inv_t, sampled, seed, position,
+                BLOCK_R, BLOCK_V // 2, EVEN_V, SAMPLE, LSE), LSE)
+        else:
+            quarter: tl.constexpr = BLOCK_V // 4
+            q0, q1 = _halves(lo, BLOCK_R, BLOCK_V // 2)
+            summary = _tile_summary(q0, first_v, V, inv_t, sampled, seed, position,
+                                    BLOCK_R, quarter, EVEN_V, SAMPLE, LSE)
+            summary = _merge_summaries(summary, _tile_summary(
+                q1, first_v + quarter, V, inv_t, sampled, seed, position,
+                BLOCK_R, quarter, EVEN_V, SAMPLE, LSE), LSE)
+            q2, q3 = _halves(hi, BLOCK_R, BLOCK_V // 2)
+            summary = _merge_summaries(summary, _tile_summary(
+                q2, first_v + 2 * quarter, V, inv_t, sampled, seed, position,
+                BLOCK_R, quarter, EVEN_V, SAMPLE, LSE), LSE)
+            summary = _merge_summaries(summary, _tile_summary(
+                q3, first_v + 3 * quarter, V, inv_t, sampled, seed, position,
+                BLOCK_R, quarter, EVEN_V, SAMPLE, LSE), LSE)
+    best, best_id, row_sum, tile_max, sumexp, best_s = summary
 
     out = offs_r * NUM_VT + pid_v
     # NaN/inf anywhere in a row makes its sum non-finite; a finite row could only

@@ -13,17 +13,17 @@ ACCEPT_STREAM: tl.constexpr = tl.constexpr(1)
 
 @triton.jit
 def philox_bits(seed, position, token_ids, STREAM: tl.constexpr):
-    """uint32 Philox word of each token: counter (token >> 2, position, STREAM, 0), lane token & 3.
+    """uint32 Philox word of each token: see `flashspec.rng` for the (block, word) of a token.
 
     `seed`, `position` and `token_ids` are int64 and broadcast against each other.
     """
     token_ids = token_ids + position * 0
     position = position + token_ids * 0
-    c0 = (token_ids >> 2).to(tl.uint32)
+    c0 = (((token_ids >> 4) << 2) | ((token_ids >> 1) & 3)).to(tl.uint32)
     c1 = position.to(tl.uint32)
     zero = c0 * 0
     w0, w1, w2, w3 = tl.philox(seed, c0, c1, zero + STREAM, zero)
-    lane = token_ids & 3
+    lane = (token_ids & 1) | ((token_ids >> 2) & 2)
     return tl.where(lane == 0, w0, tl.where(lane == 1, w1, tl.where(lane == 2, w2, w3)))
 
 
@@ -53,15 +53,17 @@ def gumbel_noise_tile(seed, position, first_token, BLOCK_R: tl.constexpr,
                       BLOCK_V: tl.constexpr):
     """float32 Gumbel noise ``[BLOCK_R, BLOCK_V]`` for tokens first_token + [0, BLOCK_V).
 
-    One Philox call per four neighbouring tokens (all four output words are used), which
-    is how `flashspec.rng` defines the counter; `seed` and `position` are ``[BLOCK_R, 1]``,
-    `first_token` a multiple of 4.
+    `seed` and `position` are ``[BLOCK_R, 1]``, `first_token` a multiple of 16. Token
+    ``16a + 8h + 2m + l`` is word ``2h + l`` of Philox block ``4a + m`` (see
+    `flashspec.rng`): the four words of one call land in the registers of the one thread
+    that holds those columns of a tensor-core accumulator, so no data moves between threads.
     """
-    blocks = first_token // 4 + tl.arange(0, BLOCK_V // 4)
-    c0 = (blocks[None, :] + position * 0).to(tl.uint32)
-    c1 = (position + blocks[None, :] * 0).to(tl.uint32)
+    groups = first_token // 16 + tl.arange(0, BLOCK_V // 16)
+    blocks = groups[:, None] * 4 + tl.arange(0, 4)[None, :]  # [BLOCK_V // 16, 4]: (a, m)
+    c0 = (blocks[None, :, :] + position[:, :, None] * 0).to(tl.uint32)
+    c1 = (position[:, :, None] + blocks[None, :, :] * 0).to(tl.uint32)
     zero = c0 * 0
-    w0, w1, w2, w3 = tl.philox(seed, c0, c1, zero + GUMBEL_STREAM, zero)
-    # join(join(w0, w2), join(w1, w3))[r, q, i, j] = w_{2i+j}: token 4q + 2i + j.
-    bits = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (BLOCK_R, BLOCK_V))
+    w0, w1, w2, w3 = tl.philox(seed[:, :, None], c0, c1, zero + GUMBEL_STREAM, zero)
+    bits = tl.join(tl.join(w0, w1), tl.join(w2, w3))  # [r, a, m, l, h] = word 2h + l
+    bits = tl.reshape(tl.permute(bits, (0, 1, 4, 2, 3)), (BLOCK_R, BLOCK_V))
     return -tl.log(exponential_from_bits(bits))
