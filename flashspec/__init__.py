@@ -6,7 +6,7 @@ materialized torch oracle and CPU path with the same signatures.
 """
 
 from . import reference, rng
-from .api import lm_head_argmax, lm_head_sample
+from .api import lm_head_argmax, lm_head_sample, lm_head_verify
 from .checks import NonFiniteLogitsError
 from .params import SamplingParams
 from .reference import VerifyOutput
@@ -14,4 +14,4 @@ from .reference import VerifyOutput
 __version__ = "0.1.0"
 
 __all__ = ["NonFiniteLogitsError", "SamplingParams", "VerifyOutput", "lm_head_argmax",
-           "lm_head_sample", "reference", "rng"]
+           "lm_head_sample", "lm_head_verify", "reference", "rng"]

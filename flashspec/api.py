@@ -29,3 +29,13 @@ def lm_head_sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingP
         from .kernels import lm_head_sample as fused
         return fused(hidden, weight, params, positions, return_logprobs, **kwargs)
     return reference.lm_head_sample(hidden, weight, params, positions, return_logprobs, **kwargs)
+
+
+def lm_head_verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tensor,
+                   params: SamplingParams, positions: torch.Tensor, **kwargs) -> reference.VerifyOutput:
+    """Verify G drafted tokens per row in one pass over the LM head; see
+    `reference.lm_head_verify` for the arguments (`acceptance`, `check_finite`)."""
+    if _fused(hidden):
+        from .kernels import lm_head_verify as fused
+        return fused(hidden, weight, draft_tokens, params, positions, **kwargs)
+    return reference.lm_head_verify(hidden, weight, draft_tokens, params, positions, **kwargs)

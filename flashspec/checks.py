@@ -91,8 +91,10 @@ def check_sampling_inputs(hidden: torch.Tensor, params: SamplingParams,
         )
 
 
-def check_draft_tokens(draft_tokens: torch.Tensor, hidden: torch.Tensor, vocab_size: int) -> None:
-    """`draft_tokens` is int64 ``[B, G]`` with ids in [0, V) or -1 (padding), G+1 = hidden.shape[1]."""
+def check_draft_tokens(draft_tokens: torch.Tensor, hidden: torch.Tensor, vocab_size: int,
+                       check_values: bool = True) -> None:
+    """`draft_tokens` is int64 ``[B, G]`` with ids in [0, V) or -1 (padding), G+1 = hidden.shape[1]
+    (the ids are a device read: skipped when `check_values` is False)."""
     if not torch.is_tensor(draft_tokens) or draft_tokens.dtype != torch.int64:
         kind = draft_tokens.dtype if torch.is_tensor(draft_tokens) else type(draft_tokens).__name__
         raise ValueError(f"`draft_tokens` must be an int64 tensor of shape [B, G], got {kind}")
@@ -107,7 +109,7 @@ def check_draft_tokens(draft_tokens: torch.Tensor, hidden: torch.Tensor, vocab_s
         raise ValueError(
             f"`draft_tokens` is on {draft_tokens.device} but `hidden` is on {hidden.device}"
         )
-    if draft_tokens.numel() and bool(((draft_tokens < -1) | (draft_tokens >= vocab_size)).any()):
+    if check_values and draft_tokens.numel() and bool(((draft_tokens < -1) | (draft_tokens >= vocab_size)).any()):
         raise ValueError(
             f"`draft_tokens` must be token ids in [0, {vocab_size}) or -1 for padding, got values "
             f"in [{int(draft_tokens.min())}, {int(draft_tokens.max())}]"

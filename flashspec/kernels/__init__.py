@@ -4,8 +4,10 @@ Named `flashspec.kernels`, never top-level `kernels`, which is Hugging Face's ow
 Importing this package imports Triton; `flashspec` itself does not.
 """
 
-from .ops import (KernelStats, SampleOutput, TileConfig, argmax_unchecked, default_config,
-                  lm_head_argmax, lm_head_sample, reset_stats, sample_unchecked, stats)
+from .ops import (KernelStats, SampleOutput, TileConfig, VerifyKernelOutput, argmax_unchecked,
+                  default_config, lm_head_argmax, lm_head_sample, lm_head_verify, reset_stats,
+                  sample_unchecked, stats, verify_unchecked)
 
-__all__ = ["KernelStats", "SampleOutput", "TileConfig", "argmax_unchecked", "default_config",
-           "lm_head_argmax", "lm_head_sample", "reset_stats", "sample_unchecked", "stats"]
+__all__ = ["KernelStats", "SampleOutput", "TileConfig", "VerifyKernelOutput", "argmax_unchecked",
+           "default_config", "lm_head_argmax", "lm_head_sample", "lm_head_verify", "reset_stats",
+           "sample_unchecked", "stats", "verify_unchecked"]

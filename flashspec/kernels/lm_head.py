@@ -19,6 +19,12 @@ token sits below its tile's last one); the survivors are *certified* to be the w
 support when they, and top-k's tie class, end strictly above that key. Other rows get
 status 1 and are completed exactly by the caller.
 
+Verification (DRAFT) flattens ``[B, G+1]`` positions into rows: stage 1 leaves each row's
+drafted token out of the tile's best and writes the draft's scaled logit; stage 2 decides
+whether the draft is the target's own sample (its perturbed score against the best other
+token) and writes p(draft), the best other token and the logprobs; `verify_finalize_kernel`,
+one program per batch row, runs the acceptance chain over the G+1 positions.
+
 Candidate keys: ``(order_key(raw logit) << 32) | (2**31 - 1 - token id)``, so that a
 larger key means a larger logit, then a lower id (the preference order of argmax).
 """
@@ -26,7 +32,7 @@ larger key means a larger logit, then a lower id (the preference order of argmax
 import triton
 import triton.language as tl
 
-from .noise import gumbel_noise, gumbel_noise_tile
+from .noise import ACCEPT_STREAM, gumbel_noise, gumbel_noise_tile, philox_bits
 
 STATUS_OK = 0
 STATUS_NEEDS_COMPLETION = 1
@@ -81,12 +87,25 @@ def _row_noise_keys(seed_ptr, position_ptr, rows, ROWS_PER_PARAM):
 
 
 @triton.jit
-def _tile_summary(acc, first_v, V, inv_t, sampled, seed, position,
+def _row_drafts(draft_ptr, rows, ok, ROWS_PER_PARAM):
+    """Drafted token id of each row (int32, -1 for none): row r is position
+    j = r % ROWS_PER_PARAM of batch row b = r // ROWS_PER_PARAM, which verifies draft
+    ``draft_tokens[b, j]`` (``[B, G]`` contiguous, G = ROWS_PER_PARAM - 1); the last
+    position has none."""
+    num_drafts = ROWS_PER_PARAM - 1
+    j = rows % ROWS_PER_PARAM
+    has = ok & (j < num_drafts)
+    return tl.load(draft_ptr + (rows // ROWS_PER_PARAM) * num_drafts + j, mask=has,
+                   other=-1).to(tl.int32)
+
+
+@triton.jit
+def _tile_summary(acc, first_v, V, inv_t, sampled, seed, position, draft,
                   BLOCK_R: tl.constexpr, PART_V: tl.constexpr, EVEN_V: tl.constexpr,
-                  SAMPLE: tl.constexpr, LSE: tl.constexpr):
+                  SAMPLE: tl.constexpr, LSE: tl.constexpr, DRAFT: tl.constexpr):
     """Per-row summaries of logits ``acc[BLOCK_R, PART_V]`` for tokens first_v + [0, PART_V):
-    best score and its id, the sum of s (non-finite check), and, with LSE, max and
-    sum of exp of s and the s of the best token."""
+    best score and its id (with DRAFT, token `draft` of each row is left out), the sum of s
+    (non-finite check), and, with LSE, max and sum of exp of s and the s of the best token."""
     offs_v = first_v + tl.arange(0, PART_V)
     s = acc * inv_t[:, None]
     row_sum = tl.sum(s, axis=1)  # masked columns hold 0 here
@@ -96,6 +115,11 @@ def _tile_summary(acc, first_v, V, inv_t, sampled, seed, position,
     if SAMPLE:
         noise = gumbel_noise_tile(seed[:, None], position[:, None], first_v, BLOCK_R, PART_V)
         score = s + tl.where(sampled[:, None], noise, 0.0)
+    draft_s = row_sum
+    if DRAFT:
+        is_draft = offs_v[None, :] == draft[:, None]
+        draft_s = tl.sum(tl.where(is_draft, s, 0.0), axis=1)
+        score = tl.where(is_draft, float("-inf"), score)
     best = tl.max(score, axis=1)
     best_id = first_v + tl.argmax(score, axis=1, tie_break_left=True)
     tile_max = best
@@ -105,7 +129,7 @@ def _tile_summary(acc, first_v, V, inv_t, sampled, seed, position,
         tile_max = tl.max(s, axis=1)
         sumexp = tl.sum(tl.exp(s - tile_max[:, None]), axis=1)
         best_s = tl.sum(tl.where(offs_v[None, :] == best_id[:, None], s, 0.0), axis=1)
-    return best, best_id, row_sum, tile_max, sumexp, best_s
+    return best, best_id, row_sum, tile_max, sumexp, best_s, draft_s
 
 
 @triton.jit
@@ -117,8 +141,8 @@ def _halves(x, ROWS: tl.constexpr, COLS: tl.constexpr):
 @triton.jit
 def _merge_summaries(a, b, LSE: tl.constexpr):
     """Summary of two neighbouring vocab parts, `a` holding the lower token ids."""
-    best, best_id, row_sum, tile_max, sumexp, best_s = a
-    best1, best_id1, row_sum1, tile_max1, sumexp1, best_s1 = b
+    best, best_id, row_sum, tile_max, sumexp, best_s, draft_s = a
+    best1, best_id1, row_sum1, tile_max1, sumexp1, best_s1, draft_s1 = b
     second = best1 > best  # ties stay with the lower ids
     best = tl.where(second, best1, best)
     best_id = tl.where(second, best_id1, best_id)
@@ -130,15 +154,17 @@ def _merge_summaries(a, b, LSE: tl.constexpr):
         sumexp = sumexp * tl.exp(tile_max - merged_max) + upper
         tile_max = merged_max
         best_s = tl.where(second, best_s1, best_s)
-    return best, best_id, row_sum, tile_max, sumexp, best_s
+    return best, best_id, row_sum, tile_max, sumexp, best_s, draft_s + draft_s1
 
 
 @triton.jit
 def lm_head_tiles_kernel(
     hidden_ptr, weight_ptr, hidden_desc, weight_desc, do_sample_ptr, temperature_ptr, seed_ptr, position_ptr,
     best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, cand_ptr,
+    draft_ptr, draft_s_ptr,
     R, V, D, stride_hidden, stride_weight, NUM_VT, ROWS_PER_PARAM,
-    SAMPLE: tl.constexpr, LSE: tl.constexpr, CAND: tl.constexpr, IEEE_DOT: tl.constexpr,
+    SAMPLE: tl.constexpr, LSE: tl.constexpr, CAND: tl.constexpr, DRAFT: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
     EVEN_V: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr, PARTS: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -185,35 +211,43 @@ def lm_head_tiles_kernel(
     inv_t = 1.0 / temperature
     seed, position = _row_noise_keys(seed_ptr, position_ptr, safe_rows, ROWS_PER_PARAM)
     first_v = pid_v * BLOCK_V
+    draft = offs_r  # unused without DRAFT
+    if DRAFT:
+        # Verification: the drafted token is left out of the tile's best (the recovered
+        # token on rejection); its scaled logit goes out from the one tile that holds it.
+        draft = _row_drafts(draft_ptr, safe_rows, r_ok, ROWS_PER_PARAM)
     # The tile is summarised in PARTS vocab parts one after the other: fewer values live
     # at once, so large tiles (what the main loop wants at large B) need fewer registers.
     if PARTS == 1:
-        summary = _tile_summary(acc, first_v, V, inv_t, sampled, seed, position,
-                                BLOCK_R, BLOCK_V, EVEN_V, SAMPLE, LSE)
+        summary = _tile_summary(acc, first_v, V, inv_t, sampled, seed, position, draft,
+                                BLOCK_R, BLOCK_V, EVEN_V, SAMPLE, LSE, DRAFT)
     else:
         lo, hi = _halves(acc, BLOCK_R, BLOCK_V)
         if PARTS == 2:
-            summary = _tile_summary(lo, first_v, V, inv_t, sampled, seed, position,
-                                    BLOCK_R, BLOCK_V // 2, EVEN_V, SAMPLE, LSE)
+            summary = _tile_summary(lo, first_v, V, inv_t, sampled, seed, position, draft,
+                                    BLOCK_R, BLOCK_V // 2, EVEN_V, SAMPLE, LSE, DRAFT)
             summary = _merge_summaries(summary, _tile_summary(
-                hi, first_v + BLOCK_V // 2, V, inv_t, sampled, seed, position,
-                BLOCK_R, BLOCK_V // 2, EVEN_V, SAMPLE, LSE), LSE)
+                hi, first_v + BLOCK_V // 2, V, inv_t, sampled, seed, position, draft,
+                BLOCK_R, BLOCK_V // 2, EVEN_V, SAMPLE, LSE, DRAFT), LSE)
         else:
             quarter: tl.constexpr = BLOCK_V // 4
             q0, q1 = _halves(lo, BLOCK_R, BLOCK_V // 2)
-            summary = _tile_summary(q0, first_v, V, inv_t, sampled, seed, position,
-                                    BLOCK_R, quarter, EVEN_V, SAMPLE, LSE)
+            summary = _tile_summary(q0, first_v, V, inv_t, sampled, seed, position, draft,
+                                    BLOCK_R, quarter, EVEN_V, SAMPLE, LSE, DRAFT)
             summary = _merge_summaries(summary, _tile_summary(
-                q1, first_v + quarter, V, inv_t, sampled, seed, position,
-                BLOCK_R, quarter, EVEN_V, SAMPLE, LSE), LSE)
+                q1, first_v + quarter, V, inv_t, sampled, seed, position, draft,
+                BLOCK_R, quarter, EVEN_V, SAMPLE, LSE, DRAFT), LSE)
             q2, q3 = _halves(hi, BLOCK_R, BLOCK_V // 2)
             summary = _merge_summaries(summary, _tile_summary(
-                q2, first_v + 2 * quarter, V, inv_t, sampled, seed, position,
-                BLOCK_R, quarter, EVEN_V, SAMPLE, LSE), LSE)
+                q2, first_v + 2 * quarter, V, inv_t, sampled, seed, position, draft,
+                BLOCK_R, quarter, EVEN_V, SAMPLE, LSE, DRAFT), LSE)
             summary = _merge_summaries(summary, _tile_summary(
-                q3, first_v + 3 * quarter, V, inv_t, sampled, seed, position,
-                BLOCK_R, quarter, EVEN_V, SAMPLE, LSE), LSE)
-    best, best_id, row_sum, tile_max, sumexp, best_s = summary
+                q3, first_v + 3 * quarter, V, inv_t, sampled, seed, position, draft,
+                BLOCK_R, quarter, EVEN_V, SAMPLE, LSE, DRAFT), LSE)
+    best, best_id, row_sum, tile_max, sumexp, best_s, draft_s = summary
+    if DRAFT:
+        in_tile = r_ok & (draft >= first_v) & (draft < first_v + BLOCK_V)
+        tl.store(draft_s_ptr + offs_r, draft_s, mask=in_tile)
 
     out = offs_r * NUM_VT + pid_v
     # NaN/inf anywhere in a row makes its sum non-finite; a finite row could only
@@ -237,13 +271,18 @@ def lm_head_tiles_kernel(
 
 @triton.jit
 def lm_head_rows_kernel(
-    best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, cand_ptr,
+    best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, cand_ptr, draft_s_ptr,
     do_sample_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, position_ptr,
+    draft_ptr,
     token_ptr, logprob_ptr, lse_ptr, status_ptr,
+    masked_ptr, masked_logprob_ptr, draft_prob_ptr, draft_logprob_ptr,
     V, NUM_VT, ROWS_PER_PARAM,
-    LSE: tl.constexpr, CAND: tl.constexpr, K_MAX: tl.constexpr, TOP_TILES: tl.constexpr,
-    BLOCK_V: tl.constexpr, VT_POW2: tl.constexpr, PAD: tl.constexpr,
+    LSE: tl.constexpr, CAND: tl.constexpr, DRAFT: tl.constexpr, K_MAX: tl.constexpr,
+    TOP_TILES: tl.constexpr, BLOCK_V: tl.constexpr, VT_POW2: tl.constexpr, PAD: tl.constexpr,
 ):
+    """Per row: the token (the target's own sample), its logprob, the log-sum-exp and the
+    status. With DRAFT (verification) also: the best token other than the draft (`masked`)
+    and its logprob, and the draft's probability and logprob."""
     row = tl.program_id(0)
     tiles = tl.arange(0, VT_POW2)
     t_ok = tiles < NUM_VT
@@ -254,6 +293,8 @@ def lm_head_rows_kernel(
     token = tl.sum(tl.where(tiles == winner, ids, 0))
     bad = tl.sum(tl.load(bad_ptr + base + tiles, mask=t_ok, other=0))
     status = tl.where(bad > 0, _NON_FINITE, _OK)
+    sampled, temperature = _row_params(do_sample_ptr, temperature_ptr, row, ROWS_PER_PARAM)
+    seed, position = _row_noise_keys(seed_ptr, position_ptr, row, ROWS_PER_PARAM)
 
     lse = 0.0
     logprob = 0.0
@@ -265,8 +306,26 @@ def lm_head_rows_kernel(
         best_s = tl.load(best_s_ptr + base + tiles, mask=t_ok, other=0.0)
         logprob = tl.sum(tl.where(tiles == winner, best_s, 0.0)) - lse
 
+    masked = token
+    masked_logprob = logprob
+    draft_logprob = float("-inf")
+    if DRAFT:
+        # Stage 1 left the draft out of every tile's best: `token` is the best other token.
+        # The target's own sample is the draft iff its perturbed score beats that one (ties
+        # go to the lower id, as everywhere); the noise is recomputed bit for bit.
+        draft = _row_drafts(draft_ptr, row, True, ROWS_PER_PARAM)
+        has_draft = draft >= 0
+        draft_s = tl.load(draft_s_ptr + row, mask=has_draft, other=0.0)
+        draft_noise = gumbel_noise(seed, position, tl.maximum(draft, 0).to(tl.int64))
+        draft_score = draft_s + tl.where(sampled, draft_noise, 0.0)
+        masked_score = tl.max(best, axis=0)
+        draft_wins = has_draft & ((draft_score > masked_score)
+                                  | ((draft_score == masked_score) & (draft < masked)))
+        draft_logprob = tl.where(has_draft, draft_s - lse, float("-inf"))
+        token = tl.where(draft_wins, draft, masked)
+        logprob = tl.where(draft_wins, draft_logprob, masked_logprob)
+
     if CAND > 0:
-        sampled, temperature = _row_params(do_sample_ptr, temperature_ptr, row, ROWS_PER_PARAM)
         param_row = row // ROWS_PER_PARAM
         top_k = tl.load(top_k_ptr + param_row)
         top_p = tl.load(top_p_ptr + param_row).to(tl.float32)
@@ -315,16 +374,93 @@ def lm_head_rows_kernel(
             if use_top_k:
                 top_k_support = tl.sum(((s >= kth) & (raw > float("-inf"))).to(tl.int32))
                 saturated = saturated | (top_k_support >= num_certified)
-            seed, position = _row_noise_keys(seed_ptr, position_ptr, row, ROWS_PER_PARAM)
             noise = gumbel_noise(seed, position, cand_ids.to(tl.int64))
             score = tl.where(keep, s + noise, float("-inf"))
             pick = tl.argmax(score, axis=0, tie_break_left=True)
             token = tl.sum(tl.where(rank == pick, cand_ids, 0))
             lse = s0 + tl.log(tl.sum(tl.where(keep, tl.exp(s - s0), 0.0)))
             logprob = tl.sum(tl.where(rank == pick, s, 0.0)) - lse
+            if DRAFT:
+                # The support is certified whole, so a draft outside the kept candidates
+                # is outside the support: probability 0, never the target's sample.
+                is_draft = keep & (cand_ids == draft)
+                draft_kept = tl.sum(is_draft.to(tl.int32)) > 0
+                draft_logprob = tl.where(draft_kept,
+                                         tl.sum(tl.where(is_draft, s, 0.0)) - lse, float("-inf"))
+                masked_scores = tl.where(is_draft, float("-inf"), score)
+                masked_pick = tl.argmax(masked_scores, axis=0, tie_break_left=True)
+                # A support of the draft alone has no other token; the draft is then
+                # accepted with probability 1 and `masked` is never emitted.
+                masked = tl.where(tl.max(masked_scores, axis=0) > float("-inf"),
+                                  tl.sum(tl.where(rank == masked_pick, cand_ids, 0)), token)
+                masked_logprob = tl.sum(tl.where(rank == masked_pick, s, 0.0)) - lse
             status = tl.where((status == _OK) & saturated, _NEEDS_COMPLETION, status)
 
     tl.store(token_ptr + row, tl.where(status == _OK, token, -1).to(tl.int64))
     tl.store(status_ptr + row, status)
     tl.store(lse_ptr + row, lse)  # 0 unless LSE: written here, no separate fill launch
     tl.store(logprob_ptr + row, logprob)
+    if DRAFT:
+        tl.store(masked_ptr + row, tl.where(status == _OK, masked, -1).to(tl.int64))
+        tl.store(masked_logprob_ptr + row, masked_logprob)
+        tl.store(draft_prob_ptr + row, tl.exp(draft_logprob))
+        tl.store(draft_logprob_ptr + row, draft_logprob)
+
+
+@triton.jit
+def verify_finalize_kernel(
+    draft_ptr, target_ptr, masked_ptr, target_logprob_ptr, masked_logprob_ptr,
+    draft_prob_ptr, draft_logprob_ptr, row_status_ptr,
+    do_sample_ptr, temperature_ptr, seed_ptr, position_ptr,
+    num_accepted_ptr, tokens_ptr, accept_probs_ptr, logprobs_ptr, status_ptr,
+    NUM_DRAFTS, PROBABILISTIC: tl.constexpr, POSITIONS_POW2: tl.constexpr,
+):
+    """Per batch row: the acceptance chain over the G + 1 positions (DESIGN §3).
+
+    strict: accept the draft iff it equals the target's own sample; the first rejection
+    emits that sample (on the last position, the bonus token). probabilistic: accept iff
+    u < p(draft), u from the acceptance stream; a rejection emits the best other token.
+    Greedy rows accept iff the draft is the argmax either way.
+    """
+    b = tl.program_id(0)
+    num_positions = NUM_DRAFTS + 1
+    j = tl.arange(0, POSITIONS_POW2)
+    valid = j < num_positions
+    rows = b * num_positions + j
+    drafts = tl.load(draft_ptr + b * NUM_DRAFTS + j, mask=j < NUM_DRAFTS, other=-1)
+    # Drafts end at the first padding.
+    is_draft = (tl.cumsum((drafts < 0).to(tl.int32), 0) == 0) & (j < NUM_DRAFTS)
+    target = tl.load(target_ptr + rows, mask=valid, other=-1)
+    target_logprob = tl.load(target_logprob_ptr + rows, mask=valid, other=0.0)
+    draft_prob = tl.load(draft_prob_ptr + rows, mask=valid, other=0.0)
+    draft_logprob = tl.load(draft_logprob_ptr + rows, mask=valid, other=0.0)
+    row_status = tl.load(row_status_ptr + rows, mask=valid, other=0)
+    sampled, _ = _row_params(do_sample_ptr, temperature_ptr, b, 1)
+    matches = drafts == target
+    accept_prob = tl.where(is_draft, tl.where(sampled, draft_prob, matches.to(tl.float32)), 0.0)
+    if PROBABILISTIC:
+        seed = tl.load(seed_ptr + b)
+        position = tl.load(position_ptr + b) + j
+        bits = philox_bits(seed, position, j.to(tl.int64) * 0, ACCEPT_STREAM)
+        u = (bits.to(tl.float64) + 0.5) * 2.3283064365386963e-10  # exact, as flashspec.rng
+        accepted = is_draft & tl.where(sampled, u < draft_prob.to(tl.float64), matches)
+        masked = tl.load(masked_ptr + rows, mask=valid, other=-1)
+        masked_logprob = tl.load(masked_logprob_ptr + rows, mask=valid, other=0.0)
+        replacement = tl.where(is_draft, masked, target)
+        replacement_logprob = tl.where(is_draft, masked_logprob, target_logprob)
+    else:
+        accepted = is_draft & matches
+        replacement = target
+        replacement_logprob = target_logprob
+    num_accepted = tl.min(tl.where(accepted | ~valid, POSITIONS_POW2, j), axis=0)
+    tokens = tl.where(j < num_accepted, drafts, tl.where(j == num_accepted, replacement, -1))
+    logprobs = tl.where(j < num_accepted, draft_logprob,
+                        tl.where(j == num_accepted, replacement_logprob, 0.0))
+    non_finite = tl.sum((row_status == _NON_FINITE).to(tl.int32)) > 0
+    incomplete = tl.sum((row_status == _NEEDS_COMPLETION).to(tl.int32)) > 0
+    status = tl.where(non_finite, _NON_FINITE, tl.where(incomplete, _NEEDS_COMPLETION, _OK))
+    tl.store(num_accepted_ptr + b, tl.where(status == _OK, num_accepted, -1).to(tl.int64))
+    tl.store(tokens_ptr + rows, tl.where(status == _OK, tokens, -1).to(tl.int64), mask=valid)
+    tl.store(logprobs_ptr + rows, tl.where(status == _OK, logprobs, 0.0), mask=valid)
+    tl.store(accept_probs_ptr + b * NUM_DRAFTS + j, accept_prob, mask=j < NUM_DRAFTS)
+    tl.store(status_ptr + b, status)

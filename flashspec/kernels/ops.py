@@ -24,7 +24,8 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import reference
-from ..checks import NonFiniteLogitsError, check_lm_head, check_sampling_inputs
+from ..checks import (NonFiniteLogitsError, check_draft_tokens, check_lm_head,
+                      check_sampling_inputs)
 from ..params import SamplingParams
 from . import lm_head
 
@@ -145,11 +146,26 @@ def _greedy_row_params(device: torch.device):
     return _greedy_rows[device]
 
 
+class _Rows(NamedTuple):
+    """Stage-2 outputs per row (device tensors); the draft fields only for verification."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    lse: torch.Tensor
+    status: torch.Tensor
+    masked: torch.Tensor | None = None
+    masked_logprobs: torch.Tensor | None = None
+    draft_probs: torch.Tensor | None = None
+    draft_logprobs: torch.Tensor | None = None
+
+
 def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams | None,
             positions: torch.Tensor | None, rows_per_param: int, want_lse: bool,
-            config: TileConfig | None) -> SampleOutput:
+            config: TileConfig | None, drafts: torch.Tensor | None = None) -> _Rows:
     """Stage 1 + stage 2 over rows of `hidden` ``[R, D]``; row r uses parameter row
-    r // rows_per_param and noise position positions[r // rows_per_param] + r % rows_per_param."""
+    r // rows_per_param and noise position positions[r // rows_per_param] + r % rows_per_param.
+    With `drafts` (``[R // rows_per_param, rows_per_param - 1]``, -1 padded), row r also
+    verifies draft ``drafts[r // rows_per_param, r % rows_per_param]`` (none on the last)."""
     num_rows, dim = hidden.shape
     vocab_size = weight.shape[0]
     sample = params is not None and not params.all_greedy
@@ -158,7 +174,8 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
     device = hidden.device
     if hidden.stride(-1) != 1:
         hidden = hidden.contiguous()
-    need_lse = want_lse or truncate  # top-p without top-k normalises by the full sum
+    verify = drafts is not None
+    need_lse = want_lse or truncate or verify  # top-p without top-k normalises by the full sum
     cand = config.candidates if truncate else 0
     if params is None:  # argmax: every row reads the one greedy parameter row
         do_sample, temperature, zeros = _greedy_row_params(device)
@@ -179,6 +196,8 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
                                   for _ in range(3))
     candidates = (torch.empty(num_rows, num_vt, cand, dtype=torch.int64, device=device)
                   if cand else best_id)
+    draft_s = torch.empty(num_rows, **f32) if verify else best
+    drafts = drafts if verify else best_id
     grid = (num_vt * triton.cdiv(num_rows, config.block_r),)
     tma = _tma_ready(hidden) and _tma_ready(weight)
     hidden_desc, weight_desc = (
@@ -187,31 +206,127 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
         if tma else (hidden, weight))
     lm_head.lm_head_tiles_kernel[grid](
         hidden, weight, hidden_desc, weight_desc, row["do_sample"], row["temperature"], row["seed"], row["position"],
-        best, best_id, best_s, tile_max, tile_sum, bad, candidates,
+        best, best_id, best_s, tile_max, tile_sum, bad, candidates, drafts, draft_s,
         num_rows, vocab_size, dim, hidden.stride(0), weight.stride(0), num_vt, rows_per_param,
-        SAMPLE=sample, LSE=need_lse, CAND=cand, IEEE_DOT=hidden.dtype == torch.float32,
+        SAMPLE=sample, LSE=need_lse, CAND=cand, DRAFT=verify,
+        IEEE_DOT=hidden.dtype == torch.float32,
         EVEN_V=vocab_size % config.block_v == 0, EVEN_D=dim % config.block_d == 0, TMA=tma,
         PARTS=config.epilogue_parts,
         BLOCK_V=config.block_v, BLOCK_R=config.block_r, BLOCK_D=config.block_d,
         NUM_STAGES=config.num_stages, num_warps=config.num_warps,
     )
-    tokens = torch.empty(num_rows, dtype=torch.int64, device=device)
-    status = torch.empty(num_rows, dtype=torch.int32, device=device)
-    logprobs = torch.empty(num_rows, **f32)
-    lse = torch.empty(num_rows, **f32)
+    out = _Rows(torch.empty(num_rows, dtype=torch.int64, device=device), torch.empty(num_rows, **f32),
+                torch.empty(num_rows, **f32), torch.empty(num_rows, dtype=torch.int32, device=device),
+                *((torch.empty(num_rows, dtype=torch.int64, device=device),
+                   *(torch.empty(num_rows, **f32) for _ in range(3))) if verify else ()))
+    unused = out.logprobs  # pointers the kernel does not touch without DRAFT
     vt_pow2 = triton.next_power_of_2(num_vt)
     top_tiles = min(config.max_support, vt_pow2)
     lm_head.lm_head_rows_kernel[(num_rows,)](
-        best, best_id, best_s, tile_max, tile_sum, bad, candidates,
+        best, best_id, best_s, tile_max, tile_sum, bad, candidates, draft_s,
         row["do_sample"], row["temperature"], row["top_k"], row["top_p"], row["min_p"],
-        row["seed"], row["position"],
-        tokens, logprobs, lse, status,
+        row["seed"], row["position"], drafts,
+        out.tokens, out.logprobs, out.lse, out.status,
+        *((out.masked, out.masked_logprobs, out.draft_probs, out.draft_logprobs) if verify
+          else (out.tokens, unused, unused, unused)),
         vocab_size, num_vt, rows_per_param,
-        LSE=need_lse, CAND=cand, K_MAX=min(config.max_support, top_tiles * max(cand, 1)),
+        LSE=need_lse, CAND=cand, DRAFT=verify,
+        K_MAX=min(config.max_support, top_tiles * max(cand, 1)),
         TOP_TILES=top_tiles, BLOCK_V=config.block_v, VT_POW2=vt_pow2,
         PAD=lm_head.PAD_KEY, num_warps=config.merge_warps if cand else 4,
     )
-    return SampleOutput(tokens, logprobs, lse, status)
+    return out
+
+
+class VerifyKernelOutput(NamedTuple):
+    """Device tensors of one fused verification (nothing read back); the fields of
+    `flashspec.reference.VerifyOutput` plus status int32 ``[B]``: 0 ok, 1 needs exact
+    completion (a truncated support did not fit the candidate budget), 2 non-finite logits.
+    Rows with status != 0 hold num_accepted -1 and tokens -1."""
+
+    num_accepted: torch.Tensor
+    tokens: torch.Tensor
+    accept_probs: torch.Tensor
+    logprobs: torch.Tensor
+    status: torch.Tensor
+
+
+def _verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tensor,
+            params: SamplingParams, positions: torch.Tensor, acceptance: str,
+            config: TileConfig | None) -> VerifyKernelOutput:
+    batch_size, num_positions, dim = hidden.shape
+    num_drafts = num_positions - 1
+    draft_tokens = draft_tokens.contiguous()
+    rows = _launch(hidden.reshape(batch_size * num_positions, dim), weight, params, positions,
+                   num_positions, True, config, drafts=draft_tokens)
+    device = hidden.device
+    out = VerifyKernelOutput(
+        torch.empty(batch_size, dtype=torch.int64, device=device),
+        torch.empty(batch_size, num_positions, dtype=torch.int64, device=device),
+        torch.empty(batch_size, num_drafts, dtype=torch.float32, device=device),
+        torch.empty(batch_size, num_positions, dtype=torch.float32, device=device),
+        torch.empty(batch_size, dtype=torch.int32, device=device))
+    lm_head.verify_finalize_kernel[(batch_size,)](
+        draft_tokens, rows.tokens, rows.masked, rows.logprobs, rows.masked_logprobs,
+        rows.draft_probs, rows.draft_logprobs, rows.status,
+        params.do_sample, params.temperature, params.seed, positions,
+        out.num_accepted, out.tokens, out.accept_probs, out.logprobs, out.status,
+        num_drafts, PROBABILISTIC=acceptance == "probabilistic",
+        POSITIONS_POW2=triton.next_power_of_2(num_positions), num_warps=1,
+    )
+    return out
+
+
+def _check_acceptance(acceptance: str) -> None:
+    if acceptance not in reference.ACCEPTANCE_MODES:
+        raise ValueError(f"`acceptance`={acceptance!r} is not allowed: use one of "
+                         f"{reference.ACCEPTANCE_MODES}")
+
+
+def verify_unchecked(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tensor,
+                     params: SamplingParams, positions: torch.Tensor, *,
+                     acceptance: str = "strict",
+                     config: TileConfig | None = None) -> VerifyKernelOutput:
+    """Fused verification of G drafts per row (see `flashspec.reference.lm_head_verify`); no
+    host sync (CUDA-graph safe). Rows with status 1 must be completed (see
+    `lm_head_verify`); status 2 rows had non-finite logits."""
+    check_lm_head(hidden, weight, hidden_dims=3)
+    check_draft_tokens(draft_tokens, hidden, weight.shape[0], check_values=False)
+    check_sampling_inputs(hidden, params, positions, hidden.shape[1], check_values=False)
+    _check_acceptance(acceptance)
+    return _verify(hidden, weight, draft_tokens, params, positions, acceptance, config)
+
+
+def lm_head_verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tensor,
+                   params: SamplingParams, positions: torch.Tensor, *,
+                   acceptance: str = "strict", check_finite: bool = True,
+                   config: TileConfig | None = None) -> reference.VerifyOutput:
+    """Same contract as `flashspec.reference.lm_head_verify`, fused; reads the per-row status
+    once to raise on non-finite rows and to complete saturated truncated rows exactly."""
+    check_lm_head(hidden, weight, hidden_dims=3)
+    check_draft_tokens(draft_tokens, hidden, weight.shape[0])
+    check_sampling_inputs(hidden, params, positions, hidden.shape[1])
+    _check_acceptance(acceptance)
+    out = _verify(hidden, weight, draft_tokens, params, positions, acceptance, config)
+    num_accepted, tokens, accept_probs, logprobs = out.num_accepted, out.tokens, out.accept_probs, out.logprobs
+    flagged = torch.nonzero(out.status).flatten()
+    _stats.rows_sampled += hidden.shape[0] * hidden.shape[1]
+    if flagged.numel():
+        status = out.status[flagged]
+        non_finite = flagged[status == lm_head.STATUS_NON_FINITE]
+        if check_finite and non_finite.numel():
+            raise NonFiniteLogitsError(non_finite.tolist())
+        incomplete = flagged[status == lm_head.STATUS_NEEDS_COMPLETION]
+        if incomplete.numel():
+            _stats.rows_completed += incomplete.numel()
+            done = reference.lm_head_verify(
+                hidden[incomplete], weight, draft_tokens[incomplete], params.select(incomplete),
+                positions[incomplete], acceptance=acceptance, check_finite=False)
+            num_accepted = num_accepted.index_copy(0, incomplete, done.num_accepted)
+            tokens = tokens.index_copy(0, incomplete, done.tokens)
+            accept_probs = accept_probs.index_copy(0, incomplete, done.accept_probs.float())
+            logprobs = logprobs.index_copy(0, incomplete, done.logprobs.float())
+    return reference.VerifyOutput(num_accepted, tokens, accept_probs, logprobs)
 
 
 def _tma_ready(matrix: torch.Tensor) -> bool:
@@ -234,7 +349,8 @@ def sample_unchecked(hidden: torch.Tensor, weight: torch.Tensor, params: Samplin
     status 1 must be completed (see `lm_head_sample`), status 2 rows were not sampled."""
     check_lm_head(hidden, weight, hidden_dims=2)
     check_sampling_inputs(hidden, params, positions, check_values=False)
-    return _launch(hidden, weight, params, positions, 1, want_lse, config)
+    out = _launch(hidden, weight, params, positions, 1, want_lse, config)
+    return SampleOutput(out.tokens, out.logprobs, out.lse, out.status)
 
 
 def lm_head_argmax(hidden: torch.Tensor, weight: torch.Tensor, *,
