@@ -145,6 +145,11 @@ def test_tile_configurations_give_identical_tokens():
                                       config=OTHER)
     assert_same_tokens(a, b, hidden, weight, params, positions, "two tilings")
     assert torch.allclose(a_lse, b_lse, atol=1e-4, rtol=1e-5)
+    quarters = kernels.TileConfig(block_v=64, block_r=16, block_d=16, epilogue_parts=4)
+    c, c_lse = kernels.lm_head_sample(hidden, weight, params, positions, return_lse=True,
+                                      config=quarters)
+    assert_same_tokens(c, a, hidden, weight, params, positions, "epilogue in four parts")
+    assert torch.allclose(c_lse, a_lse, atol=1e-4, rtol=1e-5)
     assert torch.equal(kernels.lm_head_argmax(hidden, weight, config=SMALL),
                        kernels.lm_head_argmax(hidden, weight, config=OTHER))
 

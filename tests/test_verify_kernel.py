@@ -104,6 +104,9 @@ def test_verify_probabilities_match_float64():
     ours = kernel_verify(hidden, weight, drafts, params, positions)
     theirs = reference.lm_head_verify(hidden, weight, drafts, params, positions)
     assert_same_verify(ours, theirs, hidden, weight, params, positions)
+    quarters = kernels.TileConfig(block_v=64, block_r=16, block_d=16, epilogue_parts=4)
+    assert_same_verify(kernel_verify(hidden, weight, drafts, params, positions, config=quarters),
+                       theirs, hidden, weight, params, positions)
     flat_params = params.repeat_interleave(hidden.shape[1])
     logits64 = reference.compute_logits(hidden.reshape(-1, hidden.shape[-1]).double(),
                                         weight.double())
