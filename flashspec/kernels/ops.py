@@ -115,8 +115,8 @@ class SampleOutput(NamedTuple):
 
 @dataclasses.dataclass
 class KernelStats:
-    rows_sampled: int = 0
-    rows_completed: int = 0  # truncated rows finished by the exact materialized path
+    rows_sampled: int = 0  # batch rows through the checked entry points (verify: B, not B*(G+1))
+    rows_completed: int = 0  # of those, truncated rows finished by the exact materialized path
 
 
 _stats = KernelStats()
@@ -309,24 +309,31 @@ def lm_head_verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: tor
     _check_acceptance(acceptance)
     out = _verify(hidden, weight, draft_tokens, params, positions, acceptance, config)
     num_accepted, tokens, accept_probs, logprobs = out.num_accepted, out.tokens, out.accept_probs, out.logprobs
-    flagged = torch.nonzero(out.status).flatten()
-    _stats.rows_sampled += hidden.shape[0] * hidden.shape[1]
-    if flagged.numel():
-        status = out.status[flagged]
-        non_finite = flagged[status == lm_head.STATUS_NON_FINITE]
-        if check_finite and non_finite.numel():
-            raise NonFiniteLogitsError(non_finite.tolist())
-        incomplete = flagged[status == lm_head.STATUS_NEEDS_COMPLETION]
-        if incomplete.numel():
-            _stats.rows_completed += incomplete.numel()
-            done = reference.lm_head_verify(
-                hidden[incomplete], weight, draft_tokens[incomplete], params.select(incomplete),
-                positions[incomplete], acceptance=acceptance, check_finite=False)
-            num_accepted = num_accepted.index_copy(0, incomplete, done.num_accepted)
-            tokens = tokens.index_copy(0, incomplete, done.tokens)
-            accept_probs = accept_probs.index_copy(0, incomplete, done.accept_probs.float())
-            logprobs = logprobs.index_copy(0, incomplete, done.logprobs.float())
+    _, incomplete = _flagged_rows(out.status, check_finite)
+    _stats.rows_sampled += hidden.shape[0]
+    if incomplete.numel():
+        _stats.rows_completed += incomplete.numel()
+        done = reference.lm_head_verify(
+            hidden[incomplete], weight, draft_tokens[incomplete], params.select(incomplete),
+            positions[incomplete], acceptance=acceptance, check_finite=False)
+        num_accepted = num_accepted.index_copy(0, incomplete, done.num_accepted)
+        tokens = tokens.index_copy(0, incomplete, done.tokens)
+        accept_probs = accept_probs.index_copy(0, incomplete, done.accept_probs.float())
+        logprobs = logprobs.index_copy(0, incomplete, done.logprobs.float())
     return reference.VerifyOutput(num_accepted, tokens, accept_probs, logprobs)
+
+
+def _flagged_rows(status: torch.Tensor, check_finite: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows with non-finite logits and rows that need exact completion, from one read of the
+    per-row status; raises `NonFiniteLogitsError` for the former if `check_finite`."""
+    flagged = torch.nonzero(status).flatten()
+    if not flagged.numel():  # the usual case: no further launches
+        return flagged, flagged
+    flagged_status = status[flagged]
+    non_finite = flagged[flagged_status == lm_head.STATUS_NON_FINITE]
+    if check_finite and non_finite.numel():
+        raise NonFiniteLogitsError(non_finite.tolist())
+    return non_finite, flagged[flagged_status == lm_head.STATUS_NEEDS_COMPLETION]
 
 
 def _tma_ready(matrix: torch.Tensor) -> bool:
@@ -369,23 +376,18 @@ def lm_head_sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingP
     check_sampling_inputs(hidden, params, positions)
     out = _launch(hidden, weight, params, positions, 1, return_logprobs or return_lse, config)
     tokens, logprobs, lse = out.tokens, out.logprobs, out.lse
-    flagged = torch.nonzero(out.status).flatten()
+    non_finite, incomplete = _flagged_rows(out.status, check_finite)
     _stats.rows_sampled += hidden.shape[0]
-    if flagged.numel():
-        status = out.status[flagged]
-        non_finite = flagged[status == lm_head.STATUS_NON_FINITE]
-        if check_finite and non_finite.numel():
-            raise NonFiniteLogitsError(non_finite.tolist())
+    if non_finite.numel():
         logprobs = logprobs.index_fill(0, non_finite, float("nan"))
         lse = lse.index_fill(0, non_finite, float("nan"))
-        incomplete = flagged[status == lm_head.STATUS_NEEDS_COMPLETION]
-        if incomplete.numel():
-            _stats.rows_completed += incomplete.numel()
-            done, done_logprobs, done_lse = reference.lm_head_sample(
-                hidden[incomplete], weight, params.select(incomplete), positions[incomplete],
-                return_logprobs=True, return_lse=True, check_finite=False)
-            tokens = tokens.index_copy(0, incomplete, done)
-            logprobs = logprobs.index_copy(0, incomplete, done_logprobs.float())
-            lse = lse.index_copy(0, incomplete, done_lse.float())
+    if incomplete.numel():
+        _stats.rows_completed += incomplete.numel()
+        done, done_logprobs, done_lse = reference.lm_head_sample(
+            hidden[incomplete], weight, params.select(incomplete), positions[incomplete],
+            return_logprobs=True, return_lse=True, check_finite=False)
+        tokens = tokens.index_copy(0, incomplete, done)
+        logprobs = logprobs.index_copy(0, incomplete, done_logprobs.float())
+        lse = lse.index_copy(0, incomplete, done_lse.float())
     result = (tokens,) + ((logprobs,) if return_logprobs else ()) + ((lse,) if return_lse else ())
     return result[0] if len(result) == 1 else result
