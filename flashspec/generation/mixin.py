@@ -1,0 +1,88 @@
+"""`generate(..., sampler="flash")` on any transformers causal LM.
+
+    model = flashspec.from_pretrained("Qwen/Qwen3-8B", dtype=torch.bfloat16, device_map="cuda")
+    model = flashspec.wrap(AutoModelForCausalLM.from_pretrained(...))   # same, in place
+    out = model.generate(**inputs, sampler="flash", assistant_model=draft, do_sample=True)
+
+Without ``sampler=`` the call is transformers' own `generate`, untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationMixin
+
+from .loop import decode
+from .outputs import FlashGenerateOutput
+from .setup import plan_generation
+
+SAMPLERS = ("flash",)
+
+
+class FlashGenerationMixin(GenerationMixin):
+    """Adds ``sampler="flash"`` to `generate`: fused exact sampling, optionally speculative.
+
+    Extra arguments of `generate`:
+        sampler: None (stock transformers) or ``"flash"``.
+        seed: int (row b uses seed + b), a sequence or tensor with one seed per row (after
+            ``num_return_sequences`` expansion), or None (seeds drawn from torch's default
+            generator, so ``torch.manual_seed`` makes runs repeatable). Row b's token at
+            sequence index i depends only on (seed, i, the logits): the same with or
+            without an assistant or prompt lookup, alone or in any batch.
+        output_logprobs: with ``return_dict_in_generate=True``, return per-token logprobs.
+
+    Speculative modes: ``assistant_model=`` (greedy drafts, ``num_assistant_tokens`` and
+    ``num_assistant_tokens_schedule`` honoured from the call, else from the assistant's
+    generation config) or ``prompt_lookup_num_tokens=`` (with ``max_matching_ngram_size``).
+    Batches of any size, with left padding, in every mode.
+    """
+
+    def generate(self, inputs=None, generation_config=None, *args, sampler=None, seed=None,
+                 output_logprobs=False, **kwargs):
+        if sampler is None:
+            if seed is not None or output_logprobs:
+                name = "seed" if seed is not None else "output_logprobs"
+                raise ValueError(f"`{name}` is a flashspec option: pass sampler='flash' with it "
+                                 "(stock generate() is seeded with torch.manual_seed)")
+            return super().generate(inputs, generation_config, *args, **kwargs)
+        if sampler not in SAMPLERS:
+            raise ValueError(f"`sampler`={sampler!r} is not allowed: use None (stock transformers) "
+                             f"or one of {SAMPLERS}")
+        if args:
+            raise ValueError("with sampler='flash', pass generate()'s arguments after "
+                             "`generation_config` by keyword")
+        with torch.no_grad():
+            plan = plan_generation(self, inputs, generation_config, seed=seed,
+                                   output_logprobs=output_logprobs, **kwargs)
+            generated = decode(plan)
+        width = int(generated.count.max())
+        sequences = torch.cat([plan.input_ids, generated.tokens[:, :width]], dim=1)
+        if not plan.return_dict_in_generate:
+            return sequences
+        logprobs = generated.logprobs[:, :width] if generated.logprobs is not None else None
+        return FlashGenerateOutput(sequences=sequences, logprobs=logprobs,
+                                   flash_stats=generated.stats)
+
+
+_WRAPPED: dict[type, type] = {}
+
+
+def wrap(model):
+    """Give `model` (a transformers causal LM) `FlashGenerationMixin`'s `generate`, in place,
+    and return it. Idempotent; the class keeps its name with a ``Flash`` prefix."""
+    cls = type(model)
+    if isinstance(model, FlashGenerationMixin):
+        return model
+    if not isinstance(model, GenerationMixin) or model.get_output_embeddings() is None:
+        raise ValueError(f"`model` must be a transformers causal LM with an LM head "
+                         f"(e.g. from AutoModelForCausalLM), got {cls.__name__}")
+    if cls not in _WRAPPED:
+        _WRAPPED[cls] = type(f"Flash{cls.__name__}", (FlashGenerationMixin, cls), {})
+    model.__class__ = _WRAPPED[cls]
+    return model
+
+
+def from_pretrained(pretrained_model_name_or_path, *args, **kwargs):
+    """``AutoModelForCausalLM.from_pretrained(...)`` (hub id or local folder, same arguments),
+    wrapped with `wrap`."""
+    return wrap(AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *args, **kwargs))
