@@ -76,4 +76,4 @@ def output_head(model, role: str, greedy_only: bool = False) -> OutputHead:
             f"`{role}` ({name}) scales its logits by {scale}; only a finite positive scale can "
             "be folded into the temperature"
         )
-    return OutputHead(decoder=model.get_decoder(), weight=head.weight, logit_scale=scale)
+    return OutputHead(decoder=model.get_decoder(), weight=head.weight.contiguous(), logit_scale=scale)

@@ -113,7 +113,8 @@ def decode(plan) -> Generated:
 def _sample_step(plan, target: CachedDecoder, batch: Batch, params):
     hidden = target.forward(batch.tokens[:, target.cached:], batch.valid,
                             batch.positions[:, target.cached:])[:, -1]
-    tokens, logprobs = api.lm_head_sample(hidden, plan.head.weight, params, batch.lengths,
+    weight = plan.head.weight
+    tokens, logprobs = api.lm_head_sample(hidden.to(weight.dtype), weight, params, batch.lengths,
                                           return_logprobs=True)
     return tokens[:, None], logprobs[:, None]
 
@@ -126,7 +127,8 @@ def _verify_step(plan, target: CachedDecoder, batch: Batch, params, drafts: torc
                               batch.lengths[:, None] + offsets[None, :]], dim=1)
     attention_mask = torch.cat([batch.valid, batch.valid.new_ones(drafts.shape)], dim=1)
     hidden = target.forward(input_ids, attention_mask, position_ids)[:, -(num_drafts + 1):]
-    out = api.lm_head_verify(hidden.contiguous(), plan.head.weight, drafts, params, batch.lengths)
+    weight = plan.head.weight
+    out = api.lm_head_verify(hidden.to(weight.dtype).contiguous(), weight, drafts, params, batch.lengths)
     return out.tokens, out.logprobs, out.num_accepted
 
 

@@ -1,0 +1,105 @@
+"""Speculative generation samples whole sequences from exactly the target's distribution.
+
+A tiny-vocabulary target (V = 24, float64 so that nothing is a rounding question) generates
+3 new tokens for 20,000 seeded rows in one batch, drafted by a random (mostly wrong)
+assistant or by prompt lookup, so that acceptance is ragged across rows and steps. The
+joint distribution of the 24^3 possible continuations is enumerated from the target in
+float64 with transformers' warpers, and the samples must pass the chi-squared test of
+`flashspec.testing` (false-alarm rate 1e-4 per test).
+"""
+
+import pytest
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+import flashspec
+from flashspec import reference
+from flashspec.testing import assert_samples_match
+
+VOCAB = 24
+NEW_TOKENS = 3
+NUM_RUNS = 20_000
+
+CONFIGS = {
+    "plain": dict(do_sample=True, top_k=0),
+    "T0.8_top_k8_top_p0.9": dict(do_sample=True, temperature=0.8, top_k=8, top_p=0.9),
+    "min_p0.05": dict(do_sample=True, top_k=0, min_p=0.05),
+}
+
+
+def _tiny_llama(seed: int, layers: int, head_scale: float):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=64, pad_token_id=0, bos_token_id=None,
+                         eos_token_id=None, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).double().eval()
+    with torch.no_grad():   # a peaked distribution, so that a wrong sampler is visible
+        model.lm_head.weight.mul_(head_scale)
+    return model
+
+
+@pytest.fixture(scope="module")
+def target():
+    return flashspec.wrap(_tiny_llama(seed=0, layers=2, head_scale=30.0))
+
+
+@pytest.fixture(scope="module")
+def prompt(target):
+    """[3, 17, c, 3, 17]: ends in a repeated bigram, so prompt lookup drafts c at once; c is
+    the target's most likely next token there, so that the draft is sometimes accepted."""
+    candidates = torch.tensor([[3, 17, c, 3, 17] for c in range(VOCAB)])
+    with torch.no_grad():
+        logits = target(candidates).logits[:, -1]
+    best = int(logits[torch.arange(VOCAB), torch.arange(VOCAB)].argmax())
+    return [[3, 17, best, 3, 17]]
+
+
+@pytest.fixture(scope="module")
+def assistant():
+    return _tiny_llama(seed=1, layers=1, head_scale=30.0)
+
+
+def _exact_joint(model, prompt: list, sampling: dict) -> torch.Tensor:
+    """float64 [V^3]: P(x1, x2, x3 | prompt) under the transformed target distribution."""
+    prompt = torch.tensor(prompt)
+    pairs = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))     # [V^2, 2]
+    inputs = torch.cat([prompt.expand(len(pairs), -1), pairs], dim=1)
+    with torch.no_grad():
+        logits = model(inputs).logits[:, -NEW_TOKENS:].double()              # [V^2, 3, V]
+    params = flashspec.SamplingParams.from_generation_config(
+        GenerationConfig(**sampling), len(pairs) * NEW_TOKENS)
+    probs = reference.transform_logits(logits.reshape(-1, VOCAB), params).softmax(-1)
+    probs = probs.view(VOCAB, VOCAB, NEW_TOKENS, VOCAB)
+    first = probs[0, 0, 0]                                   # p(x1 | prompt)
+    second = probs[:, 0, 1]                                  # p(x2 | prompt, x1)
+    third = probs[:, :, 2]                                   # p(x3 | prompt, x1, x2)
+    return (first[:, None, None] * second[:, :, None] * third).reshape(-1)
+
+
+@pytest.mark.parametrize("sampling", CONFIGS.values(), ids=CONFIGS.keys())
+@pytest.mark.parametrize("drafter", ["assistant", "prompt_lookup"])
+def test_speculative_sequences_follow_the_target_distribution(target, assistant, prompt, drafter,
+                                                             sampling):
+    drafting = (dict(assistant_model=assistant, num_assistant_tokens=2) if drafter == "assistant"
+                else dict(prompt_lookup_num_tokens=2))
+    prompts = torch.tensor(prompt).expand(NUM_RUNS, -1)
+    out = target.generate(prompts, sampler="flash", max_new_tokens=NEW_TOKENS, seed=1000,
+                          return_dict_in_generate=True, **drafting, **sampling)
+    stats = out.flash_stats
+    # Drafts were really verified, and rows advanced unevenly.
+    assert stats.drafted.sum() > NUM_RUNS and 0 < stats.accepted.sum() < stats.drafted.sum()
+    new = out.sequences[:, -NEW_TOKENS:]
+    outcomes = (new[:, 0] * VOCAB + new[:, 1]) * VOCAB + new[:, 2]
+    assert_samples_match(outcomes, _exact_joint(target, prompt, sampling),
+                         what=f"{drafter} / {sampling}: continuations")
+
+
+def test_the_check_sees_a_slightly_wrong_temperature(target, prompt):
+    """Teeth: the same samples fail against the joint distribution at temperature 1.1."""
+    prompts = torch.tensor(prompt).expand(NUM_RUNS, -1)
+    new = target.generate(prompts, sampler="flash", max_new_tokens=NEW_TOKENS, seed=1000,
+                          **CONFIGS["plain"])[:, -NEW_TOKENS:]
+    outcomes = (new[:, 0] * VOCAB + new[:, 1]) * VOCAB + new[:, 2]
+    with pytest.raises(AssertionError, match="chi-squared"):
+        assert_samples_match(outcomes, _exact_joint(target, prompt, {**CONFIGS["plain"], "temperature": 1.1}))

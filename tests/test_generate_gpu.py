@@ -1,0 +1,118 @@
+"""The generation engine on CUDA, where it runs the Triton kernels.
+
+CPU twins: tests/test_generate.py and tests/test_generate_distribution.py check the same
+engine logic through the torch reference (the loop, caches and drafters are the same code;
+only `flashspec.api`'s dispatch differs). Here the GPU runs must agree with stock
+transformers (greedy) and with the CPU reference (seeded sampling), and be speculation
+invariant; where two runs diverge, the first differing token must be a near-tie of the
+float64 target (bf16 and fp32 GEMMs round differently), never a plain disagreement.
+"""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import flashspec
+from flashspec import rng
+from flashspec.testing import is_near_tie
+
+pytestmark = pytest.mark.gpu
+
+VOCAB = 512
+
+
+def _llama(seed: int, layers: int, dtype, device="cuda"):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, pad_token_id=0, bos_token_id=None,
+                         eos_token_id=None, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)       # peaked enough to be a real test of sampling
+    return model.to(device=device, dtype=dtype)
+
+
+def _prompts(device):
+    torch.manual_seed(7)
+    ids = torch.randint(1, VOCAB, (4, 12), device=device)
+    ids[:, 6:9] = ids[:, 0:3]                # repeated n-grams: prompt lookup drafts
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate((0, 3, 5, 8)):
+        mask[row, :pad] = 0
+        ids[row, :pad] = 0
+    return ids, mask
+
+
+def _assert_same_or_near_tie(ids, mask, got, want, sampling: dict, seeds, tol: float):
+    """Rows equal, or the first difference is a near-tie of the float64 target (the same
+    initial weights, on the CPU in float64)."""
+    reference = _llama(0, 2, torch.float64, device="cpu")
+    for row in range(len(ids)):
+        a, b = got[row].cpu(), want[row].cpu()
+        if torch.equal(a, b):
+            continue
+        k = int((a != b).nonzero()[0])
+        prompt_len = ids.shape[1]
+        assert k >= prompt_len, "the prompt itself differs"
+        real = a[:k][mask[row].cpu().bool().tolist() + [True] * (k - prompt_len)]
+        with torch.no_grad():
+            logits64 = reference(real[None]).logits[0, -1].double()
+        position = len(real)
+        noise = rng.gumbel(torch.tensor(int(seeds[row])), torch.tensor(position),
+                           torch.arange(VOCAB)) if sampling.get("do_sample") else torch.zeros(VOCAB)
+        assert is_near_tie(logits64, bool(sampling.get("do_sample")), sampling.get("temperature", 1.0),
+                           sampling.get("top_k", 50 if sampling.get("do_sample") else 0),
+                           sampling.get("top_p", 1.0), sampling.get("min_p", 0.0), noise.double(),
+                           int(a[k]), int(b[k]), tol=tol), \
+            f"row {row} differs at new token {k - prompt_len}: {int(a[k])} vs {int(b[k])}, not a near-tie"
+
+
+MODES = {
+    "plain": {},
+    "assistant": {"assistant": True, "num_assistant_tokens": 4},
+    "prompt_lookup": {"prompt_lookup_num_tokens": 3},
+}
+
+
+def _run(model, draft, ids, mask, mode: dict, **kwargs):
+    extra = {k: v for k, v in mode.items() if k != "assistant"}
+    if mode.get("assistant"):
+        extra["assistant_model"] = draft
+    return model.generate(ids, attention_mask=mask, sampler="flash", max_new_tokens=16, **extra, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_greedy_matches_stock_generate_on_cuda(mode, dtype):
+    model = flashspec.wrap(_llama(0, 2, dtype))
+    draft = _llama(1, 1, dtype)
+    ids, mask = _prompts("cuda")
+    stock = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    flash = _run(model, draft, ids, mask, mode, do_sample=False)
+    assert flash.shape == stock.shape
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    _assert_same_or_near_tie(ids, mask, flash, stock, {}, [0] * 4, tol)
+
+
+SAMPLING = {
+    "plain": dict(do_sample=True, top_k=0),
+    "qwen3": dict(do_sample=True, temperature=0.6, top_k=20, top_p=0.95),
+    "min_p": dict(do_sample=True, top_k=0, min_p=0.05),
+}
+
+
+@pytest.mark.parametrize("sampling", SAMPLING.values(), ids=SAMPLING.keys())
+def test_seeded_sampling_is_speculation_invariant_on_cuda_and_equals_cpu(sampling):
+    model = flashspec.wrap(_llama(0, 2, torch.float32))
+    draft = _llama(1, 1, torch.float32)
+    ids, mask = _prompts("cuda")
+    seeds = torch.tensor([11, 12, 13, 14])
+    plain = _run(model, draft, ids, mask, MODES["plain"], seed=seeds, **sampling)
+    for mode in ("assistant", "prompt_lookup"):
+        spec = _run(model, draft, ids, mask, MODES[mode], seed=seeds, **sampling)
+        _assert_same_or_near_tie(ids, mask, spec, plain, sampling, seeds, 1e-4)
+    cpu_model = flashspec.wrap(_llama(0, 2, torch.float32, device="cpu"))
+    on_cpu = cpu_model.generate(ids.cpu(), attention_mask=mask.cpu(), sampler="flash", max_new_tokens=16,
+                                seed=seeds, **sampling)
+    _assert_same_or_near_tie(ids, mask, plain.cpu(), on_cpu, sampling, seeds, 1e-4)
