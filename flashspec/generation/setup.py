@@ -132,6 +132,8 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
         input_ids_length=input_length, inputs_tensor=inputs_tensor)
     model._validate_generated_length(config, input_length, has_default_max_length)
 
+    if torch.is_tensor(seed):          # one seed per row, wherever the user built it
+        seed = seed.to(device)
     params = SamplingParams.from_generation_config(config, batch_size, seed=seed, device=device)
     if head.logit_scale != 1.0:
         params = dataclasses.replace(params, temperature=params.temperature / head.logit_scale)
