@@ -17,12 +17,12 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 class NonFiniteLogitsError(ValueError):
     """Raised when logits are NaN or infinite for some rows; `rows` lists them."""
 
-    def __init__(self, rows: list[int]):
+    def __init__(self, rows: list[int], source: str = "the model"):
         self.rows = rows
         super().__init__(
-            f"logits are NaN or infinite for batch rows {rows}: check the hidden states and "
-            "LM-head weight (or a temperature so small that logits / temperature overflows); "
-            "these rows were not sampled"
+            f"logits of {source} are NaN or infinite for batch rows {rows}: check the hidden "
+            "states and LM-head weight (or a temperature so small that logits / temperature "
+            "overflows); these rows were not sampled"
         )
 
 

@@ -110,9 +110,20 @@ class SamplingParams:
         seeds included: e.g. one row per verified position of a speculative step."""
         return self._map(lambda t: t.repeat_interleave(repeats))
 
-    def select(self, rows: torch.Tensor) -> "SamplingParams":
-        """The parameters of the given rows (an index tensor), in that order."""
-        return self._map(lambda t: t[rows.to(t.device)])
+    def select(self, rows: torch.Tensor, validate: bool = True) -> "SamplingParams":
+        """The parameters of the given rows (an index tensor), in that order.
+
+        ``validate=False`` skips the range checks (rows of valid parameters are valid) and
+        keeps this batch's host flags: they only switch work on (truncation candidates,
+        the sampling epilogue), so the whole batch's flags give the subset the same
+        results. A decode loop then selects its running rows without a device read."""
+        if validate:
+            return self._map(lambda t: t[rows.to(t.device)])
+        subset = object.__new__(SamplingParams)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            object.__setattr__(subset, f.name, value[rows.to(value.device)] if f.init else value)
+        return subset
 
     def _map(self, fn) -> "SamplingParams":
         return SamplingParams(**{f.name: fn(getattr(self, f.name))

@@ -37,9 +37,8 @@ class CachedDecoder:
         cached columns; `attention_mask` covers cached and new columns."""
         out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
                            position_ids=position_ids, past_key_values=self.cache, use_cache=True)
-        if self.cached == 0:
-            self._check_layers()
         self.cached += input_ids.shape[1]
+        self._check_cache()
         return out.last_hidden_state
 
     def realign(self, rows: torch.Tensor, source_columns: torch.Tensor, keep: int) -> None:
@@ -67,11 +66,15 @@ class CachedDecoder:
             layer.values = layer.values[:, :, :keep]
         self.cached = keep
 
-    def _check_layers(self) -> None:
-        for layer in self.cache.layers:
-            if type(layer) is not DynamicLayer or layer.keys.dim() != 4:
-                raise ValueError(
-                    f"`{self.role}` ({type(self.decoder).__name__}) uses cache layers of type "
-                    f"{type(layer).__name__}; sampler='flash' supports attention KV caches "
-                    "(DynamicLayer) only; run generate() without sampler='flash'"
-                )
+    def _check_cache(self) -> None:
+        """The decoder stored exactly its keys and values in our cache (a model with
+        recurrent state, e.g. Mamba, keeps it elsewhere and would silently lose it)."""
+        layers = self.cache.layers
+        unsupported = next((layer for layer in layers if type(layer) is not DynamicLayer), None)
+        if not layers or unsupported is not None or self.cache.get_seq_length() != self.cached:
+            kind = type(unsupported).__name__ if unsupported is not None else "no attention KV cache"
+            raise ValueError(
+                f"`{self.role}` ({type(self.decoder).__name__}) keeps {kind}; sampler='flash' "
+                "supports decoders whose state is an attention KV cache (DynamicLayer); run "
+                "generate() without sampler='flash'"
+            )

@@ -16,14 +16,9 @@ from __future__ import annotations
 import torch
 
 from .. import api
+from ..checks import NonFiniteLogitsError
 from .cache import CachedDecoder
 from .heads import OutputHead
-
-
-def _pad_drafts(drafts: torch.Tensor, max_drafts: torch.Tensor) -> torch.Tensor:
-    """-1 in every column at or after the row's draft budget."""
-    columns = torch.arange(drafts.shape[1], device=drafts.device)
-    return torch.where(columns[None, :] < max_drafts[:, None], drafts, -1)
 
 
 class AssistantDrafter:
@@ -48,20 +43,27 @@ class AssistantDrafter:
             hidden = self.decoder.forward(input_ids, attention_mask, position_ids)[:, -1]
             drafts.append(api.lm_head_argmax(hidden.to(weight.dtype), weight))
             if step + 1 < num_steps:          # the last draft is fed next round, if accepted
-                input_ids = drafts[-1][:, None]
+                input_ids = drafts[-1][:, None].clamp_min(0)
                 position_ids = position_ids[:, -1:] + 1
                 attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(hidden), 1)], 1)
-        drafts = torch.stack(drafts, dim=1) if drafts else batch.tokens.new_zeros(len(batch.tokens), 0)
-        return _pad_drafts(drafts, max_drafts)
+        drafts = torch.stack(drafts, dim=1)
+        # The argmax is -1 where the assistant's logits are not finite: report, don't draft.
+        within_budget = torch.arange(num_steps, device=drafts.device)[None, :] < max_drafts[:, None]
+        broken = ((drafts < 0) & within_budget).any(dim=1)
+        if bool(broken.any()):
+            raise NonFiniteLogitsError(broken.nonzero().flatten().tolist(), source="assistant_model")
+        return torch.where(within_budget, drafts, -1)
 
 
 class PromptLookupDrafter:
     """n-gram drafts copied from earlier in each row (prompt lookup decoding)."""
 
-    caches: list[CachedDecoder] = []
-
     def __init__(self, max_ngram_size: int):
         self.max_ngram_size = max_ngram_size
+
+    @property
+    def caches(self) -> list[CachedDecoder]:
+        return []
 
     def propose(self, batch, max_drafts: torch.Tensor) -> torch.Tensor:
         return prompt_lookup_drafts(batch.tokens, batch.valid, max_drafts, self.max_ngram_size)
@@ -99,5 +101,5 @@ def prompt_lookup_drafts(tokens: torch.Tensor, valid: torch.Tensor, max_drafts: 
         found |= hit
     offsets = start[:, None] + torch.arange(num_drafts, device=tokens.device)[None, :]
     copied = tokens.gather(1, offsets.clamp_max(length - 1))
-    usable = found[:, None] & (offsets < length)
-    return _pad_drafts(torch.where(usable, copied, -1), max_drafts)
+    usable = found[:, None] & (offsets < length) & (offsets - start[:, None] < max_drafts[:, None])
+    return torch.where(usable, copied, -1)

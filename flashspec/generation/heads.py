@@ -12,13 +12,22 @@ distribution.
   distribution nonlinearly: refused for the target; a greedy draft is unaffected (tanh
   is increasing) so it is accepted there.
 * An LM-head bias is refused (the kernels have no bias term).
+
+Any other transform (a model-specific multiplier, say) is caught by `check_logits`, which
+runs the model's own forward once per model on one token and compares its logits with
+``hidden @ weight.T * s``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
+
+from .. import reference
+
+_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,11 +78,47 @@ def output_head(model, role: str, greedy_only: bool = False) -> OutputHead:
     scale = 1.0
     if getattr(model, "logit_scale", None) is not None:            # Cohere: logits * s
         scale = float(model.logit_scale)
-    if getattr(config, "logits_scaling", None) is not None:          # Granite: logits / s
+    elif getattr(config, "logits_scaling", None) is not None:        # Granite: logits / s
         scale = 1.0 / float(config.logits_scaling)
     if not scale > 0 or scale == float("inf"):
         raise ValueError(
             f"`{role}` ({name}) scales its logits by {scale}; only a finite positive scale can "
             "be folded into the temperature"
         )
-    return OutputHead(decoder=model.get_decoder(), weight=head.weight.contiguous(), logit_scale=scale)
+    decoder = model.get_decoder()
+    if decoder is model:   # transformers' lookup can miss, e.g. base_model_prefix != attribute
+        decoder = getattr(model, "model", None)
+    if not isinstance(decoder, torch.nn.Module) or decoder is model:
+        raise ValueError(
+            f"`{role}` ({name}): cannot find its decoder (the model without the LM head; "
+            "get_decoder() returned the model itself); sampler='flash' needs it to skip the LM "
+            "head"
+        )
+    return OutputHead(decoder=decoder, weight=head.weight.contiguous(), logit_scale=scale)
+
+
+def check_logits(model, head: OutputHead, token_ids: torch.Tensor, role: str = "model") -> None:
+    """Raise unless `model`'s own logits for one token equal ``hidden @ weight.T * s`` up to
+    rounding: the guard against head transforms flashspec does not know. Runs once per
+    model (two one-token forwards)."""
+    if _CHECKED.get(model) == (head.weight.data_ptr(), head.logit_scale):
+        return
+    ids = token_ids.reshape(-1)[-1:].reshape(1, 1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits[0, -1].double()
+        hidden = head.decoder(input_ids=ids, use_cache=False).last_hidden_state[0, -1:]
+        ours = reference.compute_logits(hidden.to(head.weight.dtype), head.weight)[0].double()
+    ours = ours * head.logit_scale
+    if not bool(torch.isfinite(logits).all()):
+        return                 # not comparable; the sampler reports non-finite logits itself
+    error, size = float((logits - ours).abs().max()), float(logits.abs().max())
+    # The model rounds its logits to its dtype (bf16: 2^-8 relative); a missed transform
+    # (a multiplier, a cap, an offset) is far larger.
+    if not error <= 2e-2 * size + 1e-4:
+        raise ValueError(
+            f"`{role}` ({type(model).__name__}) transforms its logits after the LM head in a way "
+            f"flashspec does not reproduce: its logits differ from hidden @ lm_head.weight.T "
+            f"(x {head.logit_scale:g}) by up to {error:.3g} (largest logit {size:.3g}); run "
+            "generate() without sampler='flash'"
+        )
+    _CHECKED[model] = (head.weight.data_ptr(), head.logit_scale)

@@ -64,20 +64,20 @@ def decode(plan) -> Generated:
     out_logprobs = torch.zeros(num_rows, plan.max_new_tokens, device=device) if plan.output_logprobs else None
     out_count = torch.zeros(num_rows, dtype=torch.long, device=device)
     num_drafts = torch.full((num_rows,), plan.num_drafts, dtype=torch.long, device=device)
-    stats = SpeculationStats.empty(num_rows, device)
+    steps = []                                     # (rows, drafted, accepted, emitted)
 
     batch = Batch(plan.input_ids, plan.attention_mask.bool(), torch.arange(num_rows, device=device))
     target = CachedDecoder(plan.head.decoder, "model")
     caches = [target] + (plan.drafter.caches if plan.drafter is not None else [])
     started = time.monotonic()
     while len(batch.rows):
-        params = plan.params.select(batch.rows)
+        params = plan.params.select(batch.rows, validate=False)
         budget = plan.max_new_tokens - out_count[batch.rows]
         drafts = None
         if plan.drafter is not None:
             max_drafts = torch.minimum(num_drafts[batch.rows], budget - 1)
             if int(max_drafts.max()) > 0:
-                drafts = plan.drafter.propose(batch, max_drafts)
+                drafts = _trim(plan.drafter.propose(batch, max_drafts))
         if drafts is None:
             new_tokens, new_logprobs = _sample_step(plan, target, batch, params)
             accepted = torch.zeros_like(batch.rows)
@@ -99,15 +99,24 @@ def decode(plan) -> Generated:
             plan.streamer.put(new_tokens[0, : int(emitted[0])].cpu())
 
         num_real = (drafts >= 0).sum(dim=1) if drafts is not None else torch.zeros_like(accepted)
-        stats.record(batch.rows, num_real, accepted, emitted)
+        steps.append((batch.rows, num_real, accepted, emitted))
         if plan.schedule == "heuristic" and drafts is not None:
             grow = (accepted == num_real) & (num_real > 0)
             rows = batch.rows
             num_drafts[rows] = torch.where(grow, num_drafts[rows] + 2, (num_drafts[rows] - 1).clamp_min(1))
-        batch = _advance(batch, caches, new_tokens, emitted, ~finished)
+        batch = _advance(batch, caches, new_tokens, emitted, ~finished, plan.pad_token_id)
     if plan.streamer is not None:
         plan.streamer.end()
-    return Generated(out_tokens, out_count, out_logprobs, stats)
+    if plan.persist_schedule is not None:
+        plan.persist_schedule(num_drafts)
+    return Generated(out_tokens, out_count, out_logprobs, SpeculationStats.from_steps(steps, num_rows))
+
+
+def _trim(drafts: torch.Tensor) -> torch.Tensor | None:
+    """Drop trailing columns without a draft in any row; None when no row has one, so
+    that the step is a plain sampling step, not a verification of nothing."""
+    width = int((drafts >= 0).sum(dim=1).max())
+    return drafts[:, :width] if width else None
 
 
 def _sample_step(plan, target: CachedDecoder, batch: Batch, params):
@@ -153,7 +162,7 @@ def _stop(plan, batch: Batch, new_tokens: torch.Tensor, proposed: torch.Tensor,
 
 
 def _advance(batch: Batch, caches: list[CachedDecoder], new_tokens: torch.Tensor,
-             emitted: torch.Tensor, keep: torch.Tensor) -> Batch:
+             emitted: torch.Tensor, keep: torch.Tensor, pad_token_id: int) -> Batch:
     """Append each kept row's emitted tokens, right-align the rows again, drop columns that
     are padding in every row, and move the caches the same way."""
     length = batch.tokens.shape[1]
@@ -171,8 +180,9 @@ def _advance(batch: Batch, caches: list[CachedDecoder], new_tokens: torch.Tensor
     source = torch.arange(new_length, device=extended.device)[None, :] + lead - shift[:, None]
     inside = source >= 0
     source = source.clamp_min(0)
-    tokens = extended[rows].gather(1, source)
     valid = extended_valid[rows].gather(1, source) & inside
+    # New left padding holds pad ids, not copies: stop strings read these columns.
+    tokens = torch.where(valid, extended[rows].gather(1, source), pad_token_id)
     for cache in caches:
         # Row b's cache is good up to its last accepted token (column length + emitted - 2
         # before the shift; later columns hold rejected drafts) or up to what this model

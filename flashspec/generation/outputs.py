@@ -20,16 +20,13 @@ class SpeculationStats:
     emitted: torch.Tensor
 
     @classmethod
-    def empty(cls, num_rows: int, device) -> "SpeculationStats":
-        zeros = lambda: torch.zeros(0, num_rows, dtype=torch.long, device=device)  # noqa: E731
-        return cls(zeros(), zeros(), zeros())
-
-    def record(self, rows: torch.Tensor, drafted: torch.Tensor, accepted: torch.Tensor,
-               emitted: torch.Tensor) -> None:
-        step = torch.zeros(3, 1, self.drafted.shape[1], dtype=torch.long, device=rows.device)
-        step[:, 0, rows] = torch.stack([drafted, accepted, emitted]).long()
-        self.drafted, self.accepted, self.emitted = (
-            torch.cat([old, new]) for old, new in zip((self.drafted, self.accepted, self.emitted), step))
+    def from_steps(cls, steps: list, num_rows: int) -> "SpeculationStats":
+        """From one ``(rows, drafted, accepted, emitted)`` tuple per step, where ``rows``
+        are the output rows still running and the other three their values."""
+        table = torch.zeros(3, len(steps), num_rows, dtype=torch.long)
+        for step, (rows, *values) in enumerate(steps):
+            table[:, step, rows.cpu()] = torch.stack(values).long().cpu()
+        return cls(*table)
 
     @property
     def num_steps(self) -> int:
@@ -74,6 +71,9 @@ class FlashGenerateOutput(GenerateDecoderOnlyOutput):
             of each generated token under its row's transformed distribution (temperature,
             top-k, top-p, min-p applied; the raw softmax for greedy rows); 0 after the row's end.
         flash_stats: `SpeculationStats` of the run.
+
+    ``past_key_values`` is None: flashspec's caches are laid out for its own loop (rows
+    realigned as they advance unevenly) and are not returned.
     """
 
     logprobs: torch.Tensor | None = None

@@ -5,6 +5,11 @@ The generation config is merged by transformers itself (call kwargs > `generatio
 mask and lengths go through transformers' own preparation helpers, so a flash run starts
 from exactly what stock `generate` would. Everything flashspec cannot do exactly is
 refused here, with the option's name and how to run it instead.
+
+Deliberate differences: `num_assistant_tokens` passed to `generate` is honoured (stock
+transformers reads only the assistant's generation config); batches work with an
+assistant or prompt lookup; a row ended by a stop string is padded even without an EOS
+token (stock transformers keeps generating that row).
 """
 
 from __future__ import annotations
@@ -13,17 +18,18 @@ import dataclasses
 
 import torch
 from transformers import GenerationConfig
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ..params import SamplingParams
 from .drafters import AssistantDrafter, PromptLookupDrafter
-from .heads import OutputHead, output_head
+from .heads import OutputHead, check_logits, output_head
 
 HOW_TO_RUN = "run generate() without sampler='flash'"
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 
 # Options that rewrite or read the full logits (logits processors), as (name, is_off).
-_PROCESSOR_OPTIONS = {
+_LOGITS_OPTIONS = {
     "repetition_penalty": lambda v: v is None or v == 1.0,
     "encoder_repetition_penalty": lambda v: v is None or v == 1.0,
     "no_repeat_ngram_size": lambda v: not v,
@@ -42,15 +48,22 @@ _PROCESSOR_OPTIONS = {
     "diversity_penalty": lambda v: not v,
     "penalty_alpha": lambda v: v is None,
     "dola_layers": lambda v: v is None,
-    "token_healing": lambda v: not v,
     "output_scores": lambda v: not v,
     "output_logits": lambda v: not v,
-    "output_attentions": lambda v: not v,
-    "output_hidden_states": lambda v: not v,
-    "assistant_early_exit": lambda v: v is None,
-    "use_mtp": lambda v: not v,
-    "speculation_type": lambda v: v is None,
     "assistant_ensemble_weight": lambda v: v is None,
+}
+# Other options that would change what is generated, with why they are refused.
+_OTHER_OPTIONS = {
+    "token_healing": (lambda v: not v, "it rewrites the prompt with a tokenizer"),
+    "output_attentions": (lambda v: not v, "per-step attentions are not collected"),
+    "output_hidden_states": (lambda v: not v, "per-step hidden states are not collected"),
+    "assistant_early_exit": (lambda v: v is None, "self-speculation by early exit is not "
+                                                  "implemented; pass an assistant_model"),
+    "use_mtp": (lambda v: not v, "multi-token-prediction drafts are not implemented"),
+    "speculation_type": (lambda v: v is None, "only assistant-model and prompt-lookup drafts "
+                                              "are implemented"),
+    "cache_implementation": (lambda v: v in (None, "dynamic", "hybrid", "static"),
+                             "flashspec keeps full-precision dynamic KV caches"),
 }
 _MODEL_KWARGS = ("attention_mask", "input_ids", "use_cache", "logits_to_keep")
 
@@ -66,6 +79,7 @@ class GenerationPlan:
     drafter: AssistantDrafter | PromptLookupDrafter | None
     num_drafts: int                    # initial drafts per step (G)
     schedule: str                      # "constant" or "heuristic"
+    persist_schedule: object           # None, or called with the final per-row draft counts
     max_new_tokens: int
     eos_token_ids: torch.Tensor | None
     pad_token_id: int
@@ -88,6 +102,7 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
                   custom_generate=custom_generate, synced_gpus=synced_gpus)
     if not isinstance(output_logprobs, bool):
         raise ValueError(f"`output_logprobs` must be a bool, got {output_logprobs!r}")
+    kwargs.pop("trust_remote_code", None)       # only matters for hub decoding methods
     tokenizer = kwargs.pop("tokenizer", None)
     if kwargs.pop("assistant_tokenizer", None) is not None:
         raise ValueError("`assistant_tokenizer`: an assistant with a different tokenizer is not "
@@ -102,12 +117,17 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     _refuse_options(config, model_kwargs)
 
+    if output_logprobs and not config.return_dict_in_generate:
+        raise ValueError("`output_logprobs=True` needs `return_dict_in_generate=True` (the "
+                         "logprobs are returned in the output object)")
+
     head = output_head(model, "model")
     inputs_tensor, input_name, model_kwargs = model._prepare_model_inputs(
         inputs, config.bos_token_id, model_kwargs)
     if input_name != "input_ids" or inputs_tensor.dim() != 2 or inputs_tensor.dtype != torch.long:
         raise ValueError(f"sampler='flash' needs token ids `input_ids` [batch, length] (int64), got "
                          f"`{input_name}` of shape {tuple(inputs_tensor.shape)}; {HOW_TO_RUN}")
+    check_logits(model, head, inputs_tensor)
     device = inputs_tensor.device
     has_mask = model_kwargs.get("attention_mask") is not None
     model._prepare_special_tokens(config, has_mask, device=device, batch_size=inputs_tensor.shape[0])
@@ -146,10 +166,10 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
             raise ValueError("`stop_strings` needs the tokenizer: pass `tokenizer=` to generate()")
         stop_criteria = StopStringCriteria(stop_strings=config.stop_strings, tokenizer=tokenizer)
 
-    drafter, num_drafts, schedule = _drafter(model, head, assistant_model, config, requested, device)
+    drafter, num_drafts, schedule, persist = _drafter(head, assistant_model, config, requested)
     return GenerationPlan(
         input_ids=input_ids, attention_mask=attention_mask, params=params, head=head,
-        drafter=drafter, num_drafts=num_drafts, schedule=schedule,
+        drafter=drafter, num_drafts=num_drafts, schedule=schedule, persist_schedule=persist,
         max_new_tokens=config.max_length - input_length,
         eos_token_ids=None if eos is None else eos.reshape(-1).to(device),
         pad_token_id=int(pad.reshape(-1)[0]) if pad is not None else 0,
@@ -181,11 +201,22 @@ def _refuse_options(config: GenerationConfig, model_kwargs: dict) -> None:
     if (config.num_beams or 1) > 1:
         raise ValueError(f"`num_beams`={config.num_beams}: beam search is not supported with "
                          f"sampler='flash'; use num_beams=1, or {HOW_TO_RUN}")
-    for name, is_off in _PROCESSOR_OPTIONS.items():
+    for name, is_off in _LOGITS_OPTIONS.items():
         value = getattr(config, name, None)
         if not is_off(value):
             raise ValueError(f"`{name}`={value!r} is not supported with sampler='flash' (it needs "
                              f"the full logits, which flashspec never materializes); {HOW_TO_RUN}")
+    for name, (is_off, why) in _OTHER_OPTIONS.items():
+        value = getattr(config, name, None)
+        if not is_off(value):
+            raise ValueError(f"`{name}`={value!r} is not supported with sampler='flash' ({why}); "
+                             f"{HOW_TO_RUN}")
+    mode = config.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE,
+                    GenerationMode.ASSISTED_GENERATION):
+        raise ValueError(f"this configuration selects transformers' {mode.value!r} decoding "
+                         "(e.g. through `constraints` or `force_words_ids`), which sampler='flash' "
+                         f"does not implement; {HOW_TO_RUN}")
     for name in model_kwargs:
         if name not in _MODEL_KWARGS and model_kwargs[name] is not None:
             raise ValueError(f"`{name}` is not supported with sampler='flash' (supported model "
@@ -205,7 +236,7 @@ def _check_left_padded(attention_mask: torch.Tensor, input_ids: torch.Tensor) ->
     return mask
 
 
-def _drafter(model, head: OutputHead, assistant_model, config, requested: dict, device):
+def _drafter(head: OutputHead, assistant_model, config, requested: dict):
     lookup = config.prompt_lookup_num_tokens
     if assistant_model is not None and lookup is not None:
         raise ValueError("pass either `assistant_model` or `prompt_lookup_num_tokens` to "
@@ -214,9 +245,9 @@ def _drafter(model, head: OutputHead, assistant_model, config, requested: dict, 
         _check_count("prompt_lookup_num_tokens", lookup)
         ngram = config.max_matching_ngram_size or 2
         _check_count("max_matching_ngram_size", ngram)
-        return PromptLookupDrafter(ngram), lookup, "constant"
+        return PromptLookupDrafter(ngram), lookup, "constant", None
     if assistant_model is None:
-        return None, 0, "constant"
+        return None, 0, "constant", None
 
     draft = output_head(assistant_model, "assistant_model", greedy_only=True)
     if draft.vocab_size != head.vocab_size:
@@ -244,8 +275,12 @@ def _drafter(model, head: OutputHead, assistant_model, config, requested: dict, 
     if schedule not in SCHEDULES:
         raise ValueError(f"`num_assistant_tokens_schedule`={schedule!r} is not supported with "
                          f"sampler='flash'; use one of {SCHEDULES}")
+    persist = None
+    if schedule == "heuristic":      # like transformers, the next call starts where this ended
+        def persist(final_counts):
+            assistant_config.num_assistant_tokens = int(final_counts.float().mean().round())
     schedule = "constant" if schedule == "constant" else "heuristic"
-    return AssistantDrafter(draft), int(num_drafts), schedule
+    return AssistantDrafter(draft), int(num_drafts), schedule, persist
 
 
 def _check_count(name: str, value) -> None:
