@@ -116,3 +116,17 @@ def test_seeded_sampling_is_speculation_invariant_on_cuda_and_equals_cpu(samplin
     on_cpu = cpu_model.generate(ids.cpu(), attention_mask=mask.cpu(), sampler="flash", max_new_tokens=16,
                                 seed=seeds, **sampling)
     _assert_same_or_near_tie(ids, mask, plain.cpu(), on_cpu, sampling, seeds, 1e-4)
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_batch_rows_equal_single_runs_on_cuda(mode):
+    """Each row of a batched CUDA run equals its prompt run alone (same row seed)."""
+    model = flashspec.wrap(_llama(0, 2, torch.float32))
+    draft = _llama(1, 1, torch.float32)
+    ids, mask = _prompts("cuda")
+    seeds = torch.tensor([21, 22, 23, 24])
+    sampling = SAMPLING["qwen3"]
+    batched = _run(model, draft, ids, mask, mode, seed=seeds, **sampling)
+    alone = torch.cat([_run(model, draft, ids[row:row + 1], mask[row:row + 1], mode,
+                            seed=seeds[row:row + 1], **sampling) for row in range(len(ids))])
+    _assert_same_or_near_tie(ids, mask, batched, alone, sampling, seeds, 1e-4)
