@@ -155,12 +155,15 @@ def _choose(logits: torch.Tensor, scores: torch.Tensor, params: SamplingParams,
             positions: torch.Tensor, exclude: torch.Tensor | None = None) -> torch.Tensor:
     """Token of each row ``[B, V]``: argmax of the raw `logits` for greedy rows, Gumbel-max
     of the transformed `scores` otherwise; token ``exclude[r]`` (>= 0) is skipped."""
-    sampled = _gumbel_argmax(scores, params.seed, positions, exclude)
     greedy_scores = logits
     if exclude is not None:
         vocab = torch.arange(logits.shape[-1], device=logits.device)
         greedy_scores = logits.masked_fill(vocab[None, :] == exclude[:, None], float("-inf"))
-    return torch.where(params.is_greedy, greedy_scores.argmax(dim=-1), sampled)
+    greedy = greedy_scores.argmax(dim=-1)
+    if params.all_greedy:            # no noise needed (a host flag, no device read)
+        return greedy
+    sampled = _gumbel_argmax(scores, params.seed, positions, exclude)
+    return torch.where(params.is_greedy, greedy, sampled)
 
 
 def lm_head_argmax(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

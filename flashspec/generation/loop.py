@@ -164,35 +164,49 @@ def _stop(plan, batch: Batch, new_tokens: torch.Tensor, proposed: torch.Tensor,
 def _advance(batch: Batch, caches: list[CachedDecoder], new_tokens: torch.Tensor,
              emitted: torch.Tensor, keep: torch.Tensor, pad_token_id: int) -> Batch:
     """Append each kept row's emitted tokens, right-align the rows again, drop columns that
-    are padding in every row, and move the caches the same way."""
+    are padding in every row, and move the caches the same way.
+
+    The bookkeeping is a few ints per row, read to the host once."""
     length = batch.tokens.shape[1]
-    extended = torch.cat([batch.tokens, new_tokens.clamp_min(0)], dim=1)
-    columns = torch.arange(new_tokens.shape[1], device=extended.device)
-    extended_valid = torch.cat([batch.valid, columns[None, :] < emitted[:, None]], dim=1)
-    rows = keep.nonzero().squeeze(1)
-    if len(rows) == 0:
+    emitted_of, keep_of, length_of = torch.stack([emitted, keep.long(), batch.lengths]).tolist()
+    kept = [b for b, k in enumerate(keep_of) if k]
+    if not kept:
         return Batch(batch.tokens[:0], batch.valid[:0], batch.rows[:0])
-    emitted, lengths = emitted[rows], batch.lengths[rows]
-    widest = int(emitted.max())
-    shift = widest - emitted                                     # right shift of each row
-    lead = int((shift + length - lengths).min())                 # all-padding columns to drop
+    widest = max(emitted_of[b] for b in kept)
+    shift = [widest - emitted_of[b] for b in kept]                 # right shift of each row
+    lead = min(s + length - length_of[b] for s, b in zip(shift, kept))   # all-padding columns
     new_length = length + widest - lead
-    source = torch.arange(new_length, device=extended.device)[None, :] + lead - shift[:, None]
+    # Row b's cache is good up to its last accepted token (column length + emitted - 2 before
+    # the shift; later columns hold rejected drafts) or up to what the model had cached.
+    cache_keep = [min(min(min(length + emitted_of[b] - 1, cache.cached) + s - lead
+                          for s, b in zip(shift, kept)), new_length - 1) for cache in caches]
+
+    if len(kept) == len(keep_of) and lead == 0 and not any(shift):
+        # Every row advanced by the same count (always so in plain decoding): append.
+        tokens = torch.cat([batch.tokens, new_tokens[:, :widest]], dim=1)
+        valid = torch.cat([batch.valid, batch.valid.new_ones(len(kept), widest)], dim=1)
+        for cache, keep_columns in zip(caches, cache_keep):
+            if keep_columns <= 0:
+                cache.reset()
+            elif keep_columns < cache.cached:
+                cache.crop(keep_columns)
+        return Batch(tokens, valid, batch.rows)
+
+    device = batch.tokens.device
+    rows = torch.tensor(kept, device=device)
+    extended = torch.cat([batch.tokens, new_tokens.clamp_min(0)], dim=1)[rows]
+    columns = torch.arange(new_tokens.shape[1], device=device)
+    extended_valid = torch.cat([batch.valid, columns[None, :] < emitted[:, None]], dim=1)[rows]
+    shift = torch.tensor(shift, device=device)
+    source = torch.arange(new_length, device=device)[None, :] + lead - shift[:, None]
     inside = source >= 0
     source = source.clamp_min(0)
-    valid = extended_valid[rows].gather(1, source) & inside
+    valid = extended_valid.gather(1, source) & inside
     # New left padding holds pad ids, not copies: stop strings read these columns.
-    tokens = torch.where(valid, extended[rows].gather(1, source), pad_token_id)
-    for cache in caches:
-        # Row b's cache is good up to its last accepted token (column length + emitted - 2
-        # before the shift; later columns hold rejected drafts) or up to what this model
-        # had cached, whichever is first.
-        good = torch.clamp(length + emitted - 1, max=cache.cached) + shift - lead
-        cache_keep = min(int(good.min()), new_length - 1)
-        if cache_keep <= 0:
+    tokens = torch.where(valid, extended.gather(1, source), pad_token_id)
+    for cache, keep_columns in zip(caches, cache_keep):
+        if keep_columns <= 0:
             cache.reset()
-        elif lead == 0 and bool((shift == 0).all()) and len(rows) == len(keep):
-            cache.crop(cache_keep)
         else:
-            cache.realign(rows, source, cache_keep)
+            cache.realign(rows, source, keep_columns)
     return Batch(tokens, valid, batch.rows[rows])
