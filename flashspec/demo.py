@@ -1,116 +1,137 @@
-"""flashspec demo (the main job until the trained default model pair lands).
+"""flashspec demo: a code model pair, stock transformers next to flashspec.
 
-Samples from a small LM head with transformers' sampling semantics through the torch
-reference, shows that empirical frequencies match the exact float64 distribution, that
-speculative verification emits exactly the tokens plain sampling gives, and runs
-`generate(sampler="flash")` on a tiny random Llama: plain, with an assistant, with the
-target as its own assistant and with prompt lookup, all emitting the same seeded tokens.
+Loads the built-in tiny pair (a target and a draft trained on the Python standard library,
+`flashspec/assets/tiny_pair`, made by `scripts/train_tiny_pair.py`) or any pair given by
+hub id or path, completes a few code prompts with stock `generate` and with
+`generate(sampler="flash")` (plain, prompt lookup, assistant), and prints the text, the
+acceptance statistics and the speed side by side. CPU or GPU, whichever is there.
 
-    python -m flashspec.demo [--vocab 32] [--samples 20000] [--seed 0]
+    python -m flashspec.demo [--target ID_OR_PATH --draft ID_OR_PATH] [--max-new-tokens 48]
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
-from transformers import GenerationConfig
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from . import SamplingParams, reference
-from .testing import goodness_of_fit
+from . import from_pretrained
+
+TINY_PAIR = Path(__file__).parent / "assets" / "tiny_pair"
+
+_FUNCTION = '''def _parse_header(line, default=None):
+    """Split a header line into its name and value."""
+    name, sep, value = line.partition(":")
+    if not sep:
+        return default
+    name = name.strip().lower()
+    value = value.strip()
+    return name, value
+'''
+PROMPTS = {
+    "open: a function": "def read_config(path):\n    \"\"\"Read a configuration file",
+    "open: a class": "class Stack:\n    \"\"\"A last-in first-out stack.\"\"\"\n\n    def __init__(self):\n",
+    # Editing code the prompt already holds: prompt lookup can copy long stretches.
+    "edit: rename a function": (_FUNCTION + "\n\n# The same, renamed to parse_header:\n"
+                                "def parse_header(line, default=None):\n"),
+}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab", type=int, default=32, help="vocabulary size of the toy head")
-    parser.add_argument("--dim", type=int, default=64, help="hidden size of the toy head")
-    parser.add_argument("--samples", type=int, default=20_000, help="draws per configuration")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the toy weights and noise")
+    parser.add_argument("--target", default=str(TINY_PAIR / "target"),
+                        help="target model: hub id or folder (default: the built-in tiny pair)")
+    parser.add_argument("--draft", default=str(TINY_PAIR / "draft"),
+                        help="draft model with the same tokenizer: hub id or folder")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens per completion")
+    parser.add_argument("--num-drafts", type=int, default=4,
+                        help="drafts per verification (assistant and prompt lookup)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="where to run (auto: CUDA when available)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled comparison")
     args = parser.parse_args(argv)
+    if args.max_new_tokens < 1 or args.num_drafts < 1:
+        parser.error("--max-new-tokens and --num-drafts must be >= 1")
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+    device = "cpu" if device == "auto" else device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    transformers.logging.set_verbosity_error()
 
-    g = torch.Generator().manual_seed(args.seed)
-    weight = torch.randn(args.vocab, args.dim, generator=g) / args.dim**0.5
-    hidden = torch.randn(1, args.dim, generator=g) * 2.0
-    configs = {
-        "greedy": GenerationConfig(do_sample=False),
-        "HF default sampling (top_k=50)": GenerationConfig(do_sample=True),
-        "Qwen3 (T=0.6, top_k=20, top_p=0.95)": GenerationConfig(
-            do_sample=True, temperature=0.6, top_k=20, top_p=0.95),
-        "min_p=0.1, T=1.5": GenerationConfig(do_sample=True, temperature=1.5, min_p=0.1),
+    for name in (args.target, args.draft):
+        if name.startswith(str(TINY_PAIR)) and not Path(name).is_dir():
+            raise SystemExit(f"{name} is missing: train the pair with scripts/train_tiny_pair.py "
+                             "or pass --target/--draft")
+    tokenizer = AutoTokenizer.from_pretrained(args.target, padding_side="left")
+    target = from_pretrained(args.target, dtype=dtype).to(device).eval()
+    draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype).to(device).eval()
+    millions = lambda m: sum(p.numel() for p in m.parameters()) / 1e6  # noqa: E731
+    print(f"target {args.target} ({millions(target):.1f}M params), draft {args.draft} "
+          f"({millions(draft):.1f}M), {device}, {str(dtype).replace('torch.', '')}, "
+          f"{args.max_new_tokens} new tokens, greedy unless said\n")
+
+    draft.generation_config.num_assistant_tokens = args.num_drafts
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    modes = {
+        "stock HF": dict(),
+        "stock HF + assistant": dict(assistant_model=draft),
+        "flash": dict(sampler="flash"),
+        "flash + prompt lookup": dict(sampler="flash", prompt_lookup_num_tokens=args.num_drafts),
+        "flash + assistant": dict(sampler="flash", assistant_model=draft,
+                                  num_assistant_tokens=args.num_drafts),
     }
-    print(f"toy LM head: V={args.vocab}, D={args.dim}; {args.samples} draws per config\n")
-    print(f"{'configuration':38s} {'support':>7s} {'top token p':>11s} {'chi2 p-value':>12s}"
-          f" {'ms':>7s}")
-    for name, config in configs.items():
-        params = SamplingParams.from_generation_config(config, args.samples, seed=args.seed)
-        rows = hidden.expand(args.samples, -1).contiguous()
-        start = time.perf_counter()
-        tokens = reference.lm_head_sample(rows, weight, params, torch.arange(args.samples))
-        elapsed = (time.perf_counter() - start) * 1e3
-        logits64 = reference.compute_logits(hidden.double(), weight.double())
-        one_row = SamplingParams.from_generation_config(config, 1, seed=args.seed)
-        exact = reference.transform_logits(logits64, one_row).softmax(-1)[0]
-        if bool(one_row.is_greedy[0]):
-            exact = torch.nn.functional.one_hot(logits64.argmax(-1)[0], args.vocab).double()
-        fit = goodness_of_fit(tokens, exact)
-        print(f"{name:38s} {int((exact > 0).sum()):7d} {float(exact.max()):11.4f}"
-              f" {fit.pvalue:12.3f} {elapsed:7.1f}")
+    warm_up = tokenizer("import os\n", return_tensors="pt").to(device)
+    for kwargs in modes.values():       # first calls pay for allocation and compilation
+        _timed(target, warm_up, max_new_tokens=4, do_sample=False,
+               pad_token_id=tokenizer.pad_token_id, **kwargs)
+    for label, prompt in PROMPTS.items():
+        inputs = tokenizer(prompt, return_tensors="pt").to(device)
+        common = dict(max_new_tokens=args.max_new_tokens, do_sample=False,
+                      pad_token_id=tokenizer.pad_token_id)
+        results = {name: _timed(target, inputs, **common, **kwargs) for name, kwargs in modes.items()}
+        stock = results["stock HF"][0]
+        completion = tokenizer.decode(stock[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        print(f"=== {label} ===\n{prompt}\033[1m{completion}\033[0m\n")
+        print(f"  {'mode':22s} {'tokens':>6s} {'ms':>8s} {'tok/s':>7s} {'tok/forward':>11s}"
+              f"  {'acceptance by draft position':28s} same as stock")
+        for name, (sequences, seconds, stats) in results.items():
+            new = sequences.shape[1] - inputs["input_ids"].shape[1]
+            per_forward = f"{stats.mean_accepted_length:11.2f}" if stats is not None else " " * 11
+            alphas = (" ".join(f"{a:.2f}" for a in stats.per_position_acceptance.tolist())
+                      if stats is not None else "")
+            same = torch.equal(sequences.cpu(), stock.cpu())
+            print(f"  {name:22s} {new:6d} {seconds * 1e3:8.1f} {new / seconds:7.1f} {per_forward}"
+                  f"  {alphas:28s} {same}")
+        print()
 
-    params = SamplingParams.from_generation_config(configs["Qwen3 (T=0.6, top_k=20, top_p=0.95)"],
-                                                   4, seed=args.seed)
-    hidden_steps = torch.randn(4, 6, args.dim, generator=g) * 2.0
-    positions = torch.tensor([10, 20, 30, 40])
-    plain = torch.stack([reference.lm_head_sample(hidden_steps[:, j], weight, params, positions + j)
-                         for j in range(6)], dim=1)
-    drafts = plain[:, :5].clone()
-    drafts[1, 2] = (drafts[1, 2] + 1) % args.vocab       # row 1: third draft wrong
-    drafts[2] = torch.randint(0, args.vocab, (5,), generator=g)  # row 2: random drafts
-    out = reference.lm_head_verify(hidden_steps, weight, drafts, params, positions)
-    print("\nspeculative verification (strict rule), 5 drafts per row:")
-    for b in range(4):
-        n = int(out.num_accepted[b])
-        same = out.tokens[b, : n + 1].tolist() == plain[b, : n + 1].tolist()
-        print(f"  row {b}: accepted {n}, emitted {out.tokens[b, :n + 1].tolist()}, "
-              f"identical to plain sampling: {same}")
-    _generate_demo(args.seed)
+    inputs = tokenizer(PROMPTS["open: a function"], return_tensors="pt").to(device)
+    sampling = dict(max_new_tokens=args.max_new_tokens, do_sample=True, temperature=0.8,
+                    top_p=0.95, seed=args.seed, pad_token_id=tokenizer.pad_token_id)
+    plain = _timed(target, inputs, sampler="flash", **sampling)[0]
+    speculative = _timed(target, inputs, sampler="flash", assistant_model=draft,
+                         num_assistant_tokens=args.num_drafts, **sampling)[0]
+    print(f"sampled (T=0.8, top_p=0.95, top_k=50, seed={args.seed}): flash and flash + assistant "
+          f"emit the same tokens: {torch.equal(plain, speculative)}")
+    print(tokenizer.decode(plain[0], skip_special_tokens=True))
     return 0
 
 
-def _generate_demo(seed: int) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from . import wrap
-
-    def tiny_llama(layers: int, init_seed: int):
-        torch.manual_seed(init_seed)
-        config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                             pad_token_id=0, bos_token_id=None, eos_token_id=None)
-        return LlamaForCausalLM(config).eval()
-
-    target, assistant = wrap(tiny_llama(2, seed)), tiny_llama(1, seed + 1)
-    prompts = torch.tensor([[0, 0, 5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 12, 13, 9, 10, 11, 12]])
-    mask = (prompts != 0).long()
-    modes = {"plain": {}, "random assistant (G=4)": dict(assistant_model=assistant, num_assistant_tokens=4),
-             "target as assistant (G=8)": dict(assistant_model=target, num_assistant_tokens=8),
-             "prompt lookup (N=4)": dict(prompt_lookup_num_tokens=4)}
-    samplings = {"greedy": dict(do_sample=False),
-                 "T=0.7, top_k=20, seeded": dict(do_sample=True, temperature=0.7, top_k=20, seed=seed)}
-    for label, sampling in samplings.items():
-        print(f"\ngenerate(sampler='flash') on a tiny random Llama (V=256), batch 2 with left "
-              f"padding, {label}:")
-        plain = None
-        for name, drafting in modes.items():
-            start = time.perf_counter()
-            out = target.generate(prompts, attention_mask=mask, sampler="flash", max_new_tokens=24,
-                                  return_dict_in_generate=True, **sampling, **drafting)
-            elapsed = (time.perf_counter() - start) * 1e3
-            plain = out.sequences if plain is None else plain
-            stats = out.flash_stats
-            print(f"  {name:27s} target forwards {stats.num_steps:3d}, tokens per forward "
-                  f"{stats.mean_accepted_length:4.2f}, same tokens as plain: "
-                  f"{torch.equal(out.sequences, plain)}, {elapsed:6.1f} ms")
+def _timed(model, inputs, **kwargs):
+    """(sequences, seconds, flashspec stats or None) of one generate call."""
+    flash = kwargs.get("sampler") == "flash"
+    if flash:
+        kwargs["return_dict_in_generate"] = True
+    if next(model.parameters()).is_cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = model.generate(**inputs, **kwargs)
+    if next(model.parameters()).is_cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return (out.sequences, seconds, out.flash_stats) if flash else (out, seconds, None)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,9 @@
+"""Files shipped inside the package: the tiny target/draft pair trained by
+scripts/train_tiny_pair.py (tiny_pair/target, tiny_pair/draft, MODEL_CARD.md, summary.json)."""
+
+from pathlib import Path
+
+
+def tiny_pair_path() -> Path:
+    """Folder of the shipped tiny pair (its `target` and `draft` subfolders are HF folders)."""
+    return Path(__file__).resolve().parent / "tiny_pair"
