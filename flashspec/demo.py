@@ -20,8 +20,9 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from . import from_pretrained
+from .assets import tiny_pair_path
 
-TINY_PAIR = Path(__file__).parent / "assets" / "tiny_pair"
+TINY_PAIR = tiny_pair_path()
 
 _FUNCTION = '''def _parse_header(line, default=None):
     """Split a header line into its name and value."""
