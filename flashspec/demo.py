@@ -53,13 +53,20 @@ def main(argv=None) -> int:
                         help="drafts per verification (assistant and prompt lookup)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                         help="where to run (auto: CUDA when available)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="weights dtype (auto: float32 for the built-in pair and on CPU, "
+                             "where greedy tokens must equal stock's exactly; bfloat16 for other "
+                             "models on CUDA, where fp32 accumulation may break near-ties "
+                             "differently from stock)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled comparison")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.num_drafts < 1:
         parser.error("--max-new-tokens and --num-drafts must be >= 1")
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    builtin = args.target == str(TINY_PAIR / "target")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+             "auto": torch.bfloat16 if device == "cuda" and not builtin else torch.float32}[args.dtype]
     transformers.logging.set_verbosity_error()
 
     for name in (args.target, args.draft):
