@@ -68,6 +68,7 @@ def main(argv=None) -> int:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
              "auto": torch.bfloat16 if device == "cuda" and not builtin else torch.float32}[args.dtype]
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
 
     for name in (args.target, args.draft):
         if name.startswith(str(TINY_PAIR)) and not Path(name).is_dir():
