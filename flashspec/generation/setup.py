@@ -275,12 +275,17 @@ def _drafter(head: OutputHead, assistant_model, config, requested: dict):
     if schedule not in SCHEDULES:
         raise ValueError(f"`num_assistant_tokens_schedule`={schedule!r} is not supported with "
                          f"sampler='flash'; use one of {SCHEDULES}")
-    persist = None
-    if schedule == "heuristic":      # like transformers, the next call starts where this ended
-        def persist(final_counts):
-            assistant_config.num_assistant_tokens = int(final_counts.float().mean().round())
+    # "heuristic" (not "heuristic_transient"), like transformers, leaves the final draft
+    # count on the assistant for its next call (the mean over rows, for a batch).
+    persist = _persist_draft_count(assistant_config) if schedule == "heuristic" else None
     schedule = "constant" if schedule == "constant" else "heuristic"
     return AssistantDrafter(draft), int(num_drafts), schedule, persist
+
+
+def _persist_draft_count(assistant_config):
+    def persist(final_counts: torch.Tensor) -> None:
+        assistant_config.num_assistant_tokens = int(final_counts.float().mean().round())
+    return persist
 
 
 def _check_count(name: str, value) -> None:
