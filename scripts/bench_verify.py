@@ -247,17 +247,11 @@ def time_variant(name: str, case: Case, timer: Callable) -> Timed:
 # ---------------------------------------------------------------- one row
 
 
-def _ratio(numerator: float | None, denominator: float | None) -> float | None:
-    if numerator is None or denominator is None or denominator <= 0:
-        return None
-    return numerator / denominator
-
-
 def derive(row: dict) -> None:
     """Adds x_matmul, speedup and the bars (True / False, None where unmeasured or n/a)."""
     ms = row["ms"]
-    row["x_matmul"] = {name: _ratio(t, ms.get("matmul")) for name, t in ms.items()}
-    row["speedup"] = {key: _ratio(ms.get(base), ms.get(fused))
+    row["x_matmul"] = {name: bk._ratio(t, ms.get("matmul")) for name, t in ms.items()}
+    row["speedup"] = {key: bk._ratio(ms.get(base), ms.get(fused))
                       for key, (fused, base) in PAIRS.items()}
     x_ok, spd_ok = {}, {}
     for key, (fused, _) in PAIRS.items():
