@@ -8,6 +8,8 @@ invariant; where two runs diverge, the first differing token must be a near-tie 
 float64 target (bf16 and fp32 GEMMs round differently), never a plain disagreement.
 """
 
+import functools
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -33,6 +35,18 @@ def _llama(seed: int, layers: int, dtype, device="cuda"):
     return model.to(device=device, dtype=dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _pair(dtype):
+    """(wrapped target, assistant) on CUDA."""
+    return flashspec.wrap(_llama(0, 2, dtype)), _llama(1, 1, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference():
+    """The target's initial weights in float64 on the CPU: judges near-ties."""
+    return _llama(0, 2, torch.float64, device="cpu")
+
+
 def _prompts(device):
     torch.manual_seed(7)
     ids = torch.randint(1, VOCAB, (4, 12), device=device)
@@ -47,7 +61,6 @@ def _prompts(device):
 def _assert_same_or_near_tie(ids, mask, got, want, sampling: dict, seeds, tol: float):
     """Rows equal, or the first difference is a near-tie of the float64 target (the same
     initial weights, on the CPU in float64)."""
-    reference = _llama(0, 2, torch.float64, device="cpu")
     for row in range(len(ids)):
         a, b = got[row].cpu(), want[row].cpu()
         if torch.equal(a, b):
@@ -57,7 +70,7 @@ def _assert_same_or_near_tie(ids, mask, got, want, sampling: dict, seeds, tol: f
         assert k >= prompt_len, "the prompt itself differs"
         real = a[:k][mask[row].cpu().bool().tolist() + [True] * (k - prompt_len)]
         with torch.no_grad():
-            logits64 = reference(real[None]).logits[0, -1].double()
+            logits64 = _reference()(real[None]).logits[0, -1].double()
         position = len(real)
         noise = rng.gumbel(torch.tensor(int(seeds[row])), torch.tensor(position),
                            torch.arange(VOCAB)) if sampling.get("do_sample") else torch.zeros(VOCAB)
@@ -85,8 +98,7 @@ def _run(model, draft, ids, mask, mode: dict, **kwargs):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
 def test_greedy_matches_stock_generate_on_cuda(mode, dtype):
-    model = flashspec.wrap(_llama(0, 2, dtype))
-    draft = _llama(1, 1, dtype)
+    model, draft = _pair(dtype)
     ids, mask = _prompts("cuda")
     stock = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
     flash = _run(model, draft, ids, mask, mode, do_sample=False)
@@ -104,8 +116,7 @@ SAMPLING = {
 
 @pytest.mark.parametrize("sampling", SAMPLING.values(), ids=SAMPLING.keys())
 def test_seeded_sampling_is_speculation_invariant_on_cuda_and_equals_cpu(sampling):
-    model = flashspec.wrap(_llama(0, 2, torch.float32))
-    draft = _llama(1, 1, torch.float32)
+    model, draft = _pair(torch.float32)
     ids, mask = _prompts("cuda")
     seeds = torch.tensor([11, 12, 13, 14])
     plain = _run(model, draft, ids, mask, MODES["plain"], seed=seeds, **sampling)
@@ -121,8 +132,7 @@ def test_seeded_sampling_is_speculation_invariant_on_cuda_and_equals_cpu(samplin
 @pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
 def test_batch_rows_equal_single_runs_on_cuda(mode):
     """Each row of a batched CUDA run equals its prompt run alone (same row seed)."""
-    model = flashspec.wrap(_llama(0, 2, torch.float32))
-    draft = _llama(1, 1, torch.float32)
+    model, draft = _pair(torch.float32)
     ids, mask = _prompts("cuda")
     seeds = torch.tensor([21, 22, 23, 24])
     sampling = SAMPLING["qwen3"]

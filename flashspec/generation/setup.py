@@ -28,7 +28,7 @@ from .heads import OutputHead, check_logits, output_head
 HOW_TO_RUN = "run generate() without sampler='flash'"
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 
-# Options that rewrite or read the full logits (logits processors), as (name, is_off).
+# Options that rewrite or read the full logits (logits processors): name -> is_off(value).
 _LOGITS_OPTIONS = {
     "repetition_penalty": lambda v: v is None or v == 1.0,
     "encoder_repetition_penalty": lambda v: v is None or v == 1.0,
@@ -52,8 +52,10 @@ _LOGITS_OPTIONS = {
     "output_logits": lambda v: not v,
     "assistant_ensemble_weight": lambda v: v is None,
 }
-# Other options that would change what is generated, with why they are refused.
-_OTHER_OPTIONS = {
+# Every refused option: name -> (is_off(value), why it is refused).
+_NEEDS_LOGITS = "it needs the full logits, which flashspec never materializes"
+_REFUSED_OPTIONS = {
+    **{name: (is_off, _NEEDS_LOGITS) for name, is_off in _LOGITS_OPTIONS.items()},
     "token_healing": (lambda v: not v, "it rewrites the prompt with a tokenizer"),
     "output_attentions": (lambda v: not v, "per-step attentions are not collected"),
     "output_hidden_states": (lambda v: not v, "per-step hidden states are not collected"),
@@ -201,12 +203,7 @@ def _refuse_options(config: GenerationConfig, model_kwargs: dict) -> None:
     if (config.num_beams or 1) > 1:
         raise ValueError(f"`num_beams`={config.num_beams}: beam search is not supported with "
                          f"sampler='flash'; use num_beams=1, or {HOW_TO_RUN}")
-    for name, is_off in _LOGITS_OPTIONS.items():
-        value = getattr(config, name, None)
-        if not is_off(value):
-            raise ValueError(f"`{name}`={value!r} is not supported with sampler='flash' (it needs "
-                             f"the full logits, which flashspec never materializes); {HOW_TO_RUN}")
-    for name, (is_off, why) in _OTHER_OPTIONS.items():
+    for name, (is_off, why) in _REFUSED_OPTIONS.items():
         value = getattr(config, name, None)
         if not is_off(value):
             raise ValueError(f"`{name}`={value!r} is not supported with sampler='flash' ({why}); "
