@@ -49,6 +49,9 @@ class SamplingParams:
     # anyway) so that kernel launches never need a device-to-host read.
     any_truncation: bool = dataclasses.field(init=False, repr=False, compare=False)
     all_greedy: bool = dataclasses.field(init=False, repr=False, compare=False)
+    any_top_k: bool = dataclasses.field(init=False, repr=False, compare=False)
+    any_top_p: bool = dataclasses.field(init=False, repr=False, compare=False)
+    any_min_p: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         expected = {
@@ -85,9 +88,12 @@ class SamplingParams:
                      lambda p: (p >= 0) & (p <= 1))
         _check_range("seed", self.seed, f"in [0, {rng.MAX_SEED}]", lambda s: s >= 0)
         sampled = ~self.is_greedy
-        truncated = sampled & ((self.top_k > 0) | (self.top_p < 1) | (self.min_p > 0))
-        object.__setattr__(self, "any_truncation", bool(truncated.any()))
-        object.__setattr__(self, "all_greedy", not bool(sampled.any()))
+        uses = torch.stack([sampled, sampled & (self.top_k > 0), sampled & (self.top_p < 1),
+                            sampled & (self.min_p > 0)]).any(dim=1).tolist()
+        for name, value in zip(("all_greedy", "any_top_k", "any_top_p", "any_min_p"),
+                               [not uses[0], *uses[1:]]):
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "any_truncation", any(uses[1:]))
 
     @property
     def batch_size(self) -> int:
@@ -105,29 +111,31 @@ class SamplingParams:
     def to(self, device) -> "SamplingParams":
         return self._map(lambda t: t.to(device))
 
-    def repeat_interleave(self, repeats: int) -> "SamplingParams":
+    def repeat_interleave(self, repeats: int, validate: bool = True) -> "SamplingParams":
         """Each row repeated `repeats` times in place (row b becomes rows b*r .. b*r+r-1),
-        seeds included: e.g. one row per verified position of a speculative step."""
-        return self._map(lambda t: t.repeat_interleave(repeats))
+        seeds included: e.g. one row per verified position of a speculative step.
+        ``validate=False`` as in `select`."""
+        return self._map(lambda t: t.repeat_interleave(repeats), validate)
 
     def select(self, rows: torch.Tensor, validate: bool = True) -> "SamplingParams":
         """The parameters of the given rows (an index tensor), in that order.
 
         ``validate=False`` skips the range checks (rows of valid parameters are valid) and
         keeps this batch's host flags: they only switch work on (truncation candidates,
-        the sampling epilogue), so the whole batch's flags give the subset the same
-        results. A decode loop then selects its running rows without a device read."""
+        the sampling epilogue, the warpers of the reference), so the whole batch's flags
+        give the subset the same results. A decode loop then selects its running rows
+        without a device read, and a CUDA graph can capture it."""
+        return self._map(lambda t: t[rows.to(t.device)], validate)
+
+    def _map(self, fn, validate: bool = True) -> "SamplingParams":
         if validate:
-            return self._map(lambda t: t[rows.to(t.device)])
-        subset = object.__new__(SamplingParams)
+            return SamplingParams(**{f.name: fn(getattr(self, f.name))
+                                     for f in dataclasses.fields(self) if f.init})
+        mapped = object.__new__(SamplingParams)
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            object.__setattr__(subset, f.name, value[rows.to(value.device)] if f.init else value)
-        return subset
-
-    def _map(self, fn) -> "SamplingParams":
-        return SamplingParams(**{f.name: fn(getattr(self, f.name))
-                                 for f in dataclasses.fields(self) if f.init})
+            object.__setattr__(mapped, f.name, fn(value) if f.init else value)
+        return mapped
 
     @classmethod
     def create(

@@ -77,14 +77,15 @@ def transform_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
     scaled = sampled & (params.temperature != 1.0)
     scores = torch.where(scaled[:, None], scores / _safe_temperature(params, logits.dtype), scores)
 
-    use_top_k = sampled & (params.top_k > 0)
-    if bool(use_top_k.any()):
+    # The host flags skip unused warpers without reading the device.
+    if params.any_top_k:
+        use_top_k = sampled & (params.top_k > 0)
         scores = torch.where(use_top_k[:, None], _top_k(scores, params.top_k), scores)
-    use_top_p = sampled & (params.top_p < 1.0)
-    if bool(use_top_p.any()):
+    if params.any_top_p:
+        use_top_p = sampled & (params.top_p < 1.0)
         scores = torch.where(use_top_p[:, None], _top_p(scores, params.top_p), scores)
-    use_min_p = sampled & (params.min_p > 0.0)
-    if bool(use_min_p.any()):
+    if params.any_min_p:
+        use_min_p = sampled & (params.min_p > 0.0)
         scores = torch.where(use_min_p[:, None], _min_p(scores, params.min_p), scores)
     return scores
 
@@ -143,7 +144,9 @@ def _gumbel_argmax(scores: torch.Tensor, seed: torch.Tensor, position: torch.Ten
     """argmax_v (scores[r, v] + gumbel(seed[r], position[r], v)), optionally skipping
     token ``exclude[r]`` (>= 0) of each row."""
     vocab = torch.arange(scores.shape[-1], device=scores.device)
-    noise = rng.gumbel(seed[:, None], position[:, None], vocab[None, :], dtype=scores.dtype)
+    # Seeds and positions were validated by the entry points; no device read here.
+    noise = rng.gumbel(seed[:, None], position[:, None], vocab[None, :], dtype=scores.dtype,
+                       validate=False)
     perturbed = scores + noise
     if exclude is not None:
         hit = (vocab[None, :] == exclude[:, None]) & (exclude[:, None] >= 0)
@@ -201,14 +204,22 @@ def lm_head_sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingP
     check_lm_head(hidden, weight, hidden_dims=2)
     check_sampling_inputs(hidden, params, positions)
     logits = compute_logits(hidden, weight)
+    _raise_if_non_finite(_finite_rows(logits, params), check_finite)
+    tokens, logprobs, lse = sample_logits(logits, params, positions)
+    result = (tokens,) + ((logprobs,) if return_logprobs else ()) + ((lse,) if return_lse else ())
+    return result[0] if len(result) == 1 else result
+
+
+def sample_logits(logits: torch.Tensor, params: SamplingParams, positions: torch.Tensor):
+    """`lm_head_sample` from materialized `logits` ``[B, V]``, unchecked and without host
+    reads: ``(tokens, logprobs, lse)``, with token -1 and NaN logprob and lse for rows
+    whose logits are not finite."""
     finite = _finite_rows(logits, params)
-    _raise_if_non_finite(finite, check_finite)
     scores = transform_logits(logits, params)
     tokens = torch.where(finite, _choose(logits, scores, params, positions), INVALID_TOKEN)
     lse = torch.where(finite, scores.logsumexp(dim=-1), float("nan"))
     logprobs = scores.gather(-1, tokens.clamp_min(0)[:, None]).squeeze(-1) - lse
-    result = (tokens,) + ((logprobs,) if return_logprobs else ()) + ((lse,) if return_lse else ())
-    return result[0] if len(result) == 1 else result
+    return tokens, logprobs, lse
 
 
 def lm_head_verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tensor,
@@ -241,13 +252,26 @@ def lm_head_verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: tor
     if acceptance not in ACCEPTANCE_MODES:
         raise ValueError(f"`acceptance`={acceptance!r} is not allowed: use one of {ACCEPTANCE_MODES}")
 
+    logits = compute_logits(hidden.reshape(-1, hidden.shape[-1]), weight)
+    if check_finite:
+        flat_params = params.repeat_interleave(num_positions, validate=False)
+        finite = _finite_rows(logits, flat_params).view(-1, num_positions).all(dim=1)
+        _raise_if_non_finite(finite, check_finite)
+    return verify_logits(logits, draft_tokens, params, positions, acceptance=acceptance)
+
+
+def verify_logits(logits: torch.Tensor, draft_tokens: torch.Tensor, params: SamplingParams,
+                  positions: torch.Tensor, *, acceptance: str = "strict") -> VerifyOutput:
+    """`lm_head_verify` from materialized `logits` ``[B * (G+1), V]`` (row b*(G+1)+j
+    predicts sequence index ``positions[b] + j``), unchecked and without host reads; rows
+    whose logits are not finite get num_accepted -1."""
     batch_size, num_drafts = draft_tokens.shape
-    logits = compute_logits(hidden.reshape(batch_size * num_positions, -1), weight)
-    flat_params = params.repeat_interleave(num_positions)
-    offsets = torch.arange(num_positions, device=hidden.device)
+    num_positions = num_drafts + 1
+    vocab_size = logits.shape[-1]
+    flat_params = params.repeat_interleave(num_positions, validate=False)
+    offsets = torch.arange(num_positions, device=logits.device)
     flat_positions = (positions[:, None] + offsets[None, :]).reshape(-1)
     finite = _finite_rows(logits, flat_params).view(batch_size, num_positions).all(dim=1)
-    _raise_if_non_finite(finite, check_finite)
 
     # Drafts end at the first padding; the position after the last draft gets no draft.
     is_draft = (draft_tokens >= 0).cumprod(dim=1).bool()
@@ -268,7 +292,7 @@ def lm_head_verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: tor
         replacement = target
     else:
         u = rng.uniform(params.seed[:, None], positions[:, None] + offsets[None, :], 0,
-                        stream=rng.ACCEPT_STREAM)
+                        stream=rng.ACCEPT_STREAM, validate=False)
         accepted = torch.where(greedy, drafts == target, u < accept_prob.double()) & (drafts >= 0)
         masked = _choose(logits, flat_scores, flat_params, flat_positions, exclude=drafts.reshape(-1))
         replacement = torch.where(drafts >= 0, masked.view(batch_size, num_positions), target)

@@ -75,28 +75,30 @@ def philox4x32(
     return c0, c1, c2, c3
 
 
-def _as_int64(name: str, value, lo: int, hi: int, device) -> torch.Tensor:
+def _as_int64(name: str, value, lo: int, hi: int, device, validate: bool) -> torch.Tensor:
     t = torch.as_tensor(value, device=device)
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise ValueError(f"`{name}` must hold integers, got dtype {t.dtype}")
     t = t.to(torch.int64)
-    if t.numel() and (int(t.min()) < lo or int(t.max()) > hi):
+    if validate and t.numel() and (int(t.min()) < lo or int(t.max()) > hi):
         raise ValueError(
             f"`{name}` must lie in [{lo}, {hi}], got values in [{int(t.min())}, {int(t.max())}]"
         )
     return t
 
 
-def random_bits(seed, position, token_ids, stream: int = GUMBEL_STREAM) -> torch.Tensor:
+def random_bits(seed, position, token_ids, stream: int = GUMBEL_STREAM, *,
+                validate: bool = True) -> torch.Tensor:
     """The 32-bit Philox word for each (seed, position, token id), as int64 in [0, 2**32).
 
     Arguments broadcast against each other; the result lives on the device of the first
-    tensor argument.
+    tensor argument. ``validate=False`` skips the range checks, which read the device (for
+    callers whose values are checked already, e.g. inside a CUDA graph).
     """
     device = next((a.device for a in (seed, position, token_ids) if torch.is_tensor(a)), None)
-    seed = _as_int64("seed", seed, 0, MAX_SEED, device)
-    position = _as_int64("position", position, 0, MAX_POSITION, device)
-    token_ids = _as_int64("token_ids", token_ids, 0, MAX_TOKEN_ID, device)
+    seed = _as_int64("seed", seed, 0, MAX_SEED, device, validate)
+    position = _as_int64("position", position, 0, MAX_POSITION, device, validate)
+    token_ids = _as_int64("token_ids", token_ids, 0, MAX_TOKEN_ID, device, validate)
     if stream not in (GUMBEL_STREAM, ACCEPT_STREAM):
         raise ValueError(f"`stream` must be {GUMBEL_STREAM} or {ACCEPT_STREAM}, got {stream}")
     seed, position, token_ids = torch.broadcast_tensors(seed, position, token_ids)
@@ -112,9 +114,10 @@ def random_bits(seed, position, token_ids, stream: int = GUMBEL_STREAM) -> torch
     return out
 
 
-def uniform(seed, position, token_ids, stream: int = GUMBEL_STREAM) -> torch.Tensor:
+def uniform(seed, position, token_ids, stream: int = GUMBEL_STREAM, *,
+            validate: bool = True) -> torch.Tensor:
     """Uniform noise ``(x + 0.5) / 2**32`` in the open interval (0, 1), float64 (exact)."""
-    bits = random_bits(seed, position, token_ids, stream)
+    bits = random_bits(seed, position, token_ids, stream, validate=validate)
     return (bits.to(torch.float64) + 0.5) * 2.0**-32
 
 
@@ -138,7 +141,7 @@ def exponential_from_bits(bits: torch.Tensor, dtype: torch.dtype = torch.float64
 
 
 def gumbel(seed, position, token_ids, stream: int = GUMBEL_STREAM,
-           dtype: torch.dtype = torch.float64) -> torch.Tensor:
+           dtype: torch.dtype = torch.float64, *, validate: bool = True) -> torch.Tensor:
     """Standard Gumbel noise ``-log(-log(u))`` for each (seed, position, token id).
 
     Finite for every input: the largest value is about 22.9, the smallest about -3.1.
@@ -146,5 +149,5 @@ def gumbel(seed, position, token_ids, stream: int = GUMBEL_STREAM,
     """
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"`dtype` must be torch.float32 or torch.float64, got {dtype}")
-    bits = random_bits(seed, position, token_ids, stream)
+    bits = random_bits(seed, position, token_ids, stream, validate=validate)
     return -torch.log(exponential_from_bits(bits, dtype))

@@ -117,10 +117,24 @@ def mode_kwargs(mode: str, arch: str = "llama", num_drafts: int | None = None) -
     raise ValueError(mode)
 
 
+ENGINE = {"name": "eager"}
+
+
+@pytest.fixture(scope="module", autouse=True, params=["eager", "static"])
+def engine(request):
+    """Every test of this module runs on both engines (the static engine's steps run
+    eagerly on CPU: same code as the CUDA graphs, without capture)."""
+    ENGINE["name"] = request.param
+    yield request.param
+    ENGINE["name"] = "eager"
+
+
 def flash(model, ids, mask=None, **kwargs) -> flashspec.FlashGenerateOutput:
-    """A flash run with ``return_dict_in_generate=True`` (defaults: MAX_NEW tokens, greedy)."""
+    """A flash run with ``return_dict_in_generate=True`` (defaults: MAX_NEW tokens, greedy)
+    on this run's engine (stop strings: "auto", which falls back to the eager loop)."""
     kwargs.setdefault("max_new_tokens", MAX_NEW)
     kwargs.setdefault("do_sample", False)
+    kwargs.setdefault("engine", "auto" if "stop_strings" in kwargs else ENGINE["name"])
     out = model.generate(ids, attention_mask=mask if mask is not None else torch.ones_like(ids),
                          sampler="flash", return_dict_in_generate=True, **kwargs)
     assert isinstance(out, flashspec.FlashGenerateOutput)
@@ -364,9 +378,27 @@ def test_num_assistant_tokens_from_assistant_generation_config():
 # --------------------------------------------------------------------------------------
 
 def record_proposals(monkeypatch, drafter_class) -> list:
-    """Record every ``propose(batch, max_drafts)`` call of `drafter_class` as
-    (tokens, valid, max_drafts, drafts)."""
+    """Record every ``propose(batch, max_drafts)`` call of `drafter_class` (eager loop) or
+    the drafts of every verification step (static engine) as (tokens, valid, max_drafts,
+    drafts), tokens right-aligned."""
     calls = []
+    if ENGINE["name"] == "static":
+        from flashspec.generation.static import _Engine
+        verify = _Engine._verify
+
+        def recorded_verify(self, width, prompt=None):
+            length = int(self.seq.shape[1])
+            source = torch.arange(length)[None, :] - length + self.length[:, None]
+            valid = source >= 0
+            tokens = torch.where(valid, self.seq.gather(1, source.clamp_min(0)), PAD)
+            allowed = torch.where(self.finished, 0,
+                                  torch.minimum(self.num_drafts, self.end - self.length - 1))
+            hidden, drafts = verify(self, width, prompt)
+            calls.append((tokens, valid, allowed, drafts.clone()))
+            return hidden, drafts
+
+        monkeypatch.setattr(_Engine, "_verify", recorded_verify)
+        return calls
     original = drafter_class.propose
 
     def propose(self, batch, max_drafts):

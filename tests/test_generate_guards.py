@@ -120,7 +120,7 @@ def test_heuristic_schedule_persists_on_the_assistant_like_transformers():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(force_words_ids=[[5]], num_beams=1), "decoding"),
     (dict(output_logprobs=True), "needs `return_dict_in_generate=True`"),
-    (dict(cache_implementation="quantized"), "full-precision dynamic KV caches"),
+    (dict(cache_implementation="quantized"), "its own full-precision KV caches"),
     (dict(output_attentions=True), "attentions are not collected"),
 ])
 def test_more_refusals(kwargs, message):

@@ -70,8 +70,9 @@ class PromptLookupDrafter:
 
 
 def prompt_lookup_drafts(tokens: torch.Tensor, valid: torch.Tensor, max_drafts: torch.Tensor,
-                         max_ngram_size: int) -> torch.Tensor:
-    """Drafts ``[B, max(max_drafts)]`` (-1 padded) by prompt lookup, per row.
+                         max_ngram_size: int, num_drafts: int | None = None) -> torch.Tensor:
+    """Drafts ``[B, num_drafts]`` (-1 padded; default width ``max(max_drafts)``, read from
+    the device) by prompt lookup, per row.
 
     `tokens`/`valid` ``[B, L]`` hold right-aligned rows (padding on the left). For n from
     ``min(max_ngram_size, length - 1)`` down to 1, the row's last n tokens are searched
@@ -80,7 +81,8 @@ def prompt_lookup_drafts(tokens: torch.Tensor, valid: torch.Tensor, max_drafts: 
     match get no drafts.
     """
     batch_size, length = tokens.shape
-    num_drafts = int(max_drafts.max()) if batch_size else 0
+    if num_drafts is None:
+        num_drafts = int(max_drafts.max()) if batch_size else 0
     drafts = tokens.new_full((batch_size, num_drafts), -1)
     if num_drafts == 0:
         return drafts

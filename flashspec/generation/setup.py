@@ -65,7 +65,7 @@ _REFUSED_OPTIONS = {
     "speculation_type": (lambda v: v is None, "only assistant-model and prompt-lookup drafts "
                                               "are implemented"),
     "cache_implementation": (lambda v: v in (None, "dynamic", "hybrid", "static"),
-                             "flashspec keeps full-precision dynamic KV caches"),
+                             "flashspec keeps its own full-precision KV caches"),
 }
 _MODEL_KWARGS = ("attention_mask", "input_ids", "use_cache", "logits_to_keep")
 

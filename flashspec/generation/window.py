@@ -1,0 +1,149 @@
+"""A static KV cache shared by the batch, addressed by sequence position.
+
+Every layer keeps keys and values in preallocated ``[B, H, capacity, Dh]`` buffers. A
+forward writes its n new entries into the same n columns for every row, and each column
+records, per row, whether it holds a live entry and at which sequence position. Attention
+masks are built from those positions, so rows can advance by different numbers of tokens
+(ragged acceptance) without moving anything:
+
+* before a forward that feeds positions ``p0, p0+1, ...`` of a row, the row's entries at
+  positions ``>= p0`` are stale (rejected drafts, or entries about to be recomputed) and are
+  dropped;
+* the write column is one past the last column still live in any row, so a rejected draft's
+  column is reused at once (rollback by position; a batch of one never leaves a hole);
+* query at position q of row b sees the live entries of row b at positions ``<= q`` (and
+  ``> q - window`` for sliding-window layers).
+
+Everything above is device arithmetic on ``[B, capacity]`` tensors: no host read, fixed
+shapes, so a forward through this cache can be captured in a CUDA graph. Rows that fall
+far behind leave holes; `WindowCache.compact` packs the live entries to the left (an eager
+copy, needed only when the write column would run past the capacity).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+class WindowLayer(CacheLayerMixin):
+    """One layer's key/value buffers; writes go to the cache's current columns."""
+
+    is_compileable = True
+
+    def __init__(self, cache: "WindowCache"):
+        super().__init__()
+        self.cache = cache
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads = key_states.shape[:2]
+        shape = (batch, heads, self.cache.capacity)
+        self.keys = key_states.new_zeros(*shape, key_states.shape[-1])
+        self.values = value_states.new_zeros(*shape, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        columns = self.cache.columns
+        self.keys.index_copy_(2, columns, key_states.to(self.keys.dtype))
+        self.values.index_copy_(2, columns, value_states.to(self.values.dtype))
+        self.cache.num_updates += 1
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.capacity, 0
+
+    def get_seq_length(self) -> int:
+        return self.cache.capacity
+
+    def get_max_length(self) -> int:
+        return self.cache.capacity
+
+
+class WindowCache(Cache):
+    """KV cache of one decoder for a batch of `batch_size` rows and `capacity` columns.
+
+    `live` and `position` (``[B, capacity]``) describe every column; `begin` prepares a
+    forward and returns its attention mask(s)."""
+
+    def __init__(self, batch_size: int, capacity: int, device: torch.device,
+                 layer_kinds: dict[str, int | None], mask_dtype: torch.dtype | None):
+        super().__init__(layer_class_to_replicate=lambda: WindowLayer(self))
+        self.capacity = capacity
+        self.layer_kinds = layer_kinds      # mask kind -> sliding window (None: full attention)
+        self.mask_dtype = mask_dtype        # None: boolean masks (sdpa), else additive masks
+        self.live = torch.zeros(batch_size, capacity, dtype=torch.bool, device=device)
+        self.position = torch.zeros(batch_size, capacity, dtype=torch.long, device=device)
+        self.column_index = torch.arange(capacity, device=device)
+        self.columns = self.column_index[:0]
+        self.num_updates = 0
+
+    def reset(self) -> None:
+        self.live.zero_()
+
+    def begin(self, position_ids: torch.Tensor, new_live: torch.Tensor | None = None):
+        """Prepare a forward of ``position_ids`` ``[B, n]`` (consecutive per row): drop the
+        stale entries, choose the write columns, record the new entries (live unless
+        `new_live` ``[B, n]`` says otherwise) and return the attention mask for the model:
+        one ``[B, 1, n, capacity]`` mask, or a dict by layer kind."""
+        self.drop_from(position_ids[:, 0])
+        self.columns = self.last_live_column() + self.column_index[: position_ids.shape[1]]
+        self.position.index_copy_(1, self.columns, position_ids)
+        live = torch.ones_like(position_ids, dtype=torch.bool) if new_live is None else new_live
+        self.live.index_copy_(1, self.columns, live)
+        self.num_updates = 0
+        masks = {kind: self._mask(position_ids, window) for kind, window in self.layer_kinds.items()}
+        return masks if len(masks) > 1 else next(iter(masks.values()))
+
+    def _mask(self, position_ids: torch.Tensor, window: int | None) -> torch.Tensor:
+        query = position_ids[:, None, :, None]
+        key = self.position[:, None, None, :]
+        allowed = self.live[:, None, None, :] & (key <= query)
+        if window is not None:
+            allowed &= key > query - window
+        if self.mask_dtype is None:
+            return allowed
+        return torch.zeros((), dtype=self.mask_dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(self.mask_dtype).min)
+
+    def last_live_column(self) -> torch.Tensor:
+        """Device scalar: one past the last column live in any row."""
+        return torch.where(self.live.any(dim=0), self.column_index + 1, 0).max()
+
+    def drop_from(self, positions: torch.Tensor) -> None:
+        """Drop row b's entries at positions ``>= positions[b]``."""
+        self.live &= self.position < positions[:, None]
+
+    def compact(self) -> None:
+        """Move every row's live entries to its first columns, in column order (eager: a
+        copy of the whole cache, in place so that captured graphs stay valid)."""
+        order = torch.sort((~self.live).to(torch.int8), dim=1, stable=True).indices
+        count = self.live.sum(dim=1, keepdim=True)
+        for layer in self.layers:
+            if not layer.is_initialized:
+                continue
+            for states in (layer.keys, layer.values):
+                index = order[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3])
+                states.copy_(states.gather(2, index))
+        self.position.copy_(self.position.gather(1, order))
+        self.live.copy_(self.column_index[None, :] < count)
+
+
+def layer_kinds(config) -> dict[str, int | None] | None:
+    """Mask kinds the decoder's layers use, each with its sliding window (None = full
+    attention), read from the model config the way transformers' models choose their
+    masks; None if some layer uses another kind of attention (chunked, linear...)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is None:        # one mask for every layer: Llama, GPT-2, Mistral...
+        return {FULL: window if window else None}
+    if not set(types) <= {FULL, SLIDING}:
+        return None
+    if set(types) == {FULL}:
+        return {FULL: None}
+    if not window:
+        return None
+    return {kind: (window if kind == SLIDING else None) for kind in sorted(set(types))}
