@@ -325,10 +325,7 @@ class _Engine:
         if self.shape.drafter != "none":
             width = min(plan.num_drafts, plan.max_new_tokens - 1, self.shape.max_drafts)
         if width == 0:
-            hidden = self.target.forward(*prompt)[:, -1].to(self.sampler.weight.dtype)
-            tokens, logprobs, status = self.sampler.sample(hidden, self.length)
-            self._commit(tokens[:, None], logprobs[:, None], torch.ones_like(self.length),
-                         torch.zeros_like(self.length), status)
+            hidden = self._sample(self.target.forward(*prompt)[:, -1])
             return self._finish(plan, hidden, None)
         if self.assistant is not None:
             hidden = self.assistant.forward(*prompt)[:, -1]
@@ -343,7 +340,10 @@ class _Engine:
 
     def _plain(self) -> torch.Tensor:
         positions = (self.length - 1)[:, None]
-        hidden = self.target.step_forward(self.seq.gather(1, positions), positions)[:, -1]
+        return self._sample(self.target.step_forward(self.seq.gather(1, positions), positions)[:, -1])
+
+    def _sample(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Sample one token per row from the target's last hidden states and commit it."""
         hidden = hidden.to(self.sampler.weight.dtype)
         tokens, logprobs, status = self.sampler.sample(hidden, self.length)
         self._commit(tokens[:, None], logprobs[:, None], torch.ones_like(self.length),
