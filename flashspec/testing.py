@@ -107,6 +107,46 @@ def assert_samples_match(samples: torch.Tensor, probs: torch.Tensor,
     return result
 
 
+@dataclasses.dataclass(frozen=True)
+class AcceptanceCheck:
+    """Realised accepted drafts against their expectation from p(x) (a z-test)."""
+
+    realised: int
+    expected: float
+    std: float
+    z: float
+    pvalue: float        # two-sided, normal approximation
+
+    def passed(self, alpha: float = DEFAULT_ALPHA) -> bool:
+        return self.pvalue >= alpha
+
+
+def acceptance_check(stats) -> AcceptanceCheck:
+    """Compare a run's accepted drafts with `stats.expected_accepted()` (a
+    `SpeculationStats`): under the strict rule the total is a sum of independent per-step
+    counts with known mean and variance, so z = (realised - expected) / std is close to
+    standard normal when many steps had an uncertain draft. With no uncertainty (std 0,
+    e.g. greedy) the two must be equal."""
+    realised = int(stats.accepted.sum())
+    expected, std = stats.expected_accepted()
+    if std == 0.0:
+        z = 0.0 if abs(realised - expected) < 1e-6 else math.inf
+    else:
+        z = (realised - expected) / std
+    return AcceptanceCheck(realised, expected, std, z, math.erfc(abs(z) / math.sqrt(2.0)))
+
+
+def assert_acceptance_matches(stats, alpha: float = DEFAULT_ALPHA,
+                              what: str = "acceptance") -> AcceptanceCheck:
+    """Fail unless the realised accepted drafts agree with p(x) at level `alpha`."""
+    check = acceptance_check(stats)
+    if not check.passed(alpha):
+        raise AssertionError(
+            f"{what}: {check.realised} drafts accepted, {check.expected:.1f} +- {check.std:.1f} "
+            f"expected from p(x): z={check.z:.2f}, p={check.pvalue:.3g} < alpha={alpha:g}")
+    return check
+
+
 def ks_uniform_pvalue(values: torch.Tensor) -> float:
     """Kolmogorov-Smirnov p-value of `values` against Uniform(0, 1) (asymptotic form with
     Stephens' small-sample correction)."""

@@ -8,13 +8,15 @@ float64 with transformers' warpers, and the samples must pass the chi-squared te
 `flashspec.testing` (false-alarm rate 1e-4 per test).
 """
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 import flashspec
 from flashspec import reference
-from flashspec.testing import assert_samples_match
+from flashspec.testing import assert_acceptance_matches, assert_samples_match
 
 VOCAB = 24
 NEW_TOKENS = 3
@@ -93,6 +95,22 @@ def test_speculative_sequences_follow_the_target_distribution(target, assistant,
     outcomes = (new[:, 0] * VOCAB + new[:, 1]) * VOCAB + new[:, 2]
     assert_samples_match(outcomes, _exact_joint(target, prompt, sampling),
                          what=f"{drafter} / {sampling}: continuations")
+    # Each reached draft was accepted with probability p(x), as reported.
+    assert_acceptance_matches(stats, what=f"{drafter} / {sampling}: accepted drafts")
+
+
+def test_the_acceptance_check_sees_slightly_wrong_accept_probabilities(target, assistant, prompt):
+    """Teeth: the run's 4,500 accepted drafts (z = -0.5 against p(x)) fail against p(x)
+    scaled by 0.9 (z = 7)."""
+    prompts = torch.tensor(prompt).expand(NUM_RUNS, -1)
+    stats = target.generate(prompts, sampler="flash", max_new_tokens=NEW_TOKENS, seed=1000,
+                            assistant_model=assistant, num_assistant_tokens=2,
+                            return_dict_in_generate=True, **CONFIGS["plain"]).flash_stats
+    check = assert_acceptance_matches(stats)
+    assert check.std > 0
+    wrong = dataclasses.replace(stats, accept_probs=stats.accept_probs * 0.9)
+    with pytest.raises(AssertionError, match=r"expected from p\(x\)"):
+        assert_acceptance_matches(wrong)
 
 
 def test_the_check_sees_a_slightly_wrong_temperature(target, prompt):

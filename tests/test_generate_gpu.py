@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import flashspec
 from flashspec import rng
-from flashspec.testing import is_near_tie
+from flashspec.testing import acceptance_check, is_near_tie
 
 pytestmark = pytest.mark.gpu
 
@@ -156,3 +156,28 @@ def test_cuda_graphs_equal_the_eager_loop(mode, sampling):
     _assert_same_or_near_tie(ids, mask, graphed, eager, sampling, seeds, 1e-4)
     materialized = _run(model, draft, ids, mask, mode, seed=seeds, sampler="materialized", **sampling)
     _assert_same_or_near_tie(ids, mask, materialized, eager, sampling, seeds, 1e-4)
+
+
+@pytest.mark.parametrize("sampling", [{"do_sample": False}, SAMPLING["qwen3"]], ids=["greedy", "qwen3"])
+def test_graphed_steps_report_accept_probabilities(sampling):
+    """The captured verification steps send p(x) of every draft through the step report
+    (as float64 bits): probabilities, 0/1 when greedy (then exactly the realised count),
+    and the eager loop's values wherever both runs proposed the same drafts. CPU twin:
+    test_static_engine.test_speculation_stats_equal_the_eager_loop."""
+    model, draft = _pair(torch.float32)
+    ids, mask = _prompts("cuda")
+    runs = {engine: _run(model, draft, ids, mask, MODES["assistant"], seed=7, engine=engine,
+                         return_dict_in_generate=True, **sampling).flash_stats
+            for engine in ("static", "eager")}
+    stats = runs["static"]
+    assert stats.drafted.sum() > 0
+    assert ((stats.accept_probs >= 0) & (stats.accept_probs <= 1)).all()
+    if not sampling.get("do_sample"):
+        assert ((stats.accept_probs == 0) | (stats.accept_probs == 1)).all()
+        check = acceptance_check(stats)
+        assert check.std == 0 and check.expected == check.realised
+    else:
+        assert ((stats.accept_probs > 0) & (stats.accept_probs < 1)).any()
+    if torch.equal(stats.drafted, runs["eager"].drafted):
+        torch.testing.assert_close(stats.accept_probs, runs["eager"].accept_probs,
+                                   rtol=1e-4, atol=1e-4)

@@ -105,9 +105,10 @@ class _FlaggingSampler(samplers.MaterializedSampler):
         return tokens, logprobs, status
 
     def verify(self, hidden, drafts, positions):
-        num_accepted, tokens, logprobs, status = super().verify(hidden, drafts, positions)
+        num_accepted, tokens, logprobs, accept_probs, status = super().verify(hidden, drafts,
+                                                                              positions)
         tokens, status = self._flag(tokens, status)
-        return num_accepted, tokens, logprobs, status
+        return num_accepted, tokens, logprobs, accept_probs, status
 
 
 @pytest.mark.parametrize("mode", ["plain", "assistant"])
@@ -124,14 +125,17 @@ def test_flagged_rows_are_completed_exactly(monkeypatch, mode):
     assert _FlaggingSampler.flagged > 0
     assert torch.equal(fast.sequences, eager.sequences)
     torch.testing.assert_close(fast.logprobs, eager.logprobs)
-    assert torch.equal(fast.flash_stats.emitted, eager.flash_stats.emitted)
+    for name in ("emitted", "accepted"):
+        assert torch.equal(getattr(fast.flash_stats, name), getattr(eager.flash_stats, name))
+    torch.testing.assert_close(fast.flash_stats.accept_probs, eager.flash_stats.accept_probs,
+                               rtol=1e-5, atol=1e-5)   # fp32 forwards of other shapes
 
 
 @pytest.mark.parametrize("drafter, schedule", [
     ("assistant", "constant"), ("assistant", "heuristic"), ("self", "constant"),
     ("self", "heuristic"), ("lookup", None)])
 def test_speculation_stats_equal_the_eager_loop(drafter, schedule):
-    """Same drafts per step and row, same acceptances, same emitted counts."""
+    """Same drafts per step and row, same acceptances, same emitted counts, same p(x)."""
     ids, mask = left_pad(PROMPTS)
     kwargs = {"assistant": dict(assistant_model=tiny_draft("llama")),
               "self": dict(assistant_model=target()),
@@ -143,6 +147,8 @@ def test_speculation_stats_equal_the_eager_loop(drafter, schedule):
     eager = flash(target(), ids, mask, engine="eager", **kwargs, **sampling).flash_stats
     for name in ("drafted", "accepted", "emitted"):
         assert torch.equal(getattr(fast, name), getattr(eager, name)), name
+    assert fast.accept_probs.gt(0).any() and fast.accept_probs.lt(1).any()
+    torch.testing.assert_close(fast.accept_probs, eager.accept_probs, rtol=1e-5, atol=1e-5)
 
 
 def test_engine_is_reused_by_calls_of_the_same_shape():

@@ -64,7 +64,7 @@ def decode(plan) -> Generated:
     out_logprobs = torch.zeros(num_rows, plan.max_new_tokens, device=device) if plan.output_logprobs else None
     out_count = torch.zeros(num_rows, dtype=torch.long, device=device)
     num_drafts = torch.full((num_rows,), plan.num_drafts, dtype=torch.long, device=device)
-    steps = []                                     # (rows, drafted, accepted, emitted)
+    steps = []                      # (rows, drafted, accepted, emitted, accept_probs)
 
     batch = Batch(plan.input_ids, plan.attention_mask.bool(), torch.arange(num_rows, device=device))
     target = CachedDecoder(plan.head.decoder, "model")
@@ -81,8 +81,10 @@ def decode(plan) -> Generated:
         if drafts is None:
             new_tokens, new_logprobs = _sample_step(plan, target, batch, params)
             accepted = torch.zeros_like(batch.rows)
+            accept_probs = new_logprobs.new_zeros(len(batch.rows), 0)
         else:
-            new_tokens, new_logprobs, accepted = _verify_step(plan, target, batch, params, drafts)
+            new_tokens, new_logprobs, accepted, accept_probs = _verify_step(plan, target, batch,
+                                                                            params, drafts)
         emitted, finished = _stop(plan, batch, new_tokens, accepted + 1, budget)
         timed_out = plan.max_time is not None and time.monotonic() - started > plan.max_time
         finished |= timed_out
@@ -99,7 +101,7 @@ def decode(plan) -> Generated:
             plan.streamer.put(new_tokens[0, : int(emitted[0])].cpu())
 
         num_real = (drafts >= 0).sum(dim=1) if drafts is not None else torch.zeros_like(accepted)
-        steps.append((batch.rows, num_real, accepted, emitted))
+        steps.append((batch.rows, num_real, accepted, emitted, accept_probs))
         if plan.schedule == "heuristic" and drafts is not None:
             grow = (accepted == num_real) & (num_real > 0)
             rows = batch.rows
@@ -138,7 +140,7 @@ def _verify_step(plan, target: CachedDecoder, batch: Batch, params, drafts: torc
     hidden = target.forward(input_ids, attention_mask, position_ids)[:, -(num_drafts + 1):]
     weight = plan.head.weight
     out = api.lm_head_verify(hidden.to(weight.dtype).contiguous(), weight, drafts, params, batch.lengths)
-    return out.tokens, out.logprobs, out.num_accepted
+    return out.tokens, out.logprobs, out.num_accepted, out.accept_probs
 
 
 def _stop(plan, batch: Batch, new_tokens: torch.Tensor, proposed: torch.Tensor,

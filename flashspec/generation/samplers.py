@@ -6,7 +6,7 @@ problems per row instead of raising, so that a step can be captured in a CUDA gr
 * ``argmax(hidden [B, D]) -> tokens [B]`` (-1 where the logits are not finite);
 * ``sample(hidden [B, D], positions [B]) -> (tokens, logprobs, status)``;
 * ``verify(hidden [B, G+1, D], drafts [B, G], positions [B]) -> (num_accepted [B],
-  tokens [B, G+1], logprobs [B, G+1], status [B])``.
+  tokens [B, G+1], logprobs [B, G+1], accept_probs [B, G], status [B])``.
 
 status is int32 ``[B]``: 0 ok, `NEEDS_COMPLETION` (a truncated support did not fit the
 fused kernel's candidate budget: redo the row with `complete_sample` / `complete_verify`),
@@ -56,7 +56,8 @@ class MaterializedSampler:
     def verify(self, hidden: torch.Tensor, drafts: torch.Tensor, positions: torch.Tensor):
         logits = self.logits(hidden.reshape(-1, hidden.shape[-1]), self.weight)
         out = reference.verify_logits(logits, drafts, self.params, positions)
-        return out.num_accepted, out.tokens, out.logprobs, _status(out.num_accepted < 0)
+        return (out.num_accepted, out.tokens, out.logprobs, out.accept_probs,
+                _status(out.num_accepted < 0))
 
 
 class FusedSampler:
@@ -76,7 +77,7 @@ class FusedSampler:
     def verify(self, hidden: torch.Tensor, drafts: torch.Tensor, positions: torch.Tensor):
         from ..kernels import verify_unchecked
         out = verify_unchecked(hidden, self.weight, drafts, self.params, positions)
-        return out.num_accepted, out.tokens, out.logprobs, out.status
+        return out.num_accepted, out.tokens, out.logprobs, out.accept_probs, out.status
 
 
 def complete_sample(sampler, hidden: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor):
@@ -95,7 +96,7 @@ def complete_verify(sampler, hidden: torch.Tensor, drafts: torch.Tensor, rows: t
     from .. import api
     out = api.lm_head_verify(hidden[rows], sampler.weight, drafts[rows],
                              sampler.params.select(rows), positions[rows])
-    return out.num_accepted, out.tokens, out.logprobs.float()
+    return out.num_accepted, out.tokens, out.logprobs.float(), out.accept_probs
 
 
 def _status(non_finite: torch.Tensor) -> torch.Tensor:

@@ -192,16 +192,25 @@ class _Report:
     length: list
     num_drafts: list
     tokens: list           # [W][B] tokens of the step (streamer)
+    accept_probs: list     # [G][B] p(x) of each draft (float64, sent as its bits)
     target_fill: int       # one past the target cache's last column kept for the next step
     draft_fill: int
 
     FIELDS = 8
 
+    @staticmethod
+    def rows(max_drafts: int) -> int:
+        """Rows of the report tensor: the fields, the two fills, the tokens, the probs."""
+        return _Report.FIELDS + 2 + (max_drafts + 1) + max_drafts
+
     @classmethod
     def read(cls, report: torch.Tensor) -> "_Report":
         rows = report.tolist()
-        fields = rows[: cls.FIELDS]
-        return cls(*fields, tokens=rows[cls.FIELDS + 2:], target_fill=rows[cls.FIELDS][0],
+        tokens_start = cls.FIELDS + 2
+        probs_start = tokens_start + (len(rows) - tokens_start + 1) // 2
+        probs = torch.tensor(rows[probs_start:], dtype=torch.int64).view(torch.float64)
+        return cls(*rows[: cls.FIELDS], tokens=rows[tokens_start:probs_start],
+                   accept_probs=probs.tolist(), target_fill=rows[cls.FIELDS][0],
                    draft_fill=rows[cls.FIELDS + 1][0])
 
 
@@ -229,7 +238,7 @@ class _Engine:
         self.drafts = torch.full((batch, shape.max_drafts), -1, **long)
         self.draft_count = torch.zeros((), **long)
         self.eos = torch.zeros(shape.num_eos, **long)
-        self.report = torch.zeros(_Report.FIELDS + 2 + shape.max_drafts + 1, batch, **long)
+        self.report = torch.zeros(_Report.rows(shape.max_drafts), batch, **long)
         self.params = plan.params._map(torch.clone, validate=False)
         self.sampler = self._sampler(weight, self.params)
         if self.assistant is not None:
@@ -391,9 +400,10 @@ class _Engine:
                                          torch.cat([positions, draft_positions], dim=1),
                                          torch.cat([live, torch.ones_like(within)], dim=1))
         hidden = hidden[:, -(width + 1):].to(self.sampler.weight.dtype)
-        num_accepted, tokens, logprobs, status = self.sampler.verify(hidden, drafts, self.length)
+        num_accepted, tokens, logprobs, accept_probs, status = self.sampler.verify(
+            hidden, drafts, self.length)
         self._commit(tokens, logprobs, num_accepted + 1, (drafts >= 0).sum(dim=1), status,
-                     broken, schedule=True)
+                     broken, schedule=True, accept_probs=accept_probs)
         return hidden, drafts
 
     def _lookup(self, width: int, allowed: torch.Tensor) -> torch.Tensor:
@@ -407,10 +417,12 @@ class _Engine:
 
     def _commit(self, tokens: torch.Tensor, logprobs: torch.Tensor, proposed: torch.Tensor,
                 drafted: torch.Tensor, status: torch.Tensor, broken: torch.Tensor | None = None,
-                schedule: bool = False, rows: torch.Tensor | None = None) -> None:
+                schedule: bool = False, rows: torch.Tensor | None = None,
+                accept_probs: torch.Tensor | None = None) -> None:
         """Append each row's emitted tokens (cut at its budget and first EOS), update its
-        flags and draft count, and write the report. Rows that are finished, flagged by
-        `status`, or (with `rows`) not listed emit nothing."""
+        flags and draft count, and write the report (with the drafts' `accept_probs`).
+        Rows that are finished, flagged by `status`, or (with `rows`) not listed emit
+        nothing."""
         ok = ~self.finished & (status == 0)
         if rows is not None:
             ok &= rows
@@ -440,13 +452,17 @@ class _Engine:
         fills.append(self._fill(self.assistant, 2) if self.assistant is not None else fills[0])
         fill_rows = torch.stack(fills)[:, None].expand(2, len(ok))
         broken = torch.zeros_like(ok) if broken is None else broken & ok
-        tokens_rows = torch.full((self.report.shape[0] - _Report.FIELDS - 2, len(ok)), -1,
-                                 dtype=torch.long, device=self.device)
+        tokens_rows = torch.full((self.shape.max_drafts + 1, len(ok)), -1, dtype=torch.long,
+                                 device=self.device)
         tokens_rows[:width] = torch.where(write, tokens, -1).T
+        probs_rows = torch.zeros(self.shape.max_drafts, len(ok), dtype=torch.float64,
+                                 device=self.device)
+        if accept_probs is not None:
+            probs_rows[: accept_probs.shape[1]] = torch.where(ok[:, None], accept_probs.double(), 0.0).T
         self.report.copy_(torch.cat([
             torch.stack([emitted, drafted, accepted, self.finished.long(), status.long(),
                          broken.long(), self.length, self.num_drafts]),
-            fill_rows, tokens_rows]))
+            fill_rows, tokens_rows, probs_rows.view(torch.int64)]))
 
     def _fill(self, decoder: _Decoder, refeed: int) -> torch.Tensor:
         """One past the last cache column still needed by the next step, which re-feeds
@@ -528,8 +544,9 @@ class _Engine:
             tokens, logprobs = tokens[:, None], logprobs[:, None]
             proposed = torch.ones_like(rows)
             drafted = torch.zeros_like(rows)
+            accept_probs = None
         else:
-            num_accepted, tokens, logprobs = samplers.complete_verify(
+            num_accepted, tokens, logprobs, accept_probs = samplers.complete_verify(
                 self.sampler, hidden, drafts, rows, self.length)
             proposed = num_accepted + 1
             drafted = (drafts[rows] >= 0).sum(dim=1)
@@ -540,13 +557,16 @@ class _Engine:
         selected[rows] = True
         self._commit(full(tokens, -1), full(logprobs, 0), full(proposed, 0), full(drafted, 0),
                      torch.zeros(batch, dtype=torch.int32, device=self.device),
-                     schedule=drafts is not None, rows=selected)
+                     schedule=drafts is not None, rows=selected,
+                     accept_probs=None if accept_probs is None else full(accept_probs, 0))
         redone = _Report.read(self.report)
         for b in flagged:       # the other rows' values are the step's own
             for name in ("emitted", "drafted", "accepted", "status", "broken"):
                 getattr(report, name)[b] = getattr(redone, name)[b]
-            for step_tokens, redone_tokens in zip(report.tokens, redone.tokens):
-                step_tokens[b] = redone_tokens[b]
+            for step_rows, redone_rows in ((report.tokens, redone.tokens),
+                                           (report.accept_probs, redone.accept_probs)):
+                for step_row, redone_row in zip(step_rows, redone_rows):
+                    step_row[b] = redone_row[b]
         return dataclasses.replace(report, finished=redone.finished, length=redone.length,
                                    num_drafts=redone.num_drafts, target_fill=redone.target_fill,
                                    draft_fill=redone.draft_fill)
@@ -571,7 +591,8 @@ def _stats(steps: list[_Report], batch_size: int) -> SpeculationStats:
         rows = [b for b in range(batch_size) if running[b]]
         table.append((torch.tensor(rows, dtype=torch.long),
                       *(torch.tensor([getattr(report, name)[b] for b in rows])
-                        for name in ("drafted", "accepted", "emitted"))))
+                        for name in ("drafted", "accepted", "emitted")),
+                      torch.tensor(report.accept_probs, dtype=torch.float64).T[rows]))
         running = [not done for done in report.finished]
     return SpeculationStats.from_steps(table, batch_size)
 
