@@ -1,21 +1,39 @@
 """Tokens per second of generate() for a model pair: stock transformers vs flashspec's engine.
 
-For each pair, batch size B and variant, one untimed warm-up call (it also compiles and
-captures CUDA graphs), then --reps timed calls of B random prompts of --prompt-length
-tokens, each generating exactly --new-tokens tokens (EOS disabled); tok/s = B * new_tokens
-/ median seconds (the device synchronized around each call). Greedy unless --sample
-(T=0.6, top-k 20, top-p 0.95, seed 0).
+For each pair, batch size B, decoding, draft length G and variant: one untimed warm-up
+call (it also compiles and captures CUDA graphs), then --reps timed calls of B prompts,
+each generating exactly --new-tokens tokens (EOS disabled); tok/s = B * new_tokens /
+median seconds (the device synchronized around each call). Plain variants run once per
+(B, decoding), speculative ones once per G of --num-drafts. Decodings (--decoding):
+``greedy``, and ``sample`` (T=0.6, top-k 20, top-p 0.95, seed 0).
 
-Pairs (target + draft, same vocabulary):
+Pairs (target + draft, same vocabulary), from one of:
 
-* ``tiny``: flashspec's built-in tiny pair (trained weights, flashspec/assets/tiny_pair);
-* ``qwen3``: Qwen3-1.7B + Qwen3-0.6B shapes, random weights (scripts/configs);
-* ``llama``: Llama-3.1-8B + Llama-3.2-1B shapes, random weights.
+* ``--pair`` presets: ``tiny``, flashspec's built-in tiny pair (trained weights,
+  flashspec/assets/tiny_pair; the default); ``qwen3``, random weights at the shapes of
+  Qwen3-1.7B + Qwen3-0.6B (the same as ``--random-init qwen3-1.7b,qwen3-0.6b``);
+  ``llama``, Llama-3.1-8B + Llama-3.2-1B shapes (``--random-init llama-3.1-8b,llama-3.2-1b``);
+* ``--target`` and ``--draft``: hub ids or local folders with trained weights;
+* ``--random-init TARGET_SHAPE[,DRAFT_SHAPE]``: random weights at real shapes, offline; a
+  SHAPE is a config name under scripts/configs or the path of a config.json.
 
-Prompts are random token ids, so acceptance is whatever the pair does on noise: the
-random-weight drafts accept almost nothing and self-speculation (the target as its own
-assistant) accepts almost everything; the expected tok/s at acceptance 1 (below) is the
-upper bound that speculation can reach with this engine.
+Without a draft model (``--target`` alone, ``--random-init`` with one shape) the draft
+variants are skipped; self-speculation and prompt lookup still run.
+
+Prompts (--prompts): ``random`` token ids (from 1: 0 is the pad token), exactly
+--prompt-length per row; or a prompt set shipped with flashspec (code_edit, summarize, chat;
+see flashspec.prompt_sets): row i of a batch gets the set's prompt i mod n, in file order,
+through the target's tokenizer (its chat template if it has one), left padded, at most
+--prompt-length tokens (a longer prompt keeps its end). Random-init models have no tokenizer,
+so they take random prompts only.
+
+On random prompts acceptance is whatever the pair does on noise: the random-weight drafts
+accept almost nothing, prompt lookup finds almost no match, and self-speculation (the
+target as its own assistant) accepts most drafts, losing some at near-ties of the nearly
+flat random models (bf16 rounding differs between one-token and many-token forwards).
+``--weights peaked`` makes the random models decisive (`peak_weights`), so that
+self-speculation accepts every draft at the same cost per forward. The expected tok/s at
+acceptance 1 (below) is the upper bound that speculation can reach with this engine.
 
 Variants:
 
@@ -24,39 +42,62 @@ Variants:
   transformers compiles; CUDA only (on CPU transformers does not compile it, so it is
   skipped: an uncompiled static cache is not what is measured);
 * ``hf_assisted_self`` / ``hf_assisted``: stock assisted generation with the target itself /
-  the draft as assistant, G drafts per round (B=1 only: stock refuses larger batches);
+  the draft as assistant, G drafts per round;
+* ``hf_lookup``: stock prompt lookup (``prompt_lookup_num_tokens=G``); the stock rows with
+  drafts run at B=1 only (stock refuses larger batches);
 * ``flash_plain``: ``sampler="flash"`` without drafts, on the static engine
   (``engine="static"``, which is what "auto" picks on CUDA; on CPU it runs the same steps
   eagerly, so that the fused and materialized rows compare one engine);
-* ``flash_self`` / ``flash_draft``: ``sampler="flash"`` with the target itself / the draft as
-  assistant, G drafts per round, constant schedule;
-* ``flash_self_materialized`` / ``flash_draft_materialized``: the same with
-  ``sampler="materialized"`` (same engine, logits materialized and sampled by torch ops).
+* ``flash_self`` / ``flash_draft`` / ``flash_lookup``: ``sampler="flash"`` with the target
+  itself / the draft as assistant / prompt lookup, G drafts per round, constant schedule;
+* ``flash_self_materialized`` / ``flash_draft_materialized`` / ``flash_lookup_materialized``:
+  the same with ``sampler="materialized"`` (same engine, logits materialized and sampled by
+  torch ops).
 
-Every assistant gets ``num_assistant_tokens=G``, the "constant" schedule and
-``assistant_confidence_threshold=0`` in its generation config, so stock drafts G tokens
-every round as flashspec does (stock's default 0.4 would stop drafting early).
+Stock assisted generation reads the draft length only from the assistant's generation
+config, so before each stock call the assistant gets ``num_assistant_tokens=G``, the
+"constant" schedule and ``assistant_confidence_threshold=0`` there: stock then drafts G
+tokens every round as flashspec does (stock's default threshold 0.4 would stop drafting
+early). flashspec takes them as generate() arguments. Prompt lookup matches n-grams of up
+to 2 tokens (transformers' default) in both.
+
+Ratios compare rows of one (pair, B, decoding): x_hf and x_stc against the plain stock
+rows; a flash row's stock twin (hf_assisted_self, hf_assisted, hf_lookup) and a fused
+row's materialized twin are the rows of the same G.
 
 On CUDA the flash rows also give the engine's captured step graphs' GPU time (median of
-3 x 20 replays after the timed calls; the state they mutate is the finished run's):
-the plain step, or one round of drafts (draft_first + (G-1) draft_next) and the
-verification of G drafts; and the tok/s those imply: B tokens per plain step, B * (1 -
-a^(G+1)) / (1 - a) tokens per round at an i.i.d. per-position acceptance a (reported at
-a = 1 and at the run's measured tokens per round). Plain rows (hf, hf_static_compile,
-flash_plain) give the weight bytes read per second (target weights once per forward, one
-forward per B tokens) as a fraction of the copy bandwidth measured at start (read +
-written bytes of a 1 GiB device copy; 64 MiB on CPU). With greedy decoding every row
-records whether its tokens equal the hf row's (bf16 near-ties may legitimately differ).
-A variant that fails is recorded with its error and the run goes on.
+3 x 20 replays after the timed calls; the state they mutate is the finished run's): the
+plain step, or one round of drafts (draft_first + (G-1) draft_next; none for prompt lookup,
+which drafts inside the verification step) and the verification of G drafts; and the tok/s
+those imply: B tokens per plain step, B * (1 - a^(G+1)) / (1 - a) tokens per round at an
+i.i.d. per-position acceptance a (reported at a = 1 and at the run's measured tokens per
+round). Plain rows (hf, hf_static_compile, flash_plain) give the weight bytes read per second
+(target weights once per forward, one forward per B tokens) as a fraction of the copy
+bandwidth measured at start (read + written bytes of a 1 GiB device copy; 64 MiB on CPU).
+With greedy decoding every row records whether its tokens equal the hf row's of the same
+(B, decoding) (bf16 near-ties may legitimately differ). A variant that fails is recorded
+with its error and the run goes on.
+
+Defaults depend on the device. On CUDA: B 1,4,16, prompt 128 + 256 new tokens, 3 timed
+calls, bf16. On CPU: B 1,4, prompt 64 + 64 new tokens, 1 timed call, fp32, so that the
+default run (tiny pair, every variant, greedy, G=5) takes about 30 s on 2 idle cores.
 
 Run (from the repository root):
 
-    PYTHONPATH=. python scripts/tok_per_s.py --pair tiny,qwen3,llama          # on a GPU
-    PYTHONPATH=. python scripts/tok_per_s.py --pair tiny --batch-sizes 1,2 --new-tokens 16 \\
-        --prompt-length 16 --reps 1 --dtype fp32 --device cpu --out /tmp/x   # CPU smoke test
+    PYTHONPATH=. python scripts/tok_per_s.py                 # tiny pair, CPU-sized on CPU
+    PYTHONPATH=. python scripts/tok_per_s.py --pair tiny,qwen3,llama --decoding greedy,sample
+    PYTHONPATH=. python scripts/tok_per_s.py --random-init qwen3-1.7b,qwen3-0.6b \\
+        --weights peaked --batch-sizes 1 --num-drafts 2,4,8               # on a GPU
+    PYTHONPATH=. python scripts/tok_per_s.py --target Qwen/Qwen3-8B --draft Qwen/Qwen3-0.6B \\
+        --prompts code_edit --decoding greedy,sample                      # downloads
 
-Writes ``tok_per_s.json`` and ``tok_per_s.png`` (with matplotlib) to --out and prints a
-table last; progress goes to stderr. Offline: no downloads.
+Writes to --out ``tok_per_s.json`` (device, versions, date, args with the defaults
+resolved, decodings, prompts, copy bandwidth, pairs, and one row per pair, B, decoding, G
+and variant) and ``tok_per_s.png`` (with matplotlib: a panel per pair, bars of tok/s grouped
+by (B, decoding)), and prints a table last. Progress goes to stderr: a bar over all runs
+(tqdm, on a terminal; else a line as each run starts), and each row's figures as one JSON
+line as soon as it is measured (a run cut short keeps them). Offline unless --target/--draft
+name hub models that are not cached.
 """
 
 from __future__ import annotations
@@ -77,23 +118,51 @@ from typing import Callable, NamedTuple
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import flashspec
 from flashspec.assets import tiny_pair_path
 from flashspec.generation.heads import output_head
 from flashspec.generation.static import cached_engine
+from flashspec.prompt_sets import PROMPT_SETS, encode_prompts, load_prompts
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
-# pair -> (target, draft): config names under scripts/configs (random weights), or None for
-# the built-in tiny pair's trained weights.
-PAIRS = {"tiny": None,
-         "qwen3": ("qwen3-1.7b", "qwen3-0.6b"),
-         "llama": ("llama-3.1-8b", "llama-3.2-1b")}
+
+
+class PairSpec(NamedTuple):
+    """A pair's name in the report, and where its models come from: hub ids or folders with
+    trained weights, or (with `random_init`) config names under scripts/configs or
+    config.json paths. `draft` None: no draft model."""
+
+    label: str
+    target: str
+    draft: str | None
+    random_init: bool
+
+
+# --pair presets: what --target/--draft (tiny) or --random-init (the others) would give.
+PAIRS = {"tiny": PairSpec("tiny", str(tiny_pair_path() / "target"),
+                          str(tiny_pair_path() / "draft"), random_init=False),
+         "qwen3": PairSpec("qwen3", "qwen3-1.7b", "qwen3-0.6b", random_init=True),
+         "llama": PairSpec("llama", "llama-3.1-8b", "llama-3.2-1b", random_init=True)}
+WEIGHTS = ("random", "peaked")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SAMPLING = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
+DECODINGS = {"greedy": {"do_sample": False}, "sample": SAMPLING}
+RANDOM_PROMPTS = "random"
 SEED = 0
 PAD_TOKEN_ID = 0
+# Defaults that depend on the device: the CPU ones keep the default run (tiny pair, every
+# variant) near 30 s on 2 idle cores.
+DEVICE_DEFAULTS = {
+    "cuda": {"batch_sizes": [1, 4, 16], "prompt_length": 128, "new_tokens": 256, "reps": 3,
+             "dtype": "bf16"},
+    "cpu": {"batch_sizes": [1, 4], "prompt_length": 64, "new_tokens": 64, "reps": 1,
+            "dtype": "fp32"},
+}
+# --weights peaked: residual-branch output projections scaled by this (see peak_weights).
+RESIDUAL_OUTPUTS = ("o_proj", "down_proj")
+PEAKED_BRANCH_SCALE = 1e-3
 GRAPH_REPLAYS = 20
 GRAPH_TRIALS = 3
 COPY_REPS = 5
@@ -103,9 +172,11 @@ STOCK_ASSISTED_MAX_BATCH = 1
 
 PLAIN_VARIANTS = ("hf", "hf_static_compile", "flash_plain")
 STOCK_TWIN = {"flash_self": "hf_assisted_self", "flash_self_materialized": "hf_assisted_self",
-              "flash_draft": "hf_assisted", "flash_draft_materialized": "hf_assisted"}
+              "flash_draft": "hf_assisted", "flash_draft_materialized": "hf_assisted",
+              "flash_lookup": "hf_lookup", "flash_lookup_materialized": "hf_lookup"}
 MATERIALIZED_TWIN = {"flash_self": "flash_self_materialized",
-                     "flash_draft": "flash_draft_materialized"}
+                     "flash_draft": "flash_draft_materialized",
+                     "flash_lookup": "flash_lookup_materialized"}
 
 
 class Skipped(Exception):
@@ -113,12 +184,13 @@ class Skipped(Exception):
 
 
 class Case(NamedTuple):
-    """One (pair, B) setting, as the variants see it."""
+    """One (pair, B, G) setting, as the variants see it; `num_drafts` None for plain rows
+    and `draft` None for a pair without a draft model."""
 
     target: torch.nn.Module
-    draft: torch.nn.Module
+    draft: torch.nn.Module | None
     batch_size: int
-    num_drafts: int
+    num_drafts: int | None
     cuda: bool
 
 
@@ -133,6 +205,14 @@ class Variant(NamedTuple):
 # ---------------------------------------------------------------- variants
 
 
+def _assistant(case: Case, assistant: str) -> torch.nn.Module:
+    if assistant == "self":
+        return case.target
+    if case.draft is None:
+        raise Skipped("skipped: no draft model (give --draft, or --random-init TARGET,DRAFT)")
+    return case.draft
+
+
 def _stock(case: Case) -> dict:
     return {}
 
@@ -144,79 +224,149 @@ def _stock_static_compile(case: Case) -> dict:
     return {"cache_implementation": "static"}
 
 
-def _stock_assisted(case: Case, assistant: str) -> dict:
+def _check_stock_batch(case: Case) -> None:
     if case.batch_size > STOCK_ASSISTED_MAX_BATCH:
-        raise Skipped("skipped: stock assisted generation refuses batch_size > 1")
-    return {"assistant_model": case.target if assistant == "self" else case.draft}
+        raise Skipped("skipped: stock assisted generation (prompt lookup too) refuses "
+                      "batch_size > 1")
 
 
-def _flash(case: Case, sampler: str, assistant: str | None = None) -> dict:
+def _stock_assisted(case: Case, assistant: str) -> dict:
+    _check_stock_batch(case)
+    model = _assistant(case, assistant)
+    # Stock reads these from the assistant's generation config only, not from generate()'s
+    # kwargs; written before each call since G changes along the sweep. Threshold 0: stock's
+    # default 0.4 would stop drafting before G.
+    config = model.generation_config
+    config.num_assistant_tokens = case.num_drafts
+    config.num_assistant_tokens_schedule = "constant"
+    config.assistant_confidence_threshold = 0.0
+    return {"assistant_model": model}
+
+
+def _stock_lookup(case: Case) -> dict:
+    _check_stock_batch(case)
+    return {"prompt_lookup_num_tokens": case.num_drafts}
+
+
+def _flash(case: Case, sampler: str, drafter: str | None = None) -> dict:
     # engine="static", not "auto": a setting the static engine cannot run fails loudly instead
     # of silently timing the eager loop (and on CPU both samplers run the same engine).
     kwargs = {"sampler": sampler, "engine": "static", "seed": SEED,
               "return_dict_in_generate": True}
-    if assistant is not None:
-        kwargs.update(assistant_model=case.target if assistant == "self" else case.draft,
+    if drafter == "lookup":
+        kwargs["prompt_lookup_num_tokens"] = case.num_drafts
+    elif drafter is not None:
+        kwargs.update(assistant_model=_assistant(case, drafter),
                       num_assistant_tokens=case.num_drafts,
                       num_assistant_tokens_schedule="constant")
     return kwargs
 
 
+# In table order: hf first, so that later rows can compare their tokens to it.
 VARIANTS: dict[str, Variant] = {
     "hf": Variant(_stock, None),
     "hf_static_compile": Variant(_stock_static_compile, None),
     "hf_assisted_self": Variant(partial(_stock_assisted, assistant="self"), None),
     "hf_assisted": Variant(partial(_stock_assisted, assistant="draft"), None),
+    "hf_lookup": Variant(_stock_lookup, None),
     "flash_plain": Variant(partial(_flash, sampler="flash"), "fused"),
-    "flash_self": Variant(partial(_flash, sampler="flash", assistant="self"), "fused"),
+    "flash_self": Variant(partial(_flash, sampler="flash", drafter="self"), "fused"),
     "flash_self_materialized": Variant(
-        partial(_flash, sampler="materialized", assistant="self"), "materialized"),
-    "flash_draft": Variant(partial(_flash, sampler="flash", assistant="draft"), "fused"),
+        partial(_flash, sampler="materialized", drafter="self"), "materialized"),
+    "flash_draft": Variant(partial(_flash, sampler="flash", drafter="draft"), "fused"),
     "flash_draft_materialized": Variant(
-        partial(_flash, sampler="materialized", assistant="draft"), "materialized"),
+        partial(_flash, sampler="materialized", drafter="draft"), "materialized"),
+    "flash_lookup": Variant(partial(_flash, sampler="flash", drafter="lookup"), "fused"),
+    "flash_lookup_materialized": Variant(
+        partial(_flash, sampler="materialized", drafter="lookup"), "materialized"),
 }
 
 
 # ---------------------------------------------------------------- models
 
 
-def _prepare(model, num_drafts: int):
-    """Exact-length generations (no EOS), and G constant drafts when used as an assistant."""
+def _prepare(model):
+    """Exact-length generations: no EOS."""
     model.eval()
     config = model.generation_config
     config.eos_token_id = None
     config.pad_token_id = PAD_TOKEN_ID
-    config.num_assistant_tokens = num_drafts
-    config.num_assistant_tokens_schedule = "constant"
-    config.assistant_confidence_threshold = 0.0
     return model
 
 
-def _random_model(name: str, device: str, dtype: torch.dtype):
-    fields = json.loads((CONFIGS / f"{name}.json").read_text())
-    fields.pop("_source")
+def config_path(shape: str) -> Path:
+    """The config.json of a random-init SHAPE: a name under scripts/configs or a file path."""
+    named = CONFIGS / f"{shape}.json"
+    return named if named.is_file() else Path(shape)
+
+
+def _random_model(shape: str, device: str, dtype: torch.dtype):
+    fields = json.loads(config_path(shape).read_text())
+    fields.pop("_source", None)         # scripts/configs' note on where the shape comes from
     config = AutoConfig.for_model(**fields)
     torch.manual_seed(SEED)
     with torch.device(device):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-def load_pair(name: str, device: str, dtype: torch.dtype, num_drafts: int):
-    """(flashspec-wrapped target, draft, description)."""
-    if PAIRS[name] is None:
-        folder = tiny_pair_path()
-        target, draft = (AutoModelForCausalLM.from_pretrained(folder / role, dtype=dtype).to(device)
-                         for role in ("target", "draft"))
-        names = ("tiny_pair/target", "tiny_pair/draft", "trained (built-in)")
-    else:
-        target, draft = (_random_model(config, device, dtype) for config in PAIRS[name])
-        names = (*PAIRS[name], "random init")
-    target = flashspec.wrap(_prepare(target, num_drafts))
-    draft = _prepare(draft, num_drafts)
-    description = {"target": names[0], "draft": names[1], "weights": names[2],
-                   "vocab_size": target.config.vocab_size,
+def _load_model(name: str, random_init: bool, device: str, dtype: torch.dtype):
+    if random_init:
+        return _random_model(name, device, dtype)
+    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
+
+
+def peak_weights(model):
+    """Make a random-init model decisive, in place: scale the projections that write into
+    the residual stream (attention and MLP outputs) by PEAKED_BRANCH_SCALE and give the LM
+    head the embedding's values. The final hidden state is then dominated by the current
+    token's embedding, whose own logit leads every other by a wide margin, so that
+    greedy self-speculation accepts every draft despite bf16 rounding differences
+    between one-token and many-token forwards (random models are nearly flat: their
+    top-2 logits tie within that rounding a few times in a hundred tokens). The cost of a
+    forward does not depend on the weights' values."""
+    scaled = [module for name, module in model.named_modules()
+              if name.rsplit(".", 1)[-1] in RESIDUAL_OUTPUTS and isinstance(module, torch.nn.Linear)]
+    expected = len(RESIDUAL_OUTPUTS) * model.config.num_hidden_layers
+    if len(scaled) != expected:
+        raise ValueError(f"--weights peaked: found {len(scaled)} residual output projections "
+                         f"named {RESIDUAL_OUTPUTS}, expected {expected} in "
+                         f"{type(model).__name__}")
+    with torch.no_grad():
+        for module in scaled:
+            module.weight.mul_(PEAKED_BRANCH_SCALE)
+        head, embedding = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+        if head is not embedding:
+            head.copy_(embedding)
+    return model
+
+
+def model_name(name: str) -> str:
+    """A hub id or scripts/configs name as given; a local folder or file by its last two path
+    parts (e.g. tiny_pair/target)."""
+    path = Path(name)
+    return "/".join(path.resolve().parts[-2:]) if path.exists() else name
+
+
+def load_pair(spec: PairSpec, device: str, dtype: torch.dtype, weights: str = "random"):
+    """(flashspec-wrapped target, draft or None, description); `weights` "peaked" applies
+    `peak_weights` to random-init models."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"`weights`={weights!r} is not allowed: use one of {WEIGHTS}")
+    if not spec.random_init and weights != "random":
+        raise ValueError(f"`weights`={weights!r} applies to random-init pairs; {spec.label!r} "
+                         "has trained weights")
+    models = [_prepare(_load_model(name, spec.random_init, device, dtype))
+              for name in (spec.target, spec.draft) if name is not None]
+    kind = "random init" if spec.random_init else "trained"
+    if weights == "peaked":
+        models = [peak_weights(model) for model in models]
+        kind = "random init, peaked (tok_per_s.peak_weights)"
+    target, draft = flashspec.wrap(models[0]), models[1] if len(models) > 1 else None
+    description = {"target": model_name(spec.target),
+                   "draft": None if draft is None else model_name(spec.draft),
+                   "weights": kind, "vocab_size": target.config.vocab_size,
                    "target_weight_bytes": weight_bytes(target),
-                   "draft_weight_bytes": weight_bytes(draft)}
+                   "draft_weight_bytes": None if draft is None else weight_bytes(draft)}
     return target, draft, description
 
 
@@ -225,10 +375,48 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+# ---------------------------------------------------------------- prompts
+
+
+class Prompts(NamedTuple):
+    """One batch's prompts, as generate() takes them."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    description: dict        # the row's "prompts"
+
+
 def random_prompts(batch_size: int, length: int, vocab_size: int, device: str) -> torch.Tensor:
     generator = torch.Generator().manual_seed(SEED)
     # From 1: 0 is the pad token (and the tiny pair's EOS).
     return torch.randint(1, vocab_size, (batch_size, length), generator=generator).to(device)
+
+
+def build_prompts(source: str, batch_size: int, length: int, vocab_size: int, tokenizer,
+                  device: str) -> Prompts:
+    """B prompts: random ids of `length`, or set `source`'s prompts cycled in file order,
+    left padded, at most `length` tokens each."""
+    if source == RANDOM_PROMPTS:
+        input_ids = random_prompts(batch_size, length, vocab_size, device)
+        return Prompts(input_ids, torch.ones_like(input_ids),
+                       {"source": source, "mean_tokens": float(length), "truncated": 0})
+    records = load_prompts(source)
+    texts = [records[row % len(records)]["prompt"] for row in range(batch_size)]
+    encoded = encode_prompts(tokenizer, texts, max_length=length)
+    description = {"source": source,
+                   "mean_tokens": encoded.attention_mask.sum().item() / batch_size,
+                   "truncated": int(encoded.truncated.sum())}
+    return Prompts(encoded.input_ids.to(device), encoded.attention_mask.to(device), description)
+
+
+def describe_prompts(args: argparse.Namespace) -> dict:
+    if args.prompts == RANDOM_PROMPTS:
+        return {"source": RANDOM_PROMPTS, "length": args.prompt_length,
+                "what": f"random token ids in [1, vocab), torch.Generator seeded {SEED}"}
+    return {"source": args.prompts, "max_length": args.prompt_length,
+            "what": PROMPT_SETS[args.prompts],
+            "encoding": "flashspec.prompt_sets.encode_prompts with the target's tokenizer; "
+                        "row i gets the set's prompt i mod n"}
 
 
 # ---------------------------------------------------------------- timing
@@ -287,8 +475,13 @@ def step_ms(target, engine_sampler: str, verify_width: int) -> dict | None:
     if engine.shape.drafter == "none":
         return {"plain": replay_ms([graphs["plain"]])} if "plain" in graphs else None
     verify = graphs.get(("verify", verify_width))
-    if verify is None or "draft_first" not in graphs or (verify_width > 1
-                                                         and "draft_next" not in graphs):
+    if verify is None:
+        return None
+    if engine.shape.drafter == "lookup":
+        # Prompt lookup drafts inside the verification step: no draft graphs.
+        return {"draft_first": None, "draft_next": None, "draft_round": 0.0,
+                "verify": replay_ms([verify])}
+    if "draft_first" not in graphs or (verify_width > 1 and "draft_next" not in graphs):
         return None
     # draft_next alone would write past the draft buffer (its column count only grows);
     # draft_first resets it, so a whole round is replayed and draft_next derived from it.
@@ -368,7 +561,7 @@ def run_variant(name: str, case: Case, inputs: dict, args: argparse.Namespace) -
     row["tok_s"] = case.batch_size * args.new_tokens / statistics.median(seconds)
     if variant.engine_sampler is not None:
         row["flash_stats"] = _summary(output.flash_stats)
-        verify_width = min(case.num_drafts, args.new_tokens - 1)
+        verify_width = 0 if case.num_drafts is None else min(case.num_drafts, args.new_tokens - 1)
         if case.cuda:
             row["step_ms"] = step_ms(case.target, variant.engine_sampler, verify_width)
         if row["step_ms"] is not None:
@@ -384,54 +577,136 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 
 def add_ratios(rows: list[dict], target_bytes: int, copy_gbps: float) -> None:
-    """Ratios between the rows of one (pair, B), and the plain rows' weight bandwidth."""
-    tok_s = {row["variant"]: row["tok_s"] for row in rows}
+    """Ratios between the rows of one (pair, B, decoding), twins matched on G, and the plain
+    rows' weight bandwidth."""
+    tok_s = {(row["variant"], row["num_drafts"]): row["tok_s"] for row in rows}
     for row in rows:
-        name, batch = row["variant"], row["batch_size"]
+        name, num_drafts = row["variant"], row["num_drafts"]
         row["ratio"] = {
-            "vs_hf_static_compile": _ratio(row["tok_s"], tok_s.get("hf_static_compile")),
-            "vs_hf": _ratio(row["tok_s"], tok_s.get("hf")),
-            "vs_stock_assisted": _ratio(row["tok_s"], tok_s.get(STOCK_TWIN.get(name))),
-            "vs_materialized": _ratio(row["tok_s"], tok_s.get(MATERIALIZED_TWIN.get(name))),
+            "vs_hf_static_compile": _ratio(row["tok_s"], tok_s.get(("hf_static_compile", None))),
+            "vs_hf": _ratio(row["tok_s"], tok_s.get(("hf", None))),
+            "vs_stock_assisted": _ratio(row["tok_s"],
+                                        tok_s.get((STOCK_TWIN.get(name), num_drafts))),
+            "vs_materialized": _ratio(row["tok_s"],
+                                      tok_s.get((MATERIALIZED_TWIN.get(name), num_drafts))),
         }
         # At batch B one forward reads the weights once and yields B tokens.
         row["weight_bandwidth_fraction"] = (
-            target_bytes * row["tok_s"] / batch / (copy_gbps * 1e9)
+            target_bytes * row["tok_s"] / row["batch_size"] / (copy_gbps * 1e9)
             if name in PLAIN_VARIANTS and row["tok_s"] is not None else None)
 
 
-def run_batch(pair: str, case: Case, args: argparse.Namespace, target_bytes: int,
-              copy_gbps: float) -> list[dict]:
-    device = "cuda" if case.cuda else "cpu"
-    prompts = random_prompts(case.batch_size, args.prompt_length, case.target.config.vocab_size,
-                             device)
-    inputs = {"input_ids": prompts, "attention_mask": torch.ones_like(prompts),
+# ---------------------------------------------------------------- the sweep
+
+
+class Run(NamedTuple):
+    """One row to measure within a pair."""
+
+    batch_size: int
+    decoding: str
+    num_drafts: int | None
+    variant: str
+
+
+def plan_runs(args: argparse.Namespace) -> list[Run]:
+    """Per (B, decoding): the plain variants once, then the speculative ones once per G."""
+    plain = [name for name in args.variants if name in PLAIN_VARIANTS]
+    speculative = [name for name in args.variants if name not in PLAIN_VARIANTS]
+    runs = []
+    for batch in args.batch_sizes:
+        for decoding in args.decoding:
+            runs += [Run(batch, decoding, None, name) for name in plain]
+            runs += [Run(batch, decoding, num_drafts, name)
+                     for num_drafts in args.num_drafts for name in speculative]
+    return runs
+
+
+class Progress:
+    """A tqdm bar over all runs when tqdm is installed and stderr is a terminal, else a
+    stderr line as each run starts (a log file then holds plain lines, the rows' JSON lines
+    among them, without the bar's carriage returns); `write` prints a line either way
+    (tqdm's own write keeps the bar intact)."""
+
+    def __init__(self, total: int):
+        self.total, self.started, self.bar = total, 0, None
+        if sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                return
+            self.bar = tqdm(total=total, file=sys.stderr, unit="run", dynamic_ncols=True)
+
+    def write(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def start(self, label: str) -> None:
+        self.started += 1
+        if self.bar is not None:
+            self.bar.set_description(label)
+        else:
+            self.write(f"[{self.started}/{self.total}] {label} ...")
+
+    def finish(self) -> None:
+        if self.bar is not None:
+            self.bar.update()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+ROW_LINE_KEYS = ("pair", "batch_size", "decoding", "num_drafts", "variant", "status", "tok_s",
+                 "step_ms", "flash_stats", "same_tokens_as_hf")
+
+
+def run_group(pair: str, runs: list[Run], target, draft, prompts: Prompts,
+              args: argparse.Namespace, cuda: bool, progress: Progress) -> list[dict]:
+    """The rows of one (pair, B, decoding), hf first, without ratios."""
+    batch, decoding = runs[0].batch_size, runs[0].decoding
+    inputs = {"input_ids": prompts.input_ids, "attention_mask": prompts.attention_mask,
               "max_new_tokens": args.new_tokens, "pad_token_id": PAD_TOKEN_ID,
-              "eos_token_id": None, **(SAMPLING if args.sample else {"do_sample": False})}
+              "eos_token_id": None, **DECODINGS[decoding]}
+    greedy = not DECODINGS[decoding]["do_sample"]
     rows, hf_sequences = [], None
-    for name in args.variants:
-        print(f"{pair} B={case.batch_size} {name} ...", file=sys.stderr, flush=True)
-        row, sequences = run_variant(name, case, inputs, args)
-        row = {"pair": pair, "batch_size": case.batch_size, **row, "same_tokens_as_hf": None}
-        if name == "hf":
+    for run in runs:
+        progress.start(f"{pair} B={batch} {decoding} "
+                       f"{'' if run.num_drafts is None else f'G={run.num_drafts} '}{run.variant}")
+        case = Case(target, draft, batch, run.num_drafts, cuda)
+        row, sequences = run_variant(run.variant, case, inputs, args)
+        row = {"pair": pair, "batch_size": batch, "decoding": decoding,
+               "num_drafts": run.num_drafts, **row, "prompts": prompts.description,
+               "same_tokens_as_hf": None}
+        if run.variant == "hf":
             hf_sequences = sequences
-        elif not args.sample and sequences is not None and hf_sequences is not None:
+        elif greedy and sequences is not None and hf_sequences is not None:
             row["same_tokens_as_hf"] = bool(torch.equal(sequences, hf_sequences))
         rows.append(row)
         # The result as soon as it is known: a run cut short still leaves its figures.
-        print(f"    {json.dumps({k: row[k] for k in ('status', 'tok_s', 'step_ms', 'flash_stats', 'same_tokens_as_hf')})}",
-              file=sys.stderr, flush=True)
-    add_ratios(rows, target_bytes, copy_gbps)
+        progress.write(json.dumps({key: row[key] for key in ROW_LINE_KEYS}))
+        progress.finish()
     return rows
 
 
-def run_pair(pair: str, args: argparse.Namespace, device: str, copy_gbps: float):
-    print(f"loading pair {pair} ...", file=sys.stderr, flush=True)
-    target, draft, description = load_pair(pair, device, DTYPES[args.dtype], args.num_drafts)
-    rows = [row for batch in args.batch_sizes
-            for row in run_batch(pair, Case(target, draft, batch, args.num_drafts,
-                                            device == "cuda"),
-                                 args, description["target_weight_bytes"], copy_gbps)]
+def run_pair(spec: PairSpec, args: argparse.Namespace, device: str, copy_gbps: float,
+             progress: Progress) -> tuple[dict, list[dict]]:
+    progress.write(f"loading pair {spec.label} ...")
+    target, draft, description = load_pair(spec, device, DTYPES[args.dtype], args.weights)
+    tokenizer = (None if args.prompts == RANDOM_PROMPTS
+                 else AutoTokenizer.from_pretrained(spec.target))
+    runs, rows = plan_runs(args), []
+    for batch in args.batch_sizes:
+        prompts = build_prompts(args.prompts, batch, args.prompt_length,
+                                target.config.vocab_size, tokenizer, device)
+        for decoding in args.decoding:
+            group_runs = [run for run in runs
+                          if run.batch_size == batch and run.decoding == decoding]
+            group = run_group(spec.label, group_runs, target, draft, prompts, args,
+                              device == "cuda", progress)
+            add_ratios(group, description["target_weight_bytes"], copy_gbps)
+            rows += group
     del target, draft
     gc.collect()         # the engine cached on the decoder refers back to it: a cycle
     if device == "cuda":
@@ -455,50 +730,97 @@ def build_report(args: argparse.Namespace, device: str, copy_gbps: float, pairs:
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "versions": {"torch": torch.__version__, "triton": _version("triton"),
                      "transformers": transformers.__version__,
-                     "python": sys.version.split()[0]},
+                     "flashspec": flashspec.__version__, "python": sys.version.split()[0]},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "args": {key: str(value) if isinstance(value, Path) else value
                  for key, value in vars(args).items()},
-        "sampling": SAMPLING if args.sample else "greedy",
-        "prompts": "random token ids in [1, vocab), torch.Generator seeded 0",
+        "decodings": {name: {**DECODINGS[name], "seed": SEED} for name in args.decoding},
+        "prompts": describe_prompts(args),
         "copy_gbps": copy_gbps,
         "pairs": pairs,
         "rows": rows,
     }
 
 
+# Bar colours (tab20 indices): stock in greys and muted hues, each flash drafter one hue, its
+# materialized twin the lighter shade of it.
+VARIANT_COLORS = {"hf": 15, "hf_static_compile": 14, "hf_assisted_self": 11, "hf_assisted": 17,
+                  "hf_lookup": 13, "flash_plain": 0, "flash_self": 2, "flash_self_materialized": 3,
+                  "flash_draft": 4, "flash_draft_materialized": 5, "flash_lookup": 6,
+                  "flash_lookup_materialized": 7}
+G_HATCHES = ("", "//", "..", "xx", "\\\\", "++")
+
+
+def _plot_series(report: dict, pair: str) -> dict:
+    """(variant, G) -> {(B, decoding): tok/s} for the rows of `pair` that ran, in table order."""
+    series = {}
+    for row in report["rows"]:
+        if row["pair"] == pair and row["tok_s"] is not None:
+            bars = series.setdefault((row["variant"], row["num_drafts"]), {})
+            bars[row["batch_size"], row["decoding"]] = row["tok_s"]
+    return dict(sorted(series.items(),
+                       key=lambda item: (list(VARIANTS).index(item[0][0]), item[0][1] or 0)))
+
+
+def _minor_tick_label(value: float, every: bool) -> str:
+    """`value` written plainly (not 2x10^2), where `every` minor tick is labelled or `value`
+    is 2 or 5 times a power of ten (all of them would crowd an axis over a decade tall)."""
+    mantissa = value / 10 ** math.floor(math.log10(value))
+    return f"{value:g}" if every or round(mantissa) in (2, 5) else ""
+
+
+def _plot_pair(ax, report: dict, pair: str) -> None:
+    """Bars of tok/s: x groups (B, decoding), a bar per (variant, G) that ran, coloured by
+    variant and, when more than one G ran, hatched by G and labelled with it."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    args = report["args"]
+    groups = [(batch, decoding) for batch in args["batch_sizes"] for decoding in args["decoding"]]
+    series = _plot_series(report, pair)
+    sweep = len(args["num_drafts"]) > 1
+    palette = plt.get_cmap("tab20")
+    width = 0.8 / max(len(series), 1)
+    for index, ((name, num_drafts), tok_s) in enumerate(series.items()):
+        bars = [(group + index * width, tok_s[key]) for group, key in enumerate(groups)
+                if key in tok_s]
+        hatch = "" if num_drafts is None or not sweep else G_HATCHES[
+            args["num_drafts"].index(num_drafts) % len(G_HATCHES)]
+        label = name if num_drafts is None or not sweep else f"{name} G={num_drafts}"
+        ax.bar(*zip(*bars), width=width, color=palette(VARIANT_COLORS[name]), hatch=hatch,
+               edgecolor="0.25", linewidth=0.3, label=label)
+    ax.set_xticks([group + 0.4 - width / 2 for group in range(len(groups))],
+                  [f"B={batch}, {decoding}" for batch, decoding in groups])
+    described = report["pairs"][pair]
+    ax.set(yscale="log", ylabel="tokens / s",
+           title=f"{pair}: {described['target']} + {described['draft'] or 'no draft'} "
+                 f"({described['weights']}); {report['device']}, "
+                 f"{report['prompts']['source']} prompts")
+    low, high = ax.get_ylim()
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))  # not 10^2
+    ax.yaxis.set_minor_formatter(FuncFormatter(
+        lambda value, _: _minor_tick_label(value, every=high / low < 10)))
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+
+
 def write_plot(report: dict, path: Path) -> None:
+    """One panel per pair (see _plot_pair), wide enough for its bars; log y axis."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.ticker import FuncFormatter
     except ImportError as error:
         print(f"note: no plot ({error}); pip install matplotlib for {path.name}")
         return
     pairs = list(report["pairs"])
-    batch_sizes = report["args"]["batch_sizes"]
-    variants = report["args"]["variants"]
-    width = 0.8 / len(variants)
-    fig, axes = plt.subplots(1, len(pairs), figsize=(8 * len(pairs), 5), squeeze=False)
-    for ax, pair in zip(axes[0], pairs):
-        tok_s = {(row["batch_size"], row["variant"]): row["tok_s"]
-                 for row in report["rows"] if row["pair"] == pair}
-        for index, name in enumerate(variants):
-            bars = [(group + index * width, tok_s[batch, name])
-                    for group, batch in enumerate(batch_sizes) if tok_s[batch, name] is not None]
-            if bars:
-                ax.bar(*zip(*bars), width=width, label=name)
-        ax.set_xticks([group + 0.4 - width / 2 for group in range(len(batch_sizes))],
-                      [f"B={batch}" for batch in batch_sizes])
-        ax.set(yscale="log", ylabel="tokens / s",
-               title=f"{pair} ({report['pairs'][pair]['target']}, {report['device']})")
-        plain_numbers = FuncFormatter(lambda value, _: f"{value:g}")   # not 2.5x10^2
-        ax.yaxis.set_major_formatter(plain_numbers)
-        ax.yaxis.set_minor_formatter(plain_numbers)
-        ax.grid(True, axis="y", which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+    groups = len(report["args"]["batch_sizes"]) * len(report["args"]["decoding"])
+    bars = groups * max(len(_plot_series(report, pair)) for pair in pairs)
+    fig, axes = plt.subplots(len(pairs), 1, figsize=(min(40.0, max(10.0, 3.0 + 0.15 * bars)),
+                                                     4.5 * len(pairs)), squeeze=False)
+    for ax, pair in zip(axes[:, 0], pairs):
+        _plot_pair(ax, report, pair)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -521,25 +843,31 @@ def _steps_text(steps: dict | None) -> str:
 
 TABLE_LEGEND = """\
 tok/s = B * new tokens / median s; x_stc, x_hf = / hf_static_compile, / hf; x_stk = / the stock
-assisted twin; x_mat = fused / materialized; acc = accepted / drafted; len = tokens per target
-forward; exp@1 = tok/s the step graphs allow at acceptance 1; bw = weight bytes read per s /
-copy bandwidth; ms/step = GPU ms of the captured plain step, or of a round of G drafts and the
-verification of G drafts."""
+twin (assisted or lookup, same G); x_mat = fused / materialized (same G); acc = accepted /
+drafted; len = tokens per target forward; exp@1 = tok/s the step graphs allow at acceptance 1;
+bw = weight bytes read per s / copy bandwidth; ms/step = GPU ms of the captured plain step, or
+of a round of G drafts and the verification of G drafts."""
 
 
 def print_table(report: dict) -> None:
     args = report["args"]
-    decoding = "sampled (T=0.6, top-k 20, top-p 0.95)" if args["sample"] else "greedy"
+    decodings = "; ".join(
+        "greedy" if name == "greedy" else "sample (T={temperature}, top-k {top_k}, top-p {top_p}, "
+        "seed {seed})".format(**values) for name, values in report["decodings"].items())
     print(f"\n{report['device']}, copy bandwidth {report['copy_gbps']:.0f} GB/s, {args['dtype']}, "
-          f"{decoding}, prompt {args['prompt_length']} + {args['new_tokens']} new tokens, "
-          f"G={args['num_drafts']}")
+          f"{decodings}; {report['prompts']['source']} prompts of {args['prompt_length']} "
+          f"tokens{'' if args['prompts'] == RANDOM_PROMPTS else ' at most'} + "
+          f"{args['new_tokens']} new tokens; G in {','.join(map(str, args['num_drafts']))}")
     print(TABLE_LEGEND)
-    print(f"{'pair':6} {'B':>3} {'variant':24} {'tok/s':>9} {'x_stc':>6} {'x_hf':>6} "
-          f"{'x_stk':>6} {'x_mat':>6} {'acc':>5} {'len':>5} {'exp@1':>9} {'bw':>5}  ms/step")
+    width = max([4] + [len(row["pair"]) for row in report["rows"]])
+    print(f"{'pair':{width}} {'B':>3} {'dec':6} {'G':>2} {'variant':25} {'tok/s':>9} "
+          f"{'x_stc':>6} {'x_hf':>6} {'x_stk':>6} {'x_mat':>6} {'acc':>5} {'len':>5} "
+          f"{'exp@1':>9} {'bw':>5}  ms/step")
     for row in report["rows"]:
-        head = f"{row['pair']:6} {row['batch_size']:3d} {row['variant']:24}"
+        head = (f"{row['pair']:{width}} {row['batch_size']:3d} {row['decoding']:6} "
+                f"{_fmt(row['num_drafts'], 2)} {row['variant']:25}")
         if row["status"] != "ok":
-            print(f"{head} {row['status']}"[:150])
+            print(f"{head} {row['status']}"[:160])
             continue
         ratio, stats = row["ratio"], row["flash_stats"] or {}
         expected = (row["expected_tok_s"] or {}).get("all_accepted")
@@ -575,13 +903,23 @@ def parse_batch_sizes(text: str) -> list[int]:
             f"expected comma-separated positive ints (e.g. 1,4,16), got {text!r}") from None
 
 
+def parse_num_drafts(text: str) -> list[int]:
+    """Sorted, each once: the table and the plot list G in increasing order."""
+    try:
+        return sorted({_positive_int(n) for n in text.split(",")})
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated positive ints (e.g. 2,4,8), got {text!r}") from None
+
+
 def _names(text: str, known) -> list[str]:
+    """Comma-separated names of `known`, in `known`'s order, each once."""
     names = [n.strip() for n in text.split(",")]
     unknown = [n for n in names if n not in known]
     if unknown:
         raise argparse.ArgumentTypeError(
             f"unknown {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
-    return names
+    return [name for name in known if name in names]
 
 
 def parse_pairs(text: str) -> list[str]:
@@ -589,55 +927,169 @@ def parse_pairs(text: str) -> list[str]:
 
 
 def parse_variants(text: str) -> list[str]:
-    chosen = set(_names(text, VARIANTS))
-    # Run in the table's order: hf first, so that later rows can compare their tokens to it.
-    return [name for name in VARIANTS if name in chosen]
+    return _names(text, VARIANTS)
+
+
+def parse_decodings(text: str) -> list[str]:
+    return _names(text, DECODINGS)
+
+
+def _config_names() -> list[str]:
+    return sorted(path.stem for path in CONFIGS.glob("*.json"))
+
+
+def parse_random_init(text: str) -> list[str]:
+    """[target shape] or [target shape, draft shape], each checked to be a config with a
+    model_type."""
+    shapes = [shape.strip() for shape in text.split(",")]
+    if not 1 <= len(shapes) <= 2 or not all(shapes):
+        raise argparse.ArgumentTypeError(f"expected TARGET_SHAPE[,DRAFT_SHAPE], got {text!r}")
+    for shape in shapes:
+        path = config_path(shape)
+        if not path.is_file():
+            raise argparse.ArgumentTypeError(
+                f"{shape!r} is neither a config under scripts/configs "
+                f"({', '.join(_config_names())}) nor a config.json file")
+        try:
+            fields = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise argparse.ArgumentTypeError(f"{shape!r}: cannot read {path}: {error}") from None
+        if not isinstance(fields, dict) or "model_type" not in fields:
+            raise argparse.ArgumentTypeError(f"{shape!r}: {path} has no 'model_type'")
+    return shapes
+
+
+def _label(name: str) -> str:
+    """A short pair label from a model name: a hub id's or path's last part (a config
+    file's folder)."""
+    path = Path(name)
+    return path.parent.name if path.suffix == ".json" and path.parent.name else path.name
+
+
+def pair_specs(args: argparse.Namespace) -> list[PairSpec]:
+    """The pairs to run: --target/--draft, --random-init, or the --pair presets."""
+    if args.target is not None:
+        return [PairSpec(_label(args.target), args.target, args.draft, random_init=False)]
+    if args.random_init is not None:
+        target, *draft = args.random_init
+        return [PairSpec(_label(target), target, draft[0] if draft else None, random_init=True)]
+    return [PAIRS[name] for name in args.pair]
+
+
+def resolve_device(name: str) -> str:
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+
+
+def _default_help(field: str, text=str) -> str:
+    return (f"default {text(DEVICE_DEFAULTS['cuda'][field])} on CUDA, "
+            f"{text(DEVICE_DEFAULTS['cpu'][field])} on CPU")
+
+
+def _comma(values: list) -> str:
+    return ",".join(map(str, values))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pair", type=parse_pairs, default=["tiny"],
-                        help=f"comma-separated pairs: {', '.join(PAIRS)}; default tiny")
-    parser.add_argument("--batch-sizes", type=parse_batch_sizes, default=[1, 4, 16],
-                        help="comma-separated batch sizes B; default 1,4,16")
-    parser.add_argument("--prompt-length", type=positive_int, default=128,
-                        help="prompt tokens per row; default 128")
-    parser.add_argument("--new-tokens", type=positive_int, default=256,
-                        help="tokens generated per row; default 256")
-    parser.add_argument("--num-drafts", type=positive_int, default=5,
-                        help="drafts per verification G (constant schedule); default 5")
-    parser.add_argument("--reps", type=positive_int, default=3,
-                        help="timed calls per row (median), after one untimed warm-up; default 3")
+    models = parser.add_mutually_exclusive_group()
+    models.add_argument("--pair", type=parse_pairs, default=None,
+                        help=f"comma-separated preset pairs: {', '.join(PAIRS)}; default tiny "
+                             "(when neither --target nor --random-init is given)")
+    models.add_argument("--target", default=None,
+                        help="target model with trained weights: hub id or local folder "
+                             "(loaded with AutoModelForCausalLM.from_pretrained; its tokenizer "
+                             "encodes --prompts sets); no default")
+    models.add_argument("--random-init", type=parse_random_init, default=None,
+                        metavar="TARGET_SHAPE[,DRAFT_SHAPE]",
+                        help="random-weight target (and draft) at real shapes, offline: a "
+                             "config name under scripts/configs ("
+                             + ", ".join(_config_names()) + ") or the path of a config.json; "
+                             "without DRAFT_SHAPE there is no draft and the draft variants are "
+                             "skipped; no default")
+    parser.add_argument("--draft", default=None,
+                        help="with --target: draft model (same vocabulary), hub id or local "
+                             "folder; default none (the draft variants are skipped)")
+    parser.add_argument("--prompts", choices=(RANDOM_PROMPTS, *PROMPT_SETS),
+                        default=RANDOM_PROMPTS,
+                        help="random: random token ids of --prompt-length; or a prompt set of "
+                             "flashspec.prompt_sets (" + "; ".join(
+                                 f"{name}: {what}" for name, what in PROMPT_SETS.items())
+                             + "), needing the target's tokenizer (not with random-init "
+                               "models); default random")
+    parser.add_argument("--batch-sizes", type=parse_batch_sizes, default=None,
+                        help="comma-separated batch sizes B; " + _default_help("batch_sizes",
+                                                                              _comma))
+    parser.add_argument("--prompt-length", type=positive_int, default=None,
+                        help="prompt tokens per row (random prompts), or the most a set's "
+                             "prompt keeps (its end); " + _default_help("prompt_length"))
+    parser.add_argument("--new-tokens", type=positive_int, default=None,
+                        help="tokens generated per row, exactly (EOS off); "
+                             + _default_help("new_tokens"))
+    parser.add_argument("--num-drafts", type=parse_num_drafts, default=[5],
+                        help="comma-separated draft lengths G to sweep (drafts per "
+                             "verification, constant schedule): every speculative variant runs "
+                             "once per G; default 5")
+    parser.add_argument("--decoding", type=parse_decodings, default=["greedy"],
+                        help="comma-separated decodings: greedy, sample (T=0.6, top-k 20, "
+                             "top-p 0.95, seed 0); default greedy")
+    parser.add_argument("--reps", type=positive_int, default=None,
+                        help="timed calls per row (median), after one untimed warm-up; "
+                             + _default_help("reps"))
     parser.add_argument("--variants", type=parse_variants, default=list(VARIANTS),
-                        help="comma-separated variants; default all: " + ", ".join(VARIANTS))
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16",
-                        help="model dtype; default bf16")
+                        help="comma-separated variants among " + ", ".join(VARIANTS)
+                             + " (each (B, decoding) runs the plain ones, then the speculative "
+                               "ones per G, in this order); default all")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                        help="model dtype: " + ", ".join(DTYPES) + "; " + _default_help("dtype"))
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="default auto: cuda if available")
-    parser.add_argument("--sample", action="store_true",
-                        help="sample (T=0.6, top-k 20, top-p 0.95, seed 0) instead of greedy")
+                        help="auto, cpu or cuda; default auto: cuda if available")
+    parser.add_argument("--weights", choices=WEIGHTS, default="random",
+                        help="random-init models only: plain random init (random), or peaked "
+                             "(residual branches scaled down and the LM head equal to the "
+                             "embedding, so that greedy self-speculation accepts every draft; "
+                             "same cost per forward); default random")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench_out"),
                         help="directory for tok_per_s.json and tok_per_s.png; default $OUT if "
                              "set, else ./bench_out")
     args = parser.parse_args(argv)
+    if args.draft is not None and args.target is None:
+        parser.error("--draft needs --target (presets of --pair and --random-init bring their "
+                     "own draft)")
+    if args.target is None and args.random_init is None and args.pair is None:
+        args.pair = ["tiny"]
+    specs = pair_specs(args)
+    random_init = [spec.label for spec in specs if spec.random_init]
+    if args.prompts != RANDOM_PROMPTS and random_init:
+        parser.error(f"--prompts {args.prompts}: random-init models ({', '.join(random_init)}) "
+                     "have no tokenizer; use --prompts random")
+    trained = [spec.label for spec in specs if not spec.random_init]
+    if args.weights != "random" and trained:
+        parser.error(f"--weights {args.weights} applies to random-init models; "
+                     f"{', '.join(trained)} has trained weights")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
+    args.device = resolve_device(args.device)
+    for field, value in DEVICE_DEFAULTS[args.device].items():
+        if getattr(args, field) is None:
+            setattr(args, field, value)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the comparison; returns the exit code (argparse exits with 2 on bad arguments)."""
     args = parse_args(argv)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    copy_gbps = copy_bandwidth_gbps(device)
+    copy_gbps = copy_bandwidth_gbps(args.device)
+    specs = pair_specs(args)
+    progress = Progress(len(specs) * len(plan_runs(args)))
     pairs, rows = {}, []
-    for pair in args.pair:
-        pairs[pair], pair_rows = run_pair(pair, args, device, copy_gbps)
+    for spec in specs:
+        pairs[spec.label], pair_rows = run_pair(spec, args, args.device, copy_gbps, progress)
         rows += pair_rows
-    report = build_report(args, device, copy_gbps, pairs, rows)
+    progress.close()
+    report = build_report(args, args.device, copy_gbps, pairs, rows)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tok_per_s.json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out / 'tok_per_s.json'}")
