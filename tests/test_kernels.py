@@ -101,17 +101,56 @@ def test_argmax_pathwise_and_ties():
     assert kernels.lm_head_argmax(hidden, weight, config=SMALL).tolist() == [37, 37]
 
 
-def test_whole_top_k_inside_one_tile_is_completed_exactly():
-    """The 20 best tokens are neighbours: one vocab tile holds them all, more than its
-    candidate budget, so the row must go through the exact completion path."""
+def crowded_problem(support: torch.Tensor):
+    """3 rows (V = 300, D = 32) whose 20 best tokens are `support` (20 ids), well above the
+    rest; sampled with top-k 20, 10 and no top-k, top-p 1, 0.95 and 0.9."""
     g = torch.Generator().manual_seed(5)
-    vocab_size, dim = 300, 32
-    hidden, weight, positions = random_problem(g, 3, vocab_size, dim, scale=0.1)
-    direction = torch.randn(dim, generator=g).to(DEVICE)
-    weight[64:84] += direction * 4.0 / direction.norm()
+    hidden, weight, positions = random_problem(g, 3, 300, 32, scale=0.1)
+    direction = torch.randn(32, generator=g).to(DEVICE)
+    weight[support] += direction * 4.0 / direction.norm()
     hidden[:] += direction * 2.0 / direction.norm()
     params = SamplingParams.create(3, temperature=0.7, top_k=[20, 10, 0], top_p=[1.0, 0.95, 0.9],
                                    seed=1, device=DEVICE)
+    return hidden, weight, positions, params
+
+
+def test_ties_across_interleaved_tiles_go_to_the_lower_id():
+    """With truncation the tiles interleave 16-token groups, so tile order is not id
+    order: an exact tie between tokens 37 and 70 (other tiles, 70 in the lower tile)
+    still goes to 37 for a greedy row of a truncating batch, as torch's argmax does."""
+    weight = torch.zeros(100, 16, device=DEVICE)
+    weight[[37, 70, 90], 0] = 1.0
+    hidden = torch.zeros(2, 16, device=DEVICE)
+    hidden[:, 0] = 1.0
+    params = SamplingParams.create(2, do_sample=[False, True], temperature=[1.0, 0.01],
+                                   top_k=[0, 2], seed=0, device=DEVICE)
+    positions = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    ours = kernels.lm_head_sample(hidden, weight, params, positions, config=SMALL)
+    assert ours[0] == 37
+    assert torch.equal(ours, reference.lm_head_sample(hidden, weight, params, positions))
+
+
+def test_supports_of_neighbouring_ids_stay_within_the_candidate_budget():
+    """A support of 20 nearby token ids (how tokenizers number related tokens), every
+    other id from 64 to 102: a contiguous 32-token tile would hold 16 of them, its whole
+    candidate budget here, and need completion; interleaved tiles hold their three
+    16-token groups in three tiles (8, 8 and 4 tokens). No row needs completion, and
+    every row equals the reference."""
+    support = torch.arange(64, 104, 2, device=DEVICE)
+    hidden, weight, positions, params = crowded_problem(support)
+    config = kernels.TileConfig(block_v=32, block_r=16, block_d=16, candidates=16, max_support=32)
+    kernels.reset_stats()
+    ours = kernels.lm_head_sample(hidden, weight, params, positions, config=config)
+    assert kernels.stats().rows_completed == 0
+    assert torch.equal(ours, reference.lm_head_sample(hidden, weight, params, positions))
+    assert torch.isin(ours, support).all()
+
+
+def test_whole_top_k_inside_one_tile_is_completed_exactly():
+    """The 20 best tokens are neighbours: 16 of them form one 16-token group, which one
+    vocab tile holds whole, more than its candidate budget, so the row must go through the
+    exact completion path."""
+    hidden, weight, positions, params = crowded_problem(torch.arange(64, 84, device=DEVICE))
     kernels.reset_stats()
     ours = kernels.lm_head_sample(hidden, weight, params, positions, config=SMALL)
     assert kernels.stats().rows_completed == 3

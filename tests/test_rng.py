@@ -144,7 +144,7 @@ def _noise_tile_probe_kernel(seed_ptr, pos_ptr, out_ptr, FIRST: tl.constexpr,
     rows = tl.arange(0, ROWS)
     seed = tl.load(seed_ptr + rows)[:, None]
     pos = tl.load(pos_ptr + rows)[:, None]
-    tile = noise.gumbel_noise_tile(seed, pos, FIRST, ROWS, COLS)
+    tile = noise.gumbel_noise_tile(seed, pos, FIRST // 16 + tl.arange(0, COLS // 16), ROWS, COLS)
     tl.store(out_ptr + rows[:, None] * COLS + tl.arange(0, COLS)[None, :], tile)
 
 

@@ -1,7 +1,9 @@
 """Fused LM-head Triton kernels: logits are computed tile by tile on chip and never stored.
 
 Stage 1 (`lm_head_tiles_kernel`), one program per (vocab tile, row tile): the logits tile
-``hidden[r0:r0+BR] @ weight[v0:v0+BV].T`` in fp32, then per (row, tile) summaries:
+``hidden[r0:r0+BR] @ weight[tile's tokens].T`` in fp32 (a tile holds BV consecutive tokens,
+or, when truncating, BV / 16 interleaved groups of 16: `_column_tokens`), then per
+(row, tile) summaries:
 
 * the best score and its id: argmax of ``s + g`` for sampled rows (``s`` = logits /
   temperature, ``g`` = Gumbel noise of `flashspec.rng`), of the raw logits for greedy rows;
@@ -100,20 +102,46 @@ def _row_drafts(draft_ptr, rows, ok, ROWS_PER_PARAM):
 
 
 @triton.jit
-def _tile_summary(acc, first_v, V, inv_t, sampled, seed, position, draft,
-                  BLOCK_R: tl.constexpr, PART_V: tl.constexpr, EVEN_V: tl.constexpr,
+def _column_tokens(columns, pid_v, NUM_VT, BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """Token ids of columns of vocab tile `pid_v`. Contiguous tiles hold tokens
+    [pid_v * BLOCK_V, (pid_v + 1) * BLOCK_V). Interleaved tiles hold every NUM_VT-th group of
+    16 tokens, groups pid_v, pid_v + NUM_VT, ...: tokenizers give neighbouring ids to
+    related, frequent tokens, so a truncated support often crowds one contiguous tile past
+    its candidate budget, and spreading groups over tiles keeps it within budget. Ids grow
+    with the column either way, so argmax ties still go to the lower id."""
+    if INTERLEAVE:
+        return ((columns // 16) * NUM_VT + pid_v) * 16 + columns % 16
+    return pid_v * BLOCK_V + columns
+
+
+@triton.jit
+def _token_tile(tokens, NUM_VT, BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """The vocab tile that holds each token (inverse of `_column_tokens`)."""
+    if INTERLEAVE:
+        return (tokens // 16) % NUM_VT
+    return tokens // BLOCK_V
+
+
+@triton.jit
+def _tile_summary(acc, first_column, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
+                  BLOCK_R: tl.constexpr, PART_V: tl.constexpr, BLOCK_V: tl.constexpr,
+                  INTERLEAVE: tl.constexpr, EVEN_V: tl.constexpr,
                   SAMPLE: tl.constexpr, LSE: tl.constexpr, DRAFT: tl.constexpr):
-    """Per-row summaries of logits ``acc[BLOCK_R, PART_V]`` for tokens first_v + [0, PART_V):
-    best score and its id (with DRAFT, token `draft` of each row is left out), the sum of s
-    (non-finite check), and, with LSE, max and sum of exp of s and the s of the best token."""
-    offs_v = first_v + tl.arange(0, PART_V)
+    """Per-row summaries of logits ``acc[BLOCK_R, PART_V]``, columns first_column +
+    [0, PART_V) of vocab tile `pid_v`: best score and its id (with DRAFT, token `draft` of
+    each row is left out), the sum of s (non-finite check), and, with LSE, max and sum of
+    exp of s and the s of the best token."""
+    columns = first_column + tl.arange(0, PART_V)
+    offs_v = _column_tokens(columns, pid_v, NUM_VT, BLOCK_V, INTERLEAVE)
     s = acc * inv_t[:, None]
     row_sum = tl.sum(s, axis=1)  # masked columns hold 0 here
     if not EVEN_V:
         s = tl.where((offs_v < V)[None, :], s, float("-inf"))
     score = s
     if SAMPLE:
-        noise = gumbel_noise_tile(seed[:, None], position[:, None], first_v, BLOCK_R, PART_V)
+        groups = _column_tokens(first_column + tl.arange(0, PART_V // 16) * 16, pid_v, NUM_VT,
+                                BLOCK_V, INTERLEAVE) // 16
+        noise = gumbel_noise_tile(seed[:, None], position[:, None], groups, BLOCK_R, PART_V)
         score = s + tl.where(sampled[:, None], noise, 0.0)
     draft_s = row_sum
     if DRAFT:
@@ -121,7 +149,8 @@ def _tile_summary(acc, first_v, V, inv_t, sampled, seed, position, draft,
         draft_s = tl.sum(tl.where(is_draft, s, 0.0), axis=1)
         score = tl.where(is_draft, float("-inf"), score)
     best = tl.max(score, axis=1)
-    best_id = first_v + tl.argmax(score, axis=1, tie_break_left=True)
+    best_id = _column_tokens(first_column + tl.argmax(score, axis=1, tie_break_left=True), pid_v,
+                             NUM_VT, BLOCK_V, INTERLEAVE)
     tile_max = best
     sumexp = best
     best_s = best
@@ -140,7 +169,7 @@ def _halves(x, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 @triton.jit
 def _merge_summaries(a, b, LSE: tl.constexpr):
-    """Summary of two neighbouring vocab parts, `a` holding the lower token ids."""
+    """Summary of two neighbouring parts of a vocab tile, `a` holding the lower token ids."""
     best, best_id, row_sum, tile_max, sumexp, best_s, draft_s = a
     best1, best_id1, row_sum1, tile_max1, sumexp1, best_s1, draft_s1 = b
     second = best1 > best  # ties stay with the lower ids
@@ -164,7 +193,7 @@ def lm_head_tiles_kernel(
     draft_ptr, draft_s_ptr,
     R, V, D, stride_hidden, stride_weight, NUM_VT, ROWS_PER_PARAM,
     SAMPLE: tl.constexpr, LSE: tl.constexpr, CAND: tl.constexpr, DRAFT: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
+    IEEE_DOT: tl.constexpr, INTERLEAVE: tl.constexpr,
     EVEN_V: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr, PARTS: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -176,15 +205,15 @@ def lm_head_tiles_kernel(
     pid_r = pid % num_rt
     pid_v = pid // num_rt
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_v = _column_tokens(tl.arange(0, BLOCK_V), pid_v, NUM_VT, BLOCK_V, INTERLEAVE)
     offs_d = tl.arange(0, BLOCK_D)
     r_ok = offs_r < R
     v_ok = offs_v < V
 
     # The tile is [rows, vocab]: per-row reductions run along the MMA's N dimension, inside
     # a warp, instead of across warps through shared memory. Loads go through TMA
-    # descriptors (zero-filled out of bounds) when the rows are 16-byte aligned: at large
-    # B that is what brings the main loop to cuBLAS's speed.
+    # descriptors (zero-filled out of bounds) when the rows are 16-byte aligned and the
+    # tile is contiguous: at large B that is what brings the main loop to cuBLAS's speed.
     h_ptrs = hidden_ptr + offs_r[:, None].to(tl.int64) * stride_hidden + offs_d[None, :]
     w_ptrs = weight_ptr + offs_v[:, None].to(tl.int64) * stride_weight + offs_d[None, :]
     acc = tl.zeros((BLOCK_R, BLOCK_V), dtype=tl.float32)
@@ -210,7 +239,6 @@ def lm_head_tiles_kernel(
     # which only matters at near-ties (stage 2 divides exactly where thresholds are set).
     inv_t = 1.0 / temperature
     seed, position = _row_noise_keys(seed_ptr, position_ptr, safe_rows, ROWS_PER_PARAM)
-    first_v = pid_v * BLOCK_V
     draft = offs_r  # unused without DRAFT
     if DRAFT:
         # Verification: the drafted token is left out of the tile's best (the recovered
@@ -219,34 +247,37 @@ def lm_head_tiles_kernel(
     # The tile is summarised in PARTS vocab parts one after the other: fewer values live
     # at once, so large tiles (what the main loop wants at large B) need fewer registers.
     if PARTS == 1:
-        summary = _tile_summary(acc, first_v, V, inv_t, sampled, seed, position, draft,
-                                BLOCK_R, BLOCK_V, EVEN_V, SAMPLE, LSE, DRAFT)
+        summary = _tile_summary(acc, 0, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
+                                BLOCK_R, BLOCK_V, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT)
     else:
         lo, hi = _halves(acc, BLOCK_R, BLOCK_V)
         if PARTS == 2:
-            summary = _tile_summary(lo, first_v, V, inv_t, sampled, seed, position, draft,
-                                    BLOCK_R, BLOCK_V // 2, EVEN_V, SAMPLE, LSE, DRAFT)
+            half: tl.constexpr = BLOCK_V // 2
+            summary = _tile_summary(lo, 0, pid_v, NUM_VT, V, inv_t, sampled, seed, position,
+                                    draft, BLOCK_R, half, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE,
+                                    LSE, DRAFT)
             summary = _merge_summaries(summary, _tile_summary(
-                hi, first_v + BLOCK_V // 2, V, inv_t, sampled, seed, position, draft,
-                BLOCK_R, BLOCK_V // 2, EVEN_V, SAMPLE, LSE, DRAFT), LSE)
+                hi, half, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
+                BLOCK_R, half, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT), LSE)
         else:
             quarter: tl.constexpr = BLOCK_V // 4
             q0, q1 = _halves(lo, BLOCK_R, BLOCK_V // 2)
-            summary = _tile_summary(q0, first_v, V, inv_t, sampled, seed, position, draft,
-                                    BLOCK_R, quarter, EVEN_V, SAMPLE, LSE, DRAFT)
-            summary = _merge_summaries(summary, _tile_summary(
-                q1, first_v + quarter, V, inv_t, sampled, seed, position, draft,
-                BLOCK_R, quarter, EVEN_V, SAMPLE, LSE, DRAFT), LSE)
             q2, q3 = _halves(hi, BLOCK_R, BLOCK_V // 2)
+            summary = _tile_summary(q0, 0, pid_v, NUM_VT, V, inv_t, sampled, seed, position,
+                                    draft, BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE,
+                                    LSE, DRAFT)
             summary = _merge_summaries(summary, _tile_summary(
-                q2, first_v + 2 * quarter, V, inv_t, sampled, seed, position, draft,
-                BLOCK_R, quarter, EVEN_V, SAMPLE, LSE, DRAFT), LSE)
+                q1, quarter, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
+                BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT), LSE)
             summary = _merge_summaries(summary, _tile_summary(
-                q3, first_v + 3 * quarter, V, inv_t, sampled, seed, position, draft,
-                BLOCK_R, quarter, EVEN_V, SAMPLE, LSE, DRAFT), LSE)
+                q2, 2 * quarter, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
+                BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT), LSE)
+            summary = _merge_summaries(summary, _tile_summary(
+                q3, 3 * quarter, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
+                BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT), LSE)
     best, best_id, row_sum, tile_max, sumexp, best_s, draft_s = summary
     if DRAFT:
-        in_tile = r_ok & (draft >= first_v) & (draft < first_v + BLOCK_V)
+        in_tile = r_ok & (draft >= 0) & (_token_tile(draft, NUM_VT, BLOCK_V, INTERLEAVE) == pid_v)
         tl.store(draft_s_ptr + offs_r, draft_s, mask=in_tile)
 
     out = offs_r * NUM_VT + pid_v
@@ -278,7 +309,8 @@ def lm_head_rows_kernel(
     masked_ptr, masked_logprob_ptr, draft_prob_ptr, draft_logprob_ptr,
     V, NUM_VT, ROWS_PER_PARAM,
     LSE: tl.constexpr, CAND: tl.constexpr, DRAFT: tl.constexpr, K_MAX: tl.constexpr,
-    TOP_TILES: tl.constexpr, BLOCK_V: tl.constexpr, VT_POW2: tl.constexpr, PAD: tl.constexpr,
+    TOP_TILES: tl.constexpr, BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr,
+    VT_POW2: tl.constexpr, PAD: tl.constexpr,
 ):
     """Per row: the token (the target's own sample), its logprob, the log-sum-exp and the
     status. With DRAFT (verification) also: the best token other than the draft (`masked`)
@@ -289,7 +321,8 @@ def lm_head_rows_kernel(
     base = row * NUM_VT
     best = tl.load(best_ptr + base + tiles, mask=t_ok, other=float("-inf"))
     ids = tl.load(best_id_ptr + base + tiles, mask=t_ok, other=0)
-    winner = tl.argmax(best, axis=0, tie_break_left=True)
+    # Ties between tiles go to the lower token id (interleaved tiles do not follow id order).
+    winner = tl.argmin(tl.where(best == tl.max(best, axis=0), ids, V), axis=0)
     token = tl.sum(tl.where(tiles == winner, ids, 0))
     bad = tl.sum(tl.load(bad_ptr + base + tiles, mask=t_ok, other=0))
     status = tl.where(bad > 0, _NON_FINITE, _OK)
@@ -339,9 +372,11 @@ def lm_head_rows_kernel(
             # their candidates are merged: a short sort instead of one over every tile.
             tile_first = tl.load(cand_base + tiles * CAND, mask=t_ok, other=PAD)
             _, first_ids = unpack_candidates(tl.topk(tile_first, TOP_TILES))
-            tile_of = first_ids // BLOCK_V
+            # Padding keys (tiles past NUM_VT, or fewer tiles than TOP_TILES) hold no token.
+            real = first_ids < V
+            tile_of = tl.where(real, _token_tile(first_ids, NUM_VT, BLOCK_V, INTERLEAVE), 0)
             gathered = tl.load(cand_base + tile_of[:, None] * CAND + tl.arange(0, CAND)[None, :],
-                               mask=(tile_of < NUM_VT)[:, None], other=PAD)
+                               mask=real[:, None], other=PAD)
             top = tl.topk(tl.reshape(gathered, (TOP_TILES * CAND,)), K_MAX)
             raw, cand_ids = unpack_candidates(top)
             s = raw / temperature

@@ -49,16 +49,16 @@ def gumbel_noise(seed, position, token_ids):
 
 
 @triton.jit
-def gumbel_noise_tile(seed, position, first_token, BLOCK_R: tl.constexpr,
-                      BLOCK_V: tl.constexpr):
-    """float32 Gumbel noise ``[BLOCK_R, BLOCK_V]`` for tokens first_token + [0, BLOCK_V).
+def gumbel_noise_tile(seed, position, groups, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    """float32 Gumbel noise ``[BLOCK_R, BLOCK_V]`` for the tokens of `groups`
+    (``[BLOCK_V // 16]`` indices of 16-token groups: column 16 j + i is token
+    16 groups[j] + i).
 
-    `seed` and `position` are ``[BLOCK_R, 1]``, `first_token` a multiple of 16. Token
-    ``16a + 8h + 2m + l`` is word ``2h + l`` of Philox block ``4a + m`` (see
-    `flashspec.rng`): the four words of one call land in the registers of the one thread
-    that holds those columns of a tensor-core accumulator, so no data moves between threads.
+    `seed` and `position` are ``[BLOCK_R, 1]``. Token ``16a + 8h + 2m + l`` is word
+    ``2h + l`` of Philox block ``4a + m`` (see `flashspec.rng`): the four words of one call
+    land in the registers of the one thread that holds those columns of a tensor-core
+    accumulator, so no data moves between threads.
     """
-    groups = first_token // 16 + tl.arange(0, BLOCK_V // 16)
     blocks = groups[:, None] * 4 + tl.arange(0, 4)[None, :]  # [BLOCK_V // 16, 4]: (a, m)
     c0 = (blocks[None, :, :] + position[:, :, None] * 0).to(tl.uint32)
     c1 = (position[:, :, None] + blocks[None, :, :] * 0).to(tl.uint32)
