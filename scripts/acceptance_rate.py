@@ -53,7 +53,8 @@ include compilation and CUDA-graph capture; see scripts/tok_per_s.py for speed).
 
 Writes ``acceptance_rate.json`` (everything), ``acceptance_rate.csv`` (one line per
 configuration) and ``acceptance_rate.png`` (with matplotlib) to --out and prints a table
-last; progress goes to stderr (a tqdm bar when tqdm is installed).
+last; progress goes to stderr (a tqdm bar on a terminal when tqdm is installed, else a line per
+batch).
 """
 
 from __future__ import annotations
@@ -62,7 +63,6 @@ import argparse
 import csv
 import dataclasses
 import datetime
-import importlib.metadata
 import json
 import math
 import os
@@ -75,6 +75,8 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import flashspec
+from flashspec.cli import (Progress, names, package_version, positive_int, positive_ints,
+                           resolve_device)
 from flashspec.assets import tiny_pair_path
 from flashspec.generation.outputs import SpeculationStats
 from flashspec.prompt_sets import PROMPT_SETS, encode_prompts, load_prompts
@@ -208,35 +210,6 @@ def acceptance_summary(stats: SpeculationStats, num_drafts: int) -> dict:
 # ---------------------------------------------------------------- generation
 
 
-class Progress:
-    """A tqdm bar on stderr when tqdm is installed, else one stderr line per batch."""
-
-    def __init__(self, total: int):
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            self.bar, self.started, self.total = None, 0, total
-        else:
-            self.bar = tqdm(total=total, file=sys.stderr, unit="batch", dynamic_ncols=True)
-
-    def start(self, label: str) -> None:
-        """A batch of `label` begins."""
-        if self.bar is not None:
-            self.bar.set_description(label)
-            return
-        self.started += 1
-        print(f"[{self.started}/{self.total}] {label}", file=sys.stderr, flush=True)
-
-    def finish(self) -> None:
-        """The batch begun last is done."""
-        if self.bar is not None:
-            self.bar.update()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def sampling_kwargs(args: argparse.Namespace) -> dict:
     if not args.sample:
         return {"do_sample": False}
@@ -295,10 +268,6 @@ def run_configuration(target, draft, batches: list, drafter: str, num_drafts: in
 # ---------------------------------------------------------------- models
 
 
-def resolve_device(name: str) -> str:
-    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
-
-
 def resolve_dtype(name: str, device: str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device == "cuda" else torch.float32
@@ -337,19 +306,12 @@ def pad_token_id_of(tokenizer, target) -> int:
 # ---------------------------------------------------------------- output
 
 
-def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def build_report(args: argparse.Namespace, device: str, dtype: torch.dtype, prompt_sets: dict,
                  rows: list[dict]) -> dict:
     return {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "triton": _version("triton"), "flashspec": _version("flashspec"),
+                     "triton": package_version("triton"), "flashspec": package_version("flashspec"),
                      "python": sys.version.split()[0]},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "args": {key: str(value) if isinstance(value, Path) else value
@@ -489,16 +451,6 @@ def print_table(report: dict) -> None:
 # ---------------------------------------------------------------- command line
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
-    return value
-
-
 def non_negative_int(text: str) -> int:
     try:
         value = int(text)
@@ -532,30 +484,15 @@ def probability(text: str) -> float:
 
 
 def parse_num_drafts(text: str) -> list[int]:
-    try:
-        values = [positive_int(n) for n in text.split(",")]
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated positive ints (e.g. 1,2,4,8), got {text!r}") from None
-    return sorted(set(values))
-
-
-def _names(text: str, known) -> list[str]:
-    names = [n.strip() for n in text.split(",")]
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
-    # In the table's order, each once.
-    return [name for name in known if name in names]
+    return sorted(set(positive_ints(text, "1,2,4,8")))
 
 
 def parse_drafters(text: str) -> list[str]:
-    return _names(text, DRAFTERS)
+    return names(text, DRAFTERS)
 
 
 def parse_prompt_sets(text: str) -> list[str]:
-    return _names(text, PROMPT_SETS)
+    return names(text, PROMPT_SETS)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -650,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     sets = {name: encode_set(tokenizer, name, args, device) for name in args.prompt_set}
     configurations = [(drafter, name, num_drafts) for drafter in args.drafter
                       for name in args.prompt_set for num_drafts in args.num_drafts]
-    progress = Progress(sum(len(sets[name][0]) for _, name, _ in configurations))
+    progress = Progress(sum(len(sets[name][0]) for _, name, _ in configurations), unit="batch")
     rows = []
     for drafter, name, num_drafts in configurations:
         summary = run_configuration(target, draft, sets[name][0], drafter, num_drafts, args,

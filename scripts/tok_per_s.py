@@ -105,7 +105,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import importlib.metadata
 import json
 import math
 import os
@@ -121,6 +120,8 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import flashspec
+from flashspec.cli import (Progress, names, package_version, positive_int, positive_ints,
+                           resolve_device)
 from flashspec.assets import tiny_pair_path
 from flashspec.generation.heads import output_head
 from flashspec.generation.static import cached_engine
@@ -621,43 +622,6 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
     return runs
 
 
-class Progress:
-    """A tqdm bar over all runs when tqdm is installed and stderr is a terminal, else a
-    stderr line as each run starts (a log file then holds plain lines, the rows' JSON lines
-    among them, without the bar's carriage returns); `write` prints a line either way
-    (tqdm's own write keeps the bar intact)."""
-
-    def __init__(self, total: int):
-        self.total, self.started, self.bar = total, 0, None
-        if sys.stderr.isatty():
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                return
-            self.bar = tqdm(total=total, file=sys.stderr, unit="run", dynamic_ncols=True)
-
-    def write(self, line: str) -> None:
-        if self.bar is not None:
-            self.bar.write(line, file=sys.stderr)
-        else:
-            print(line, file=sys.stderr, flush=True)
-
-    def start(self, label: str) -> None:
-        self.started += 1
-        if self.bar is not None:
-            self.bar.set_description(label)
-        else:
-            self.write(f"[{self.started}/{self.total}] {label} ...")
-
-    def finish(self) -> None:
-        if self.bar is not None:
-            self.bar.update()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 ROW_LINE_KEYS = ("pair", "batch_size", "decoding", "num_drafts", "variant", "status", "tok_s",
                  "step_ms", "flash_stats", "same_tokens_as_hf")
 
@@ -717,18 +681,11 @@ def run_pair(spec: PairSpec, args: argparse.Namespace, device: str, copy_gbps: f
 # ---------------------------------------------------------------- output
 
 
-def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def build_report(args: argparse.Namespace, device: str, copy_gbps: float, pairs: dict,
                  rows: list[dict]) -> dict:
     return {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "versions": {"torch": torch.__version__, "triton": _version("triton"),
+        "versions": {"torch": torch.__version__, "triton": package_version("triton"),
                      "transformers": transformers.__version__,
                      "flashspec": flashspec.__version__, "python": sys.version.split()[0]},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -881,57 +838,25 @@ def print_table(report: dict) -> None:
 # ---------------------------------------------------------------- command line
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(text)
-    return value
-
-
-def positive_int(text: str) -> int:
-    try:
-        return _positive_int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
-
-
 def parse_batch_sizes(text: str) -> list[int]:
-    try:
-        return [_positive_int(n) for n in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated positive ints (e.g. 1,4,16), got {text!r}") from None
+    return positive_ints(text, "1,4,16")
 
 
 def parse_num_drafts(text: str) -> list[int]:
     """Sorted, each once: the table and the plot list G in increasing order."""
-    try:
-        return sorted({_positive_int(n) for n in text.split(",")})
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated positive ints (e.g. 2,4,8), got {text!r}") from None
-
-
-def _names(text: str, known) -> list[str]:
-    """Comma-separated names of `known`, in `known`'s order, each once."""
-    names = [n.strip() for n in text.split(",")]
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
-    return [name for name in known if name in names]
+    return sorted(set(positive_ints(text, "2,4,8")))
 
 
 def parse_pairs(text: str) -> list[str]:
-    return _names(text, PAIRS)
+    return names(text, PAIRS)
 
 
 def parse_variants(text: str) -> list[str]:
-    return _names(text, VARIANTS)
+    return names(text, VARIANTS)
 
 
 def parse_decodings(text: str) -> list[str]:
-    return _names(text, DECODINGS)
+    return names(text, DECODINGS)
 
 
 def _config_names() -> list[str]:
@@ -974,10 +899,6 @@ def pair_specs(args: argparse.Namespace) -> list[PairSpec]:
         target, *draft = args.random_init
         return [PairSpec(_label(target), target, draft[0] if draft else None, random_init=True)]
     return [PAIRS[name] for name in args.pair]
-
-
-def resolve_device(name: str) -> str:
-    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
 
 
 def _default_help(field: str, text=str) -> str:
