@@ -146,6 +146,33 @@ def test_supports_of_neighbouring_ids_stay_within_the_candidate_budget():
     assert torch.isin(ours, support).all()
 
 
+def test_interleaved_tiles_load_through_tma_when_vocab_fills_the_tiles():
+    """V a multiple of the tile: interleaved tiles are one box of the weight viewed as
+    [BLOCK_V / 16, NUM_VT, 16, D] and load through TMA; a ragged V loads through pointers.
+    Both give the reference's tokens, for a crowded support and for mixed rows."""
+    config = kernels.TileConfig(block_v=32, block_r=16, block_d=16, candidates=16, max_support=32)
+    support = torch.arange(64, 104, 2, device=DEVICE)
+    hidden, weight, positions, params = crowded_problem(support)
+    assert kernels.ops.tma_descriptors(hidden, weight[:288], config, interleave=True) is not None
+    assert kernels.ops.tma_descriptors(hidden, weight, config, interleave=True) is None  # 300
+    g = torch.Generator().manual_seed(13)
+    extra_hidden, _, extra_positions = random_problem(g, 5, 288, 32)
+    hidden = torch.cat([hidden, extra_hidden])
+    positions = torch.cat([positions, extra_positions])
+    params = SamplingParams.create(
+        8, temperature=[0.7] * 3 + [1.0, 0.6, 1.2, 1.0, 0.8], top_k=[20, 10, 0, 5, 20, 0, 8, 1],
+        top_p=[1.0, 0.95, 0.9, 1.0, 0.95, 0.8, 1.0, 1.0], min_p=[0.0] * 6 + [0.05, 0.0],
+        seed=1, device=DEVICE)
+    for vocab_size in (288, 300):
+        kernels.reset_stats()
+        ours = kernels.lm_head_sample(hidden, weight[:vocab_size], params, positions,
+                                      config=config)
+        assert kernels.stats().rows_completed == 0
+        theirs = reference.lm_head_sample(hidden, weight[:vocab_size], params, positions)
+        assert_same_tokens(ours, theirs, hidden, weight[:vocab_size], params, positions,
+                           f"V={vocab_size}")
+
+
 def test_whole_top_k_inside_one_tile_is_completed_exactly():
     """The 20 best tokens are neighbours: 16 of them form one 16-token group, which one
     vocab tile holds whole, more than its candidate budget, so the row must go through the

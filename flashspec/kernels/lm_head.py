@@ -213,14 +213,18 @@ def lm_head_tiles_kernel(
     # The tile is [rows, vocab]: per-row reductions run along the MMA's N dimension, inside
     # a warp, instead of across warps through shared memory. Loads go through TMA
     # descriptors (zero-filled out of bounds) when the rows are 16-byte aligned and the
-    # tile is contiguous: at large B that is what brings the main loop to cuBLAS's speed.
+    # tile is one box (ops.tma_descriptors): at large B that is what brings the main loop
+    # to cuBLAS's speed.
     h_ptrs = hidden_ptr + offs_r[:, None].to(tl.int64) * stride_hidden + offs_d[None, :]
     w_ptrs = weight_ptr + offs_v[:, None].to(tl.int64) * stride_weight + offs_d[None, :]
     acc = tl.zeros((BLOCK_R, BLOCK_V), dtype=tl.float32)
     for k in tl.range(0, D, BLOCK_D, num_stages=NUM_STAGES):
         if TMA:
             h = hidden_desc.load([pid_r * BLOCK_R, k])
-            w = weight_desc.load([pid_v * BLOCK_V, k])
+            if INTERLEAVE:  # the weight as [BLOCK_V / 16, NUM_VT, 16, D]: groups of the tile
+                w = tl.reshape(weight_desc.load([0, pid_v, 0, k]), (BLOCK_V, BLOCK_D))
+            else:
+                w = weight_desc.load([pid_v * BLOCK_V, k])
         else:
             d_ok = ((k + offs_d) < D) | EVEN_D
             h = tl.load(h_ptrs + k, mask=r_ok[:, None] & d_ok[None, :], other=0.0)

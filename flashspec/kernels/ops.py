@@ -95,8 +95,13 @@ def _bf16_config(num_rows: int) -> TileConfig:
 
 def _bf16_truncation_config(num_rows: int) -> TileConfig:
     # scripts/sweep_tiles.py --truncation on an H200, 2026-11-21 (top_k=20, top_p=0.95).
-    if num_rows <= 32:
+    # 17-32 rows re-swept with 8 candidates per tile: sample 0.485 -> 0.411 ms, verify at
+    # R = 24-32 0.50 -> 0.42 ms. For 33-64 rows the sweep's best (4 warps) tied sampling
+    # and cost verification 8% at R = 64, so 8 warps stay.
+    if num_rows <= 16:
         return _bf16_config(num_rows)
+    if num_rows <= 32:
+        return TileConfig(block_v=64, block_r=32, block_d=128, num_warps=4, num_stages=4)
     if num_rows <= 64:
         return TileConfig(block_v=64, block_r=64, block_d=64, num_warps=8, num_stages=4)
     return TileConfig(block_v=64, block_r=128, block_d=128, num_warps=8, num_stages=4)
@@ -202,14 +207,11 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
     drafts = drafts if verify else best_id
     grid = (num_vt * triton.cdiv(num_rows, config.block_r),)
     # Truncation keeps candidates per tile: interleaved tiles spread a support of
-    # neighbouring token ids over many tiles (see lm_head._column_tokens); their weight rows
-    # are not one box, so they load without TMA.
+    # neighbouring token ids over many tiles (see lm_head._column_tokens).
     interleave = cand > 0
-    tma = _tma_ready(hidden) and _tma_ready(weight) and not interleave
-    hidden_desc, weight_desc = (
-        (TensorDescriptor.from_tensor(hidden, [config.block_r, config.block_d]),
-         TensorDescriptor.from_tensor(weight, [config.block_v, config.block_d]))
-        if tma else (hidden, weight))
+    descriptors = tma_descriptors(hidden, weight, config, interleave)
+    tma = descriptors is not None
+    hidden_desc, weight_desc = descriptors if tma else (hidden, weight)
     lm_head.lm_head_tiles_kernel[grid](
         hidden, weight, hidden_desc, weight_desc, row["do_sample"], row["temperature"], row["seed"], row["position"],
         best, best_id, best_s, tile_max, tile_sum, bad, candidates, drafts, draft_s,
@@ -346,6 +348,26 @@ def _tma_ready(matrix: torch.Tensor) -> bool:
     """TMA needs 16-byte aligned base and row stride (any real LM head: D % 8 == 0 in bf16)."""
     row_bytes = matrix.stride(0) * matrix.element_size()
     return matrix.data_ptr() % 16 == 0 and row_bytes % 16 == 0
+
+
+def tma_descriptors(hidden: torch.Tensor, weight: torch.Tensor, config: TileConfig,
+                    interleave: bool) -> tuple[TensorDescriptor, TensorDescriptor] | None:
+    """TMA descriptors of stage 1's hidden and weight tiles, or None where the tiles must
+    load through pointers. A contiguous vocab tile is one box of the weight. An interleaved
+    tile (groups pid_v, pid_v + NUM_VT, ... of 16 tokens) is one box of the weight viewed
+    as ``[BLOCK_V / 16, NUM_VT, 16, D]``, which exists when V is a multiple of BLOCK_V (both
+    Qwen's 151,936 and Llama's 128,256 are, at 64 and 128)."""
+    if not (_tma_ready(hidden) and _tma_ready(weight)):
+        return None
+    vocab_size, dim = weight.shape
+    hidden_desc = TensorDescriptor.from_tensor(hidden, [config.block_r, config.block_d])
+    if not interleave:
+        return hidden_desc, TensorDescriptor.from_tensor(weight, [config.block_v, config.block_d])
+    if vocab_size % config.block_v or weight.stride(0) != dim:
+        return None
+    groups = config.block_v // 16
+    grouped = weight.view(groups, vocab_size // config.block_v, 16, dim)
+    return hidden_desc, TensorDescriptor.from_tensor(grouped, [groups, 1, 16, config.block_d])
 
 
 def argmax_unchecked(hidden: torch.Tensor, weight: torch.Tensor,
