@@ -1,6 +1,6 @@
 """Command-line helpers shared by the scripts in ``scripts/`` (acceptance_rate.py,
-tok_per_s.py): argparse types whose errors say what is allowed, run metadata, and
-progress on stderr."""
+tok_per_s.py): argparse types whose errors say what is allowed (``--random-init`` shapes
+among them), run metadata, and progress on stderr."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import importlib.metadata
 import sys
 
 import torch
+
+from flashspec.random_init import random_config
 
 
 def positive_int(text: str) -> int:
@@ -38,6 +40,21 @@ def names(text: str, known) -> list[str]:
         raise argparse.ArgumentTypeError(
             f"unknown {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
     return [name for name in known if name in given]
+
+
+def random_init_shapes(text: str) -> list[str]:
+    """``TARGET_SHAPE[,DRAFT_SHAPE]`` -> [target shape] or [target shape, draft shape], each
+    a shipped config's name or a config.json path that `flashspec.random_init.random_config`
+    accepts."""
+    shapes = [shape.strip() for shape in text.split(",")]
+    if not 1 <= len(shapes) <= 2 or not all(shapes):
+        raise argparse.ArgumentTypeError(f"expected TARGET_SHAPE[,DRAFT_SHAPE], got {text!r}")
+    for shape in shapes:
+        try:
+            random_config(shape)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return shapes
 
 
 def resolve_device(name: str) -> str:

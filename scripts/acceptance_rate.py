@@ -1,7 +1,8 @@
 """Acceptance of speculative decoding with flashspec: per position, per verification, and
 against what the target's probabilities predict.
 
-For each drafter (an assistant model, or prompt lookup), prompt set and draft length G,
+For each drafter (an assistant model, the target itself, or prompt lookup), prompt set and
+draft length G,
 every prompt of the set is completed by ``generate(sampler="flash")`` in batches (G drafts
 per verification, constant schedule), greedily or sampled, and the engine's per-step
 statistics (``out.flash_stats``) are summarised:
@@ -28,25 +29,49 @@ statistics (``out.flash_stats``) are summarised:
   verifications reached the position, as z is then far from normal). A clear disagreement
   means the engine does not accept drafts with the probability it reports.
 
+Drafters (--drafter): ``assistant``, greedy drafts from a draft model; ``self``, the
+target as its own assistant (greedy drafts from the target itself: greedily every draft is
+its argmax, accepted unless a near-tie rounds differently in the verification forward; with
+sampling p(x) is the target's probability of its own argmax, a non-trivial p(x) from any
+target, trained or random); ``lookup``, prompt lookup (n-gram matches in the prompt and the
+text so far).
+
 Prompts come from flashspec's shipped sets (``flashspec/assets/prompts``, see
 ``flashspec.prompt_sets``): code_edit (the answer copies most of the prompt: where prompt
 lookup shines), summarize (a text to summarise is in the prompt), chat (open questions and
-code completion). Each prompt is one user turn of the target tokenizer's chat template, or
-"### Instruction: ... ### Response:" text without one; left-padded; a prompt longer than
---max-prompt-tokens keeps its last tokens. Row i of a set is seeded --seed + i, so every
-configuration sees the same noise.
+code completion). Each prompt is one user turn of the chat template of the tokenizer
+(--tokenizer, default the target's own), or "### Instruction: ... ### Response:" text
+without one; left-padded; a prompt longer than --max-prompt-tokens keeps its last tokens.
+Row i of a set is seeded --seed + i, so every configuration sees the same noise.
 
-Models: the target (and draft) as hub ids or local folders (default: flashspec's built-in
-tiny code pair, which runs offline; it only knows Python, so its chat and summaries are
-nonsense, but its acceptance statistics are real). Generation stops at EOS unless
---ignore-eos; rows end at --new-tokens.
+Models, from one of:
+
+* the default: flashspec's built-in tiny code pair, which runs offline (it only knows
+  Python, so its chat and summaries are nonsense, but its acceptance statistics are real);
+* ``--target`` (and ``--draft``): hub ids or local folders with trained weights;
+* ``--random-init TARGET_SHAPE[,DRAFT_SHAPE]``: random weights at real shapes, offline (no
+  download: the way to run at real model shapes on a machine without the hub); a SHAPE is
+  the name of a config shipped in flashspec/assets/configs (qwen3-1.7b, qwen3-0.6b,
+  llama-3.1-8b, llama-3.2-1b) or the path of a config.json (see flashspec.random_init).
+  Random models have no tokenizer: the tiny pair's (8192 tokens) encodes the prompts unless
+  --tokenizer names another, no larger than the target's vocabulary. ``--weights peaked``
+  makes them decisive (``flashspec.random_init.peak_weights``). Their acceptance says
+  nothing about real models (a random draft accepts almost nothing); what it tests is that
+  the engine accepts drafts with the probability p(x) it reports, at real shapes.
+
+Generation stops at the target's EOS unless --ignore-eos; rows end at --new-tokens.
+--random-init models have EOS off (theirs means nothing): every row generates exactly
+--new-tokens.
 
 Run (from the repository root):
 
     PYTHONPATH=. python scripts/acceptance_rate.py            # tiny pair, about 1 min on CPU
     PYTHONPATH=. python scripts/acceptance_rate.py --sample --num-drafts 2,4
+    PYTHONPATH=. python scripts/acceptance_rate.py --random-init qwen3-1.7b,qwen3-0.6b \\
+        --drafter self,assistant,lookup --sample --num-drafts 2,4,8 --batch-size 16 \\
+        --new-tokens 128                                     # on a GPU, offline
     PYTHONPATH=. python scripts/acceptance_rate.py --target Qwen/Qwen3-8B \\
-        --draft Qwen/Qwen3-0.6B --sample --new-tokens 256 --batch-size 16      # on a GPU
+        --draft Qwen/Qwen3-0.6B --sample --new-tokens 256 --batch-size 16      # downloads
 
 Also recorded: wall seconds of the generate calls (not a benchmark: the first calls
 include compilation and CUDA-graph capture; see scripts/tok_per_s.py for speed).
@@ -63,6 +88,7 @@ import argparse
 import csv
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -72,17 +98,27 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import flashspec
 from flashspec.cli import (Progress, names, package_version, positive_int, positive_ints,
-                           resolve_device)
+                           random_init_shapes, resolve_device)
 from flashspec.assets import tiny_pair_path
 from flashspec.generation.outputs import SpeculationStats
 from flashspec.prompt_sets import PROMPT_SETS, encode_prompts, load_prompts
+from flashspec.random_init import WEIGHTS, config_names, peak_weights, random_config, random_model
 
-DRAFTERS = {"assistant": "greedy drafts from the --draft model",
+# In table order.
+DRAFTERS = {"assistant": "greedy drafts from the draft model (--draft, or DRAFT_SHAPE of "
+                         "--random-init)",
+            "self": "the target as its own assistant (greedy drafts from the target itself, "
+                    "any target; sampled, p(x) is its probability of its own argmax)",
             "lookup": "prompt lookup: n-gram matches in the prompt and the text so far"}
+# Self-drafting is opt-in: it measures the engine (p(x) of the target's own argmax), not a
+# pair, and the default run keeps its configurations.
+DEFAULT_DRAFTERS = ["assistant", "lookup"]
+# --random-init: the weights are seeded with this, whatever --seed (which seeds sampling).
+WEIGHTS_SEED = 0
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # --sample without explicit values: the usual "thinking model" setting (as in tok_per_s.py).
 SAMPLE_DEFAULTS = {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.0}
@@ -217,12 +253,13 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
             "top_p": args.top_p, "min_p": args.min_p}
 
 
-def drafter_kwargs(drafter: str, num_drafts: int, draft, args: argparse.Namespace) -> dict:
-    if drafter == "assistant":
-        return {"assistant_model": draft, "num_assistant_tokens": num_drafts,
-                "num_assistant_tokens_schedule": "constant"}
-    return {"prompt_lookup_num_tokens": num_drafts,
-            "max_matching_ngram_size": args.max_matching_ngram_size}
+def drafter_kwargs(drafter: str, num_drafts: int, target, draft,
+                   args: argparse.Namespace) -> dict:
+    if drafter == "lookup":
+        return {"prompt_lookup_num_tokens": num_drafts,
+                "max_matching_ngram_size": args.max_matching_ngram_size}
+    return {"assistant_model": target if drafter == "self" else draft,
+            "num_assistant_tokens": num_drafts, "num_assistant_tokens_schedule": "constant"}
 
 
 def encode_set(tokenizer, name: str, args: argparse.Namespace, device: str) -> tuple[list, dict]:
@@ -256,7 +293,7 @@ def run_configuration(target, draft, batches: list, drafter: str, num_drafts: in
             max_new_tokens=args.new_tokens, pad_token_id=pad_token_id,
             # Row i of the set gets seed + i whatever the batching.
             seed=args.seed + start, return_dict_in_generate=True,
-            **drafter_kwargs(drafter, num_drafts, draft, args), **sampling_kwargs(args))
+            **drafter_kwargs(drafter, num_drafts, target, draft, args), **sampling_kwargs(args))
         seconds += time.perf_counter() - begin
         parts.append(output.flash_stats)
         generated += int(output.flash_stats.emitted.sum())
@@ -274,23 +311,52 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return DTYPES[name]
 
 
+@functools.cache
+def load_tokenizer(name: str):
+    """Cached: parse_args loads the tokenizer to check its size, main to encode the prompts."""
+    return AutoTokenizer.from_pretrained(name)
+
+
+def load_model(name: str, args: argparse.Namespace, device: str, dtype: torch.dtype):
+    """Hub id or folder `name` with its trained weights; with --random-init, a model of shape
+    `name` with seeded random weights, peaked with --weights peaked."""
+    if args.random_init is None:
+        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, device_map=device).eval()
+    model = random_model(name, device, dtype, seed=WEIGHTS_SEED)
+    return peak_weights(model) if args.weights == "peaked" else model
+
+
 def load_models(args: argparse.Namespace, device: str, dtype: torch.dtype):
-    """(tokenizer, flashspec-wrapped target, draft or None when no drafter needs it)."""
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    target = flashspec.from_pretrained(args.target, dtype=dtype, device_map=device).eval()
-    draft = None
-    if "assistant" in args.drafter:
-        draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype,
-                                                     device_map=device).eval()
+    """(flashspec-wrapped target, draft or None when no drafter needs it)."""
+    target = flashspec.wrap(load_model(args.target, args, device, dtype))
+    draft = load_model(args.draft, args, device, dtype) if "assistant" in args.drafter else None
     if args.ignore_eos:
         target.generation_config.eos_token_id = None
-    return tokenizer, target, draft
+    return target, draft
 
 
-def model_name(name_or_path: str) -> str:
-    """A hub id as given; a local folder as its last two path parts (e.g. tiny_pair/target)."""
-    path = Path(name_or_path)
-    return "/".join(path.resolve().parts[-2:]) if path.is_dir() else name_or_path
+def loading_text(args: argparse.Namespace, device: str, dtype: torch.dtype) -> str:
+    models = args.target + (f" and {args.draft}" if "assistant" in args.drafter else "")
+    if args.random_init is None:
+        return f"loading {models} ({device}, {dtype}) ..."
+    return f"building {models} ({WEIGHTS[args.weights]}, {device}, {dtype}) ..."
+
+
+def model_name(name: str) -> str:
+    """A hub id or shipped config name as given; a local folder or file by its last two path
+    parts (e.g. tiny_pair/target)."""
+    path = Path(name)
+    return "/".join(path.resolve().parts[-2:]) if path.exists() else name
+
+
+def describe_models(args: argparse.Namespace, target, tokenizer) -> dict:
+    """The report's "models": the target, the draft (None without the assistant drafter),
+    their weights, and the tokenizer that encoded the prompts, with their vocabulary sizes."""
+    return {"target": model_name(args.target),
+            "draft": model_name(args.draft) if "assistant" in args.drafter else None,
+            "weights": "trained" if args.random_init is None else WEIGHTS[args.weights],
+            "vocab_size": target.config.vocab_size,
+            "tokenizer": model_name(args.tokenizer), "tokenizer_size": len(tokenizer)}
 
 
 def pad_token_id_of(tokenizer, target) -> int:
@@ -306,8 +372,8 @@ def pad_token_id_of(tokenizer, target) -> int:
 # ---------------------------------------------------------------- output
 
 
-def build_report(args: argparse.Namespace, device: str, dtype: torch.dtype, prompt_sets: dict,
-                 rows: list[dict]) -> dict:
+def build_report(args: argparse.Namespace, device: str, dtype: torch.dtype, models: dict,
+                 prompt_sets: dict, rows: list[dict]) -> dict:
     return {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
@@ -316,8 +382,7 @@ def build_report(args: argparse.Namespace, device: str, dtype: torch.dtype, prom
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "args": {key: str(value) if isinstance(value, Path) else value
                  for key, value in vars(args).items()},
-        "models": {"target": model_name(args.target),
-                   "draft": model_name(args.draft) if "assistant" in args.drafter else None},
+        "models": models,
         "dtype": str(dtype).removeprefix("torch."),
         "sampling": sampling_kwargs(args),
         "z_limit": Z_LIMIT,
@@ -415,7 +480,12 @@ expectation); alpha_i = P(draft i accepted | the drafts before it accepted)."""
 
 def _models_text(report: dict) -> str:
     models = report["models"]
-    return f"target {models['target']}, draft {models['draft'] or '-'}"
+    parts = [f"target {models['target']}, draft {models['draft'] or '-'}"]
+    if models["weights"] != "trained":
+        parts.append(models["weights"])
+    if models["tokenizer"] != models["target"]:
+        parts.append(f"prompts by the tokenizer {models['tokenizer']}")
+    return "; ".join(parts)
 
 
 def _decoding_text(report: dict) -> str:
@@ -498,17 +568,37 @@ def parse_prompt_sets(text: str) -> list[str]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=None,
-                        help="target model: hub id or local folder (its tokenizer is used); "
+    models = parser.add_mutually_exclusive_group()
+    models.add_argument("--target", default=None,
+                        help="target model with trained weights: hub id or local folder; "
                              "default the built-in tiny pair's target")
+    models.add_argument("--random-init", type=random_init_shapes, default=None,
+                        metavar="TARGET_SHAPE[,DRAFT_SHAPE]",
+                        help="instead of --target: random-weight target (and draft) at real "
+                             "shapes, offline; a SHAPE is the name of a config shipped in "
+                             "flashspec/assets/configs (" + ", ".join(config_names())
+                             + ") or the path of a config.json; without DRAFT_SHAPE there is no "
+                               "draft model (use --drafter self and/or lookup); EOS is off, so "
+                               "every row generates exactly --new-tokens; no default")
     parser.add_argument("--draft", default=None,
-                        help="assistant model for --drafter assistant: hub id or local folder, "
-                             "same vocabulary as the target; default the tiny pair's draft "
-                             "(only with the default target)")
-    parser.add_argument("--drafter", type=parse_drafters, default=list(DRAFTERS),
+                        help="assistant model for --drafter assistant (not with --random-init, "
+                             "which takes DRAFT_SHAPE): hub id or local folder with trained "
+                             "weights, same vocabulary as the target; default the tiny pair's "
+                             "draft (only with the default target)")
+    parser.add_argument("--weights", choices=tuple(WEIGHTS), default="random",
+                        help="--random-init only: random (plain random init) or peaked "
+                             "(residual branches scaled down and the LM head equal to the "
+                             "embedding: decisive models, whose greedy self-drafts are all "
+                             "accepted; flashspec.random_init.peak_weights); default random")
+    parser.add_argument("--tokenizer", default=None, metavar="NAME_OR_PATH",
+                        help="tokenizer that encodes the prompt sets: hub id or local folder, "
+                             "at most as many tokens as the target's vocab_size; default the "
+                             "target's own, with --random-init (random models have none) the "
+                             "built-in tiny pair's (8192 tokens)")
+    parser.add_argument("--drafter", type=parse_drafters, default=list(DEFAULT_DRAFTERS),
                         help="comma-separated drafters: " + "; ".join(
                             f"{name}: {what}" for name, what in DRAFTERS.items())
-                        + "; default both")
+                        + "; default " + ",".join(DEFAULT_DRAFTERS))
     parser.add_argument("--num-drafts", type=parse_num_drafts, default=[1, 2, 4, 8],
                         help="comma-separated draft lengths G to sweep (drafts per "
                              "verification, constant schedule); default 1,2,4,8")
@@ -527,7 +617,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="max new tokens per prompt; default 64")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="generate --new-tokens for every prompt, past EOS (default: a "
-                             "row stops at the target's EOS)")
+                             "row stops at the target's EOS; --random-init models have EOS off)")
     parser.add_argument("--no-chat-template", action="store_true",
                         help="always use the plain '### Instruction/### Response' layout, "
                              "even when the tokenizer has a chat template")
@@ -559,18 +649,76 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
-    if args.target is not None and args.draft is None and "assistant" in args.drafter:
-        parser.error("--target without --draft: the default draft is the tiny pair's, which "
-                     "shares no vocabulary with other targets; pass --draft or --drafter lookup")
-    pair = tiny_pair_path()
-    args.target = args.target or str(pair / "target")
-    args.draft = args.draft or str(pair / "draft")
+    if args.random_init is None:
+        resolve_trained_models(parser, args)
+    else:
+        resolve_random_models(parser, args)
     for name, default in SAMPLE_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
         elif not args.sample:
             parser.error(f"--{name.replace('_', '-')} applies to sampling: add --sample")
+    # Last: it loads the tokenizer and the target's config.
+    check_tokenizer(parser, args)
     return args
+
+
+def resolve_trained_models(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--target / --draft / --tokenizer with their defaults (the tiny pair, the target's own
+    tokenizer), or a parser error."""
+    if args.weights != "random":
+        parser.error(f"--weights {args.weights} applies to --random-init models; the target "
+                     f"{args.target or '(the tiny pair)'} has trained weights")
+    if args.target is not None and args.draft is None and "assistant" in args.drafter:
+        parser.error("--target without --draft: the default draft is the tiny pair's, which "
+                     "shares no vocabulary with other targets; pass --draft, or --drafter "
+                     "self and/or lookup")
+    if args.target is None:
+        pair = tiny_pair_path()
+        args.target, args.draft = str(pair / "target"), args.draft or str(pair / "draft")
+    args.tokenizer = args.tokenizer or args.target
+
+
+def resolve_random_models(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--random-init's shapes as args.target and args.draft (None without DRAFT_SHAPE), the
+    tiny pair's tokenizer by default and EOS off, or a parser error."""
+    if args.draft is not None:
+        parser.error("--draft goes with --target; --random-init takes the draft's shape as "
+                     "DRAFT_SHAPE (--random-init TARGET_SHAPE,DRAFT_SHAPE)")
+    args.target, args.draft = [*args.random_init, None][:2]
+    if args.draft is None and "assistant" in args.drafter:
+        parser.error(f"--drafter assistant needs a draft model and --random-init {args.target} "
+                     f"has none: give --random-init {args.target},DRAFT_SHAPE, or --drafter "
+                     "self and/or lookup (the default --drafter is "
+                     + ",".join(DEFAULT_DRAFTERS) + ")")
+    args.tokenizer = args.tokenizer or str(tiny_pair_path() / "target")
+    # A random model's EOS is a token like any other: rows generate exactly --new-tokens.
+    args.ignore_eos = True
+
+
+def target_vocab_size(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """From the target's config, without loading its weights."""
+    if args.random_init is not None:
+        return random_config(args.target).vocab_size
+    try:
+        return AutoConfig.from_pretrained(args.target).vocab_size
+    except (OSError, ValueError) as error:
+        parser.error(f"--target {args.target}: cannot load its config: {error}")
+
+
+def check_tokenizer(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The tokenizer must load, and its ids must be token ids of the target: at most
+    vocab_size tokens. The target's config first: an unreadable target is named as such,
+    not as its default tokenizer."""
+    vocab_size = target_vocab_size(parser, args)
+    try:
+        size = len(load_tokenizer(args.tokenizer))
+    except (OSError, ValueError) as error:
+        parser.error(f"--tokenizer {args.tokenizer}: cannot load it: {error}")
+    if size > vocab_size:
+        parser.error(f"--tokenizer {args.tokenizer}: its {size} tokens do not fit the target "
+                     f"{args.target}, whose vocab_size is {vocab_size} (larger ids have no "
+                     f"embedding); use a tokenizer of at most {vocab_size} tokens")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -580,9 +728,9 @@ def main(argv: list[str] | None = None) -> int:
     dtype = resolve_dtype(args.dtype, device)
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    print(f"loading {args.target}" + (f" and {args.draft}" if "assistant" in args.drafter else "")
-          + f" ({device}, {dtype}) ...", file=sys.stderr, flush=True)
-    tokenizer, target, draft = load_models(args, device, dtype)
+    print(loading_text(args, device, dtype), file=sys.stderr, flush=True)
+    tokenizer = load_tokenizer(args.tokenizer)
+    target, draft = load_models(args, device, dtype)
     pad_token_id = pad_token_id_of(tokenizer, target)
     sets = {name: encode_set(tokenizer, name, args, device) for name in args.prompt_set}
     configurations = [(drafter, name, num_drafts) for drafter in args.drafter
@@ -595,7 +743,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"drafter": drafter, "prompt_set": name, "num_drafts": num_drafts,
                      "prompts": sets[name][1]["prompts"], **summary})
     progress.close()
-    report = build_report(args, device, dtype, {name: sets[name][1] for name in sets}, rows)
+    report = build_report(args, device, dtype, describe_models(args, target, tokenizer),
+                          {name: sets[name][1] for name in sets}, rows)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "acceptance_rate.json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out / 'acceptance_rate.json'}")

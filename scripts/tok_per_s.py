@@ -15,7 +15,8 @@ Pairs (target + draft, same vocabulary), from one of:
   ``llama``, Llama-3.1-8B + Llama-3.2-1B shapes (``--random-init llama-3.1-8b,llama-3.2-1b``);
 * ``--target`` and ``--draft``: hub ids or local folders with trained weights;
 * ``--random-init TARGET_SHAPE[,DRAFT_SHAPE]``: random weights at real shapes, offline; a
-  SHAPE is a config name under scripts/configs or the path of a config.json.
+  SHAPE is the name of a config shipped in flashspec/assets/configs or the path of a
+  config.json (see flashspec.random_init).
 
 Without a draft model (``--target`` alone, ``--random-init`` with one shape) the draft
 variants are skipped; self-speculation and prompt lookup still run.
@@ -31,9 +32,9 @@ On random prompts acceptance is whatever the pair does on noise: the random-weig
 accept almost nothing, prompt lookup finds almost no match, and self-speculation (the
 target as its own assistant) accepts most drafts, losing some at near-ties of the nearly
 flat random models (bf16 rounding differs between one-token and many-token forwards).
-``--weights peaked`` makes the random models decisive (`peak_weights`), so that
-self-speculation accepts every draft at the same cost per forward. The expected tok/s at
-acceptance 1 (below) is the upper bound that speculation can reach with this engine.
+``--weights peaked`` makes the random models decisive (`flashspec.random_init.peak_weights`),
+so that self-speculation accepts every draft at the same cost per forward. The expected
+tok/s at acceptance 1 (below) is the upper bound that speculation can reach with this engine.
 
 Variants:
 
@@ -117,23 +118,22 @@ from typing import Callable, NamedTuple
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import flashspec
 from flashspec.cli import (Progress, names, package_version, positive_int, positive_ints,
-                           resolve_device)
+                           random_init_shapes, resolve_device)
 from flashspec.assets import tiny_pair_path
 from flashspec.generation.heads import output_head
 from flashspec.generation.static import cached_engine
 from flashspec.prompt_sets import PROMPT_SETS, encode_prompts, load_prompts
-
-CONFIGS = Path(__file__).resolve().parent / "configs"
+from flashspec.random_init import WEIGHTS, config_names, peak_weights, random_model
 
 
 class PairSpec(NamedTuple):
     """A pair's name in the report, and where its models come from: hub ids or folders with
-    trained weights, or (with `random_init`) config names under scripts/configs or
-    config.json paths. `draft` None: no draft model."""
+    trained weights, or (with `random_init`) shipped config names or config.json paths
+    (flashspec.random_init). `draft` None: no draft model."""
 
     label: str
     target: str
@@ -146,7 +146,6 @@ PAIRS = {"tiny": PairSpec("tiny", str(tiny_pair_path() / "target"),
                           str(tiny_pair_path() / "draft"), random_init=False),
          "qwen3": PairSpec("qwen3", "qwen3-1.7b", "qwen3-0.6b", random_init=True),
          "llama": PairSpec("llama", "llama-3.1-8b", "llama-3.2-1b", random_init=True)}
-WEIGHTS = ("random", "peaked")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SAMPLING = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
 DECODINGS = {"greedy": {"do_sample": False}, "sample": SAMPLING}
@@ -161,9 +160,6 @@ DEVICE_DEFAULTS = {
     "cpu": {"batch_sizes": [1, 4], "prompt_length": 64, "new_tokens": 64, "reps": 1,
             "dtype": "fp32"},
 }
-# --weights peaked: residual-branch output projections scaled by this (see peak_weights).
-RESIDUAL_OUTPUTS = ("o_proj", "down_proj")
-PEAKED_BRANCH_SCALE = 1e-3
 GRAPH_REPLAYS = 20
 GRAPH_TRIALS = 3
 COPY_REPS = 5
@@ -295,54 +291,14 @@ def _prepare(model):
     return model
 
 
-def config_path(shape: str) -> Path:
-    """The config.json of a random-init SHAPE: a name under scripts/configs or a file path."""
-    named = CONFIGS / f"{shape}.json"
-    return named if named.is_file() else Path(shape)
-
-
-def _random_model(shape: str, device: str, dtype: torch.dtype):
-    fields = json.loads(config_path(shape).read_text())
-    fields.pop("_source", None)         # scripts/configs' note on where the shape comes from
-    config = AutoConfig.for_model(**fields)
-    torch.manual_seed(SEED)
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
-
-
 def _load_model(name: str, random_init: bool, device: str, dtype: torch.dtype):
     if random_init:
-        return _random_model(name, device, dtype)
+        return random_model(name, device, dtype, seed=SEED)
     return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
 
 
-def peak_weights(model):
-    """Make a random-init model decisive, in place: scale the projections that write into
-    the residual stream (attention and MLP outputs) by PEAKED_BRANCH_SCALE and give the LM
-    head the embedding's values. The final hidden state is then dominated by the current
-    token's embedding, whose own logit leads every other by a wide margin, so that
-    greedy self-speculation accepts every draft despite bf16 rounding differences
-    between one-token and many-token forwards (random models are nearly flat: their
-    top-2 logits tie within that rounding a few times in a hundred tokens). The cost of a
-    forward does not depend on the weights' values."""
-    scaled = [module for name, module in model.named_modules()
-              if name.rsplit(".", 1)[-1] in RESIDUAL_OUTPUTS and isinstance(module, torch.nn.Linear)]
-    expected = len(RESIDUAL_OUTPUTS) * model.config.num_hidden_layers
-    if len(scaled) != expected:
-        raise ValueError(f"--weights peaked: found {len(scaled)} residual output projections "
-                         f"named {RESIDUAL_OUTPUTS}, expected {expected} in "
-                         f"{type(model).__name__}")
-    with torch.no_grad():
-        for module in scaled:
-            module.weight.mul_(PEAKED_BRANCH_SCALE)
-        head, embedding = model.get_output_embeddings().weight, model.get_input_embeddings().weight
-        if head is not embedding:
-            head.copy_(embedding)
-    return model
-
-
 def model_name(name: str) -> str:
-    """A hub id or scripts/configs name as given; a local folder or file by its last two path
+    """A hub id or shipped config name as given; a local folder or file by its last two path
     parts (e.g. tiny_pair/target)."""
     path = Path(name)
     return "/".join(path.resolve().parts[-2:]) if path.exists() else name
@@ -352,20 +308,20 @@ def load_pair(spec: PairSpec, device: str, dtype: torch.dtype, weights: str = "r
     """(flashspec-wrapped target, draft or None, description); `weights` "peaked" applies
     `peak_weights` to random-init models."""
     if weights not in WEIGHTS:
-        raise ValueError(f"`weights`={weights!r} is not allowed: use one of {WEIGHTS}")
+        raise ValueError(f"`weights`={weights!r} is not allowed: use one of "
+                         f"{', '.join(WEIGHTS)}")
     if not spec.random_init and weights != "random":
         raise ValueError(f"`weights`={weights!r} applies to random-init pairs; {spec.label!r} "
                          "has trained weights")
     models = [_prepare(_load_model(name, spec.random_init, device, dtype))
               for name in (spec.target, spec.draft) if name is not None]
-    kind = "random init" if spec.random_init else "trained"
     if weights == "peaked":
         models = [peak_weights(model) for model in models]
-        kind = "random init, peaked (tok_per_s.peak_weights)"
     target, draft = flashspec.wrap(models[0]), models[1] if len(models) > 1 else None
     description = {"target": model_name(spec.target),
                    "draft": None if draft is None else model_name(spec.draft),
-                   "weights": kind, "vocab_size": target.config.vocab_size,
+                   "weights": WEIGHTS[weights] if spec.random_init else "trained",
+                   "vocab_size": target.config.vocab_size,
                    "target_weight_bytes": weight_bytes(target),
                    "draft_weight_bytes": None if draft is None else weight_bytes(draft)}
     return target, draft, description
@@ -859,31 +815,6 @@ def parse_decodings(text: str) -> list[str]:
     return names(text, DECODINGS)
 
 
-def _config_names() -> list[str]:
-    return sorted(path.stem for path in CONFIGS.glob("*.json"))
-
-
-def parse_random_init(text: str) -> list[str]:
-    """[target shape] or [target shape, draft shape], each checked to be a config with a
-    model_type."""
-    shapes = [shape.strip() for shape in text.split(",")]
-    if not 1 <= len(shapes) <= 2 or not all(shapes):
-        raise argparse.ArgumentTypeError(f"expected TARGET_SHAPE[,DRAFT_SHAPE], got {text!r}")
-    for shape in shapes:
-        path = config_path(shape)
-        if not path.is_file():
-            raise argparse.ArgumentTypeError(
-                f"{shape!r} is neither a config under scripts/configs "
-                f"({', '.join(_config_names())}) nor a config.json file")
-        try:
-            fields = json.loads(path.read_text())
-        except (OSError, ValueError) as error:
-            raise argparse.ArgumentTypeError(f"{shape!r}: cannot read {path}: {error}") from None
-        if not isinstance(fields, dict) or "model_type" not in fields:
-            raise argparse.ArgumentTypeError(f"{shape!r}: {path} has no 'model_type'")
-    return shapes
-
-
 def _label(name: str) -> str:
     """A short pair label from a model name: a hub id's or path's last part (a config
     file's folder)."""
@@ -921,11 +852,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="target model with trained weights: hub id or local folder "
                              "(loaded with AutoModelForCausalLM.from_pretrained; its tokenizer "
                              "encodes --prompts sets); no default")
-    models.add_argument("--random-init", type=parse_random_init, default=None,
+    models.add_argument("--random-init", type=random_init_shapes, default=None,
                         metavar="TARGET_SHAPE[,DRAFT_SHAPE]",
-                        help="random-weight target (and draft) at real shapes, offline: a "
-                             "config name under scripts/configs ("
-                             + ", ".join(_config_names()) + ") or the path of a config.json; "
+                        help="random-weight target (and draft) at real shapes, offline: the "
+                             "name of a config shipped in flashspec/assets/configs ("
+                             + ", ".join(config_names()) + ") or the path of a config.json; "
                              "without DRAFT_SHAPE there is no draft and the draft variants are "
                              "skipped; no default")
     parser.add_argument("--draft", default=None,

@@ -1,5 +1,6 @@
 """scripts/acceptance_rate.py: the command line's refusals, the statistics against values
-computed by hand, and a tiny CPU run (built-in pair, fp32) with its JSON and CSV schema."""
+computed by hand, and tiny CPU runs (built-in pair, fp32; a random-init model with the
+self and lookup drafters) with their JSON and CSV schema."""
 
 import csv
 import importlib.util
@@ -11,9 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from flashspec.assets import tiny_pair_path
 from flashspec.generation.outputs import SpeculationStats
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "acceptance_rate.py"
+TINY_TARGET = str(tiny_pair_path() / "target")
+TINY_DRAFT = str(tiny_pair_path() / "draft")
+# A random-init shape small enough for CPU tests, whose vocabulary holds the tiny pair's
+# tokenizer (8192 tokens).
+SMALL_LLAMA = {"model_type": "llama", "vocab_size": 8192, "hidden_size": 64,
+               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+               "num_key_value_heads": 1, "head_dim": 32}
 
 
 def _load_script():
@@ -48,6 +57,18 @@ acceptance_rate = _load_script()
     (["--dtype", "int8"], "--dtype"),
     (["--device", "tpu"], "--device"),
     (["--target", "Qwen/Qwen3-8B"], "--draft"),         # the tiny draft fits only the tiny target
+    (["--drafter", "self,oracle"], "--drafter"),
+    (["--random-init", "qwen9-1b"], "--random-init"),
+    (["--random-init", "qwen3-1.7b,qwen3-0.6b,qwen3-0.6b"], "--random-init"),
+    (["--random-init", "qwen3-0.6b", "--target", TINY_TARGET], "--random-init"),
+    (["--random-init", "qwen3-0.6b", "--drafter", "self", "--draft", TINY_DRAFT], "--draft"),
+    (["--random-init", "qwen3-0.6b", "--drafter", "assistant"], "--drafter assistant"),
+    (["--random-init", "qwen3-0.6b"], "--drafter assistant"),      # the default has assistant
+    (["--weights", "sharp"], "--weights"),
+    (["--weights", "peaked"], "--weights"),                        # the tiny pair is trained
+    (["--target", TINY_TARGET, "--drafter", "lookup", "--weights", "peaked"], "--weights"),
+    (["--tokenizer", "/nonexistent/tokenizer"], "--tokenizer"),
+    (["--target", "/nonexistent/model", "--drafter", "lookup"], "--target"),
 ])
 def test_bad_arguments_exit_2_naming_the_option(args, option, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -62,6 +83,51 @@ def test_cuda_without_a_device_is_refused(capsys):
         acceptance_rate.main(["--device", "cuda"])
     assert exit_info.value.code == 2
     assert "--device cuda" in capsys.readouterr().err
+
+
+def _small_config(tmp_path, **changes) -> str:
+    path = tmp_path / "small" / "config.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps({**SMALL_LLAMA, **changes}))
+    return str(path)
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path, capsys):
+    shape = _small_config(tmp_path, vocab_size=4096)
+    with pytest.raises(SystemExit) as exit_info:
+        acceptance_rate.main(["--random-init", shape, "--drafter", "self", "--device", "cpu"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--tokenizer {TINY_TARGET}: its 8192 tokens" in err
+    assert "vocab_size is 4096" in err and "at most 4096 tokens" in err
+
+
+def test_model_defaults():
+    args = acceptance_rate.parse_args([])
+    assert (args.target, args.draft, args.tokenizer) == (TINY_TARGET, TINY_DRAFT, TINY_TARGET)
+    assert args.drafter == ["assistant", "lookup"] and args.weights == "random"
+    assert args.random_init is None and not args.ignore_eos
+    args = acceptance_rate.parse_args(["--target", TINY_TARGET, "--drafter", "self"])
+    assert (args.draft, args.tokenizer) == (None, TINY_TARGET)
+
+
+def test_random_init_shapes_become_the_models_with_the_tiny_tokenizer_and_eos_off():
+    args = acceptance_rate.parse_args(["--random-init", "qwen3-1.7b,qwen3-0.6b", "--drafter",
+                                       "lookup,self,assistant", "--weights", "peaked"])
+    assert (args.target, args.draft, args.tokenizer) == ("qwen3-1.7b", "qwen3-0.6b", TINY_TARGET)
+    assert args.drafter == ["assistant", "self", "lookup"]
+    assert args.ignore_eos
+    args = acceptance_rate.parse_args(["--random-init", "qwen3-0.6b", "--drafter", "self"])
+    assert (args.target, args.draft) == ("qwen3-0.6b", None)
+
+
+def test_peaked_random_models(tmp_path):
+    args = acceptance_rate.parse_args(["--random-init", _small_config(tmp_path),
+                                       "--drafter", "self", "--weights", "peaked"])
+    target, draft = acceptance_rate.load_models(args, "cpu", torch.float32)
+    assert draft is None and target.generation_config.eos_token_id is None
+    assert torch.equal(target.get_output_embeddings().weight,
+                       target.get_input_embeddings().weight)
 
 
 def test_lists_are_parsed_in_a_fixed_order_without_repeats():
@@ -187,7 +253,9 @@ def test_report_schema(greedy_run):
     report = json.loads((greedy_run / "acceptance_rate.json").read_text())
     assert set(report) == {"device", "versions", "date", "args", "models", "dtype", "sampling",
                            "z_limit", "prompt_sets", "rows"}
-    assert report["models"] == {"target": "tiny_pair/target", "draft": "tiny_pair/draft"}
+    assert report["models"] == {"target": "tiny_pair/target", "draft": "tiny_pair/draft",
+                                "weights": "trained", "vocab_size": 8192,
+                                "tokenizer": "tiny_pair/target", "tokenizer_size": 8192}
     assert report["device"] == "cpu" and report["dtype"] == "float32"
     assert {"torch", "transformers", "triton"} <= set(report["versions"])
     assert report["sampling"] == {"do_sample": False}
@@ -283,3 +351,57 @@ def test_missing_matplotlib_and_tqdm_are_said_and_survived(greedy_run, tmp_path,
     progress.finish()
     progress.close()
     assert "[1/2] lookup chat G=1" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- random init, self-drafting
+
+RANDOM_NEW_TOKENS = 40
+RANDOM_PROMPTS = 8
+
+
+def test_random_init_sampled_self_and_lookup_agree_with_p_x(tmp_path, capsys):
+    """A random-init target (config.json path, no draft shape), prompts by the tiny pair's
+    tokenizer, EOS off: every row generates exactly --new-tokens, and both drafters' realised
+    acceptance agrees with p(x) (a self-draft's p(x) is the target's probability of its own
+    argmax: strictly between 0 and 1 when sampling a flat random model)."""
+    shape = _small_config(tmp_path)
+    out = tmp_path / "out"
+    assert acceptance_rate.main([
+        "--random-init", shape, "--drafter", "self,lookup", "--sample", "--prompt-set", "chat",
+        "--prompts", str(RANDOM_PROMPTS), "--batch-size", str(RANDOM_PROMPTS),
+        "--num-drafts", "3", "--new-tokens", str(RANDOM_NEW_TOKENS), "--max-prompt-tokens", "48",
+        "--device", "cpu", "--out", str(out)]) == 0
+    report = json.loads((out / "acceptance_rate.json").read_text())
+    assert report["models"] == {"target": "small/config.json", "draft": None,
+                                "weights": "random init", "vocab_size": 8192,
+                                "tokenizer": "tiny_pair/target", "tokenizer_size": 8192}
+    assert report["args"]["random_init"] == [shape] and report["args"]["ignore_eos"]
+    assert report["dtype"] == "float32"
+    assert [(row["drafter"], row["num_drafts"]) for row in report["rows"]] == [
+        ("self", 3), ("lookup", 3)]
+    for row in report["rows"]:
+        assert row["generated_tokens"] == RANDOM_PROMPTS * RANDOM_NEW_TOKENS
+        check = row["expected_accepted"]
+        assert check["agrees"] and abs(check["z"]) <= acceptance_rate.Z_LIMIT, row
+    self_row = report["rows"][0]
+    assert self_row["verifications"] > 100
+    assert 0 < self_row["positions"]["alpha_expected"][0] < 1
+    out = capsys.readouterr().out
+    assert "target small/config.json, draft -; random init; prompts by the tokenizer " \
+           "tiny_pair/target on cpu" in out
+
+
+def test_random_init_greedy_self_drafts_accept_exactly_what_p_x_says(tmp_path):
+    """Greedy: a self-draft is the target's argmax of the draft forward; p(x) is 1 when the
+    verification forward agrees (it may not at near-ties), else 0, so realised = expected."""
+    out = tmp_path / "out"
+    assert acceptance_rate.main([
+        "--random-init", _small_config(tmp_path), "--drafter", "self", "--prompt-set",
+        "code_edit", "--prompts", "4", "--batch-size", "4", "--num-drafts", "4",
+        "--new-tokens", "24", "--max-prompt-tokens", "48", "--device", "cpu",
+        "--out", str(out)]) == 0
+    [row] = json.loads((out / "acceptance_rate.json").read_text())["rows"]
+    check = row["expected_accepted"]
+    assert row["drafted"] > 0 and row["accepted"] > 0
+    assert check["std"] == 0 and check["agrees"] and check["mean"] == pytest.approx(row["accepted"])
+    assert row["accepted_length"]["expected"] == pytest.approx(row["accepted_length"]["counts"])

@@ -137,58 +137,6 @@ def test_peaked_weights_need_a_random_init_pair():
         tok_per_s.load_pair(tok_per_s.PAIRS["tiny"], "cpu", torch.float32, weights="peaked")
 
 
-def _small_qwen3(tied: bool):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model("qwen3", vocab_size=4096, hidden_size=256, intermediate_size=768,
-                                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                  head_dim=64, tie_word_embeddings=tied, pad_token_id=0,
-                                  eos_token_id=None)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-
-
-def _greedy_margins(model, prompts):
-    """(top-1 - top-2 logit) / the logits' standard deviation, at every position."""
-    with torch.no_grad():
-        logits = model(prompts).logits.float()
-    top = logits.topk(2, dim=-1).values
-    return (top[..., 0] - top[..., 1]) / logits.std(dim=-1)
-
-
-@pytest.mark.parametrize("tied", [True, False])
-def test_peaked_weights_make_greedy_decisions_decisive(tied):
-    """bf16, Qwen3 shape in miniature: the random model has near-ties (where one-token and
-    many-token forwards may round to different argmaxes); after peak_weights every
-    position's top logit leads by many standard deviations, the greedy self-draft accepts
-    every draft and its tokens equal plain greedy decoding's."""
-    import flashspec
-
-    prompts = torch.randint(1, 4096, (2, 64), generator=torch.Generator().manual_seed(0))
-    assert _greedy_margins(_small_qwen3(tied), prompts).min() < 0.05
-    model = _small_qwen3(tied)
-    assert tok_per_s.peak_weights(model) is model
-    assert torch.equal(model.get_output_embeddings().weight, model.get_input_embeddings().weight)
-    assert _greedy_margins(model, prompts).min() > 5.0
-    model = flashspec.wrap(model)
-    common = dict(input_ids=prompts[:, :16], attention_mask=torch.ones_like(prompts[:, :16]),
-                  max_new_tokens=24, do_sample=False, sampler="flash", return_dict_in_generate=True)
-    plain = model.generate(**common)
-    speculative = model.generate(**common, assistant_model=model, num_assistant_tokens=5,
-                                 num_assistant_tokens_schedule="constant")
-    stats = speculative.flash_stats.summary()
-    assert stats["drafted"] > 0 and stats["accepted"] == stats["drafted"]
-    assert torch.equal(speculative.sequences, plain.sequences)
-
-
-def test_peaked_weights_refuse_models_without_the_named_projections():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2))
-    with pytest.raises(ValueError, match="found 0 residual output projections"):
-        tok_per_s.peak_weights(model)
-
-
 def test_variants_run_in_table_order():
     assert tok_per_s.parse_variants("flash_lookup,flash_self,hf") == [
         "hf", "flash_self", "flash_lookup"]
@@ -374,7 +322,7 @@ def test_random_init_without_a_draft(tmp_path, capsys):
     report = json.loads((out / "tok_per_s.json").read_text())
     assert report["pairs"] == {"small": {
         "target": str(Path(*config.parts[-2:])), "draft": None,
-        "weights": "random init, peaked (tok_per_s.peak_weights)", "vocab_size": 512,
+        "weights": "random init, peaked (flashspec.random_init.peak_weights)", "vocab_size": 512,
         "target_weight_bytes": report["pairs"]["small"]["target_weight_bytes"],
         "draft_weight_bytes": None}}
     status = {row["variant"]: row["status"] for row in report["rows"]}

@@ -1,0 +1,99 @@
+"""Offline models at real shapes: random weights from shipped configs.
+
+``flashspec/assets/configs`` holds the shape fields of real models' config.json files
+(Qwen3-1.7B, Qwen3-0.6B, Llama-3.1-8B, Llama-3.2-1B; each file's ``_source`` says which).
+`random_model` builds a causal LM from one of them, or from any config.json, with seeded
+random weights: nothing is downloaded, and a forward costs what the real model's does.
+Random models are nearly flat; `peak_weights` makes one decisive. scripts/tok_per_s.py and
+scripts/acceptance_rate.py build their ``--random-init`` models here.
+
+    model = random_model("qwen3-1.7b", device="cuda", dtype=torch.bfloat16)
+    model = peak_weights(model)           # optional: greedy self-drafts all accepted
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+CONFIGS_DIR = Path(__file__).resolve().parent / "assets" / "configs"
+# The shipped configs' note on where a shape comes from: not a transformers config field.
+SOURCE_FIELD = "_source"
+# Kinds of random-init weights (the scripts' --weights) and how their reports describe them.
+WEIGHTS = {"random": "random init",
+           "peaked": "random init, peaked (flashspec.random_init.peak_weights)"}
+# peak_weights: the projections that write into the residual stream, scaled by this.
+RESIDUAL_OUTPUTS = ("o_proj", "down_proj")
+PEAKED_BRANCH_SCALE = 1e-3
+
+
+def config_names() -> list[str]:
+    """The shipped configs' names (their file names without .json), sorted."""
+    return sorted(path.stem for path in CONFIGS_DIR.glob("*.json"))
+
+
+def config_path(shape: str) -> Path:
+    """The config.json of `shape`: a shipped config's name, else `shape` as a file path."""
+    named = CONFIGS_DIR / f"{shape}.json"
+    return named if named.is_file() else Path(shape)
+
+
+def random_config(shape: str) -> PretrainedConfig:
+    """The transformers config of `shape` (see `config_path`). ValueError, saying why, when
+    it is not a JSON object with a model_type that transformers knows."""
+    path = config_path(shape)
+    if not path.is_file():
+        raise ValueError(f"{shape!r} is neither a config shipped in flashspec/assets/configs "
+                         f"({', '.join(config_names())}) nor a config.json file")
+    try:
+        fields = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{shape!r}: cannot read {path}: {error}") from None
+    if not isinstance(fields, dict) or "model_type" not in fields:
+        raise ValueError(f"{shape!r}: {path} has no 'model_type'")
+    # Checked here: transformers' own error lists every model type it knows.
+    if fields["model_type"] not in CONFIG_MAPPING:
+        raise ValueError(f"{shape!r}: {path} has model_type {fields['model_type']!r}, which "
+                         "this version of transformers does not know")
+    fields.pop(SOURCE_FIELD, None)
+    return AutoConfig.for_model(**fields)
+
+
+def random_model(shape: str, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, seed: int = 0):
+    """An AutoModelForCausalLM of `shape` (see `config_path`) with random weights, built on
+    `device` in `dtype`, in eval mode. torch's global RNGs are seeded `seed` first, so that a
+    seed gives the same weights on a device."""
+    config = random_config(shape)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+def peak_weights(model):
+    """Make a random-init model decisive, in place: scale the projections that write into
+    the residual stream (attention and MLP outputs) by PEAKED_BRANCH_SCALE and give the LM
+    head the embedding's values. The final hidden state is then dominated by the current
+    token's embedding, whose own logit leads every other by a wide margin, so that
+    greedy self-speculation accepts every draft despite bf16 rounding differences
+    between one-token and many-token forwards (random models are nearly flat: their
+    top-2 logits tie within that rounding a few times in a hundred tokens). The cost of a
+    forward does not depend on the weights' values. Returns `model`."""
+    scaled = [module for name, module in model.named_modules()
+              if name.rsplit(".", 1)[-1] in RESIDUAL_OUTPUTS
+              and isinstance(module, torch.nn.Linear)]
+    expected = len(RESIDUAL_OUTPUTS) * model.config.num_hidden_layers
+    if len(scaled) != expected:
+        raise ValueError(f"peak_weights: found {len(scaled)} residual output projections "
+                         f"named {RESIDUAL_OUTPUTS}, expected {expected} in "
+                         f"{type(model).__name__}")
+    with torch.no_grad():
+        for module in scaled:
+            module.weight.mul_(PEAKED_BRANCH_SCALE)
+        head, embedding = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+        if head is not embedding:
+            head.copy_(embedding)
+    return model
