@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import sys
+from pathlib import Path
 
 import torch
 
@@ -55,6 +56,13 @@ def random_init_shapes(text: str) -> list[str]:
         except ValueError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
     return shapes
+
+
+def model_name(name: str) -> str:
+    """A model's name in the scripts' reports: a hub id or shipped config name as given; a
+    local folder or file by its last two path parts (e.g. tiny_pair/target)."""
+    path = Path(name)
+    return "/".join(path.resolve().parts[-2:]) if path.exists() else name
 
 
 def resolve_device(name: str) -> str:

@@ -105,8 +105,8 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import flashspec
-from flashspec.cli import (Progress, names, package_version, positive_int, positive_ints,
-                           random_init_shapes, resolve_device)
+from flashspec.cli import (Progress, model_name, names, package_version, positive_int,
+                           positive_ints, random_init_shapes, resolve_device)
 from flashspec.assets import tiny_pair_path
 from flashspec.generation.mixin import ENGINES
 from flashspec.generation.outputs import SpeculationStats
@@ -345,13 +345,6 @@ def loading_text(args: argparse.Namespace, device: str, dtype: torch.dtype) -> s
     if args.random_init is None:
         return f"loading {models} ({device}, {dtype}) ..."
     return f"building {models} ({WEIGHTS[args.weights]}, {device}, {dtype}) ..."
-
-
-def model_name(name: str) -> str:
-    """A hub id or shipped config name as given; a local folder or file by its last two path
-    parts (e.g. tiny_pair/target)."""
-    path = Path(name)
-    return "/".join(path.resolve().parts[-2:]) if path.exists() else name
 
 
 def describe_models(args: argparse.Namespace, target, tokenizer) -> dict:

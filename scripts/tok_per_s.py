@@ -121,8 +121,8 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import flashspec
-from flashspec.cli import (Progress, names, package_version, positive_int, positive_ints,
-                           random_init_shapes, resolve_device)
+from flashspec.cli import (Progress, model_name, names, package_version, positive_int,
+                           positive_ints, random_init_shapes, resolve_device)
 from flashspec.assets import tiny_pair_path
 from flashspec.generation.heads import output_head
 from flashspec.generation.static import cached_engine
@@ -295,13 +295,6 @@ def _load_model(name: str, random_init: bool, device: str, dtype: torch.dtype):
     if random_init:
         return random_model(name, device, dtype, seed=SEED)
     return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
-
-
-def model_name(name: str) -> str:
-    """A hub id or shipped config name as given; a local folder or file by its last two path
-    parts (e.g. tiny_pair/target)."""
-    path = Path(name)
-    return "/".join(path.resolve().parts[-2:]) if path.exists() else name
 
 
 def load_pair(spec: PairSpec, device: str, dtype: torch.dtype, weights: str = "random"):
