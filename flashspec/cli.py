@@ -65,6 +65,20 @@ def model_name(name: str) -> str:
     return "/".join(path.resolve().parts[-2:]) if path.exists() else name
 
 
+def pyplot_or_note(path: Path):
+    """matplotlib.pyplot on the file-only Agg backend, or None after a note that `path` is
+    not written: matplotlib is optional (the scripts' JSON and table do not need it)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        print(f"note: no plot ({error}); pip install matplotlib for {path.name}")
+        return None
+    return plt
+
+
 def resolve_device(name: str) -> str:
     """"auto" -> cuda if available, else cpu; other names as given."""
     return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name

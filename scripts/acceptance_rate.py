@@ -106,7 +106,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import flashspec
 from flashspec.cli import (Progress, model_name, names, package_version, positive_int,
-                           positive_ints, random_init_shapes, resolve_device)
+                           positive_ints, pyplot_or_note, random_init_shapes, resolve_device)
 from flashspec.assets import tiny_pair_path
 from flashspec.generation.mixin import ENGINES
 from flashspec.generation.outputs import SpeculationStats
@@ -415,13 +415,8 @@ def write_plot(report: dict, path: Path) -> None:
     """Per drafter: alpha_i at the largest G (realised with +-2 standard errors, expected
     dashed), tokens per target forward against G, and the accepted-length distribution at
     the largest G (bars realised, dots expected)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        print(f"note: no plot ({error}); pip install matplotlib for {path.name}")
+    plt = pyplot_or_note(path)
+    if plt is None:
         return
     args = report["args"]
     widest = max(args["num_drafts"])

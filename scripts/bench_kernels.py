@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import json
 import os
 import statistics
@@ -46,6 +45,8 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
+
+from flashspec.cli import package_version, pyplot_or_note
 
 FULL_SHAPES = ((4096, 151936), (8192, 128256))
 FULL_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -365,13 +366,6 @@ def run_shape(dim: int, vocab: int, batch_sizes: list[int], variants: list[str],
 # ---------------------------------------------------------------- output
 
 
-def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def build_report(args: argparse.Namespace, cuda: bool, bandwidth: float, rows: list[dict]) -> dict:
     method = (f"triton.testing.do_bench median, CUDA events, L2 flushed, warmup={WARMUP_MS} ms, "
               f">= {CUDA_MIN_ITERS} calls and >= {args.rep_ms} ms" if cuda else
@@ -380,9 +374,10 @@ def build_report(args: argparse.Namespace, cuda: bool, bandwidth: float, rows: l
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "cuda": cuda,
         "torch": torch.__version__,
-        "triton": _version("triton"),
-        "transformers": _version("transformers"),
-        "flashinfer": _version("flashinfer-python") or _version("flashinfer") or "not installed",
+        "triton": package_version("triton"),
+        "transformers": package_version("transformers"),
+        "flashinfer": (package_version("flashinfer-python") or package_version("flashinfer")
+                       or "not installed"),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "quick": args.quick,
         "timing_method": method,
@@ -399,13 +394,8 @@ def build_report(args: argparse.Namespace, cuda: bool, bandwidth: float, rows: l
 
 
 def write_plot(report: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        print(f"note: no plot ({error}); pip install matplotlib for {path.name}")
+    plt = pyplot_or_note(path)
+    if plt is None:
         return
     shapes = report["shapes"]
     fig, axes = plt.subplots(1, len(shapes), figsize=(7 * len(shapes), 5), squeeze=False)

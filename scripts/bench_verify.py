@@ -63,6 +63,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from flashspec.cli import package_version
+
 
 def _load_bench_kernels():
     path = Path(__file__).resolve().with_name("bench_kernels.py")
@@ -315,8 +317,8 @@ def build_report(args: argparse.Namespace, cuda: bool, rows: list[dict]) -> dict
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "cuda": cuda,
         "torch": torch.__version__,
-        "triton": bk._version("triton"),
-        "transformers": bk._version("transformers"),
+        "triton": package_version("triton"),
+        "transformers": package_version("transformers"),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "quick": args.quick,
         "timing_method": method,

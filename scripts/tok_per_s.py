@@ -122,7 +122,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import flashspec
 from flashspec.cli import (Progress, model_name, names, package_version, positive_int,
-                           positive_ints, random_init_shapes, resolve_device)
+                           positive_ints, pyplot_or_note, random_init_shapes, resolve_device)
 from flashspec.assets import tiny_pair_path
 from flashspec.generation.heads import output_head
 from flashspec.generation.static import cached_engine
@@ -712,13 +712,8 @@ def _plot_pair(ax, report: dict, pair: str) -> None:
 
 def write_plot(report: dict, path: Path) -> None:
     """One panel per pair (see _plot_pair), wide enough for its bars; log y axis."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        print(f"note: no plot ({error}); pip install matplotlib for {path.name}")
+    plt = pyplot_or_note(path)
+    if plt is None:
         return
     pairs = list(report["pairs"])
     groups = len(report["args"]["batch_sizes"]) * len(report["args"]["decoding"])

@@ -3,11 +3,9 @@ computed by hand, and tiny CPU runs (built-in pair, fp32; a random-init model wi
 self and lookup drafters) with their JSON and CSV schema."""
 
 import csv
-import importlib.util
 import json
 import math
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +14,8 @@ from flashspec.assets import tiny_pair_path
 from flashspec.generation.mixin import FlashGenerationMixin
 from flashspec.generation.outputs import SpeculationStats
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "acceptance_rate.py"
+from script_module import load_script
+
 TINY_TARGET = str(tiny_pair_path() / "target")
 TINY_DRAFT = str(tiny_pair_path() / "draft")
 # A random-init shape small enough for CPU tests, whose vocabulary holds the tiny pair's
@@ -26,14 +25,7 @@ SMALL_LLAMA = {"model_type": "llama", "vocab_size": 8192, "hidden_size": 64,
                "num_key_value_heads": 1, "head_dim": 32}
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("acceptance_rate", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-acceptance_rate = _load_script()
+acceptance_rate = load_script("acceptance_rate")
 
 
 @pytest.mark.parametrize("args, option", [

@@ -8,12 +8,12 @@ import numbers
 import os
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_kernels.py"
+from script_module import load_script
+
 FLASHSPEC_VARIANTS = {"flashspec_argmax": "argmax_unchecked",
                       "flashspec_sample": "sample_unchecked",
                       "flashspec_sample_topk50": "sample_unchecked",
@@ -22,14 +22,7 @@ FLASHSPEC_VARIANTS = {"flashspec_argmax": "argmax_unchecked",
 QUICK_ARGS = ["--quick", "--shapes", "64x256", "--batch-sizes", "1,2"]
 
 
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_kernels", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
+bench = load_script("bench_kernels")
 
 
 def _kernel_importable(name: str) -> bool:

@@ -8,24 +8,17 @@ import numbers
 import os
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_verify.py"
+from script_module import load_script
+
 BASELINES = ("matmul", "materialized", "materialized_qwen")
 FLASHSPEC_VARIANTS = ("flashspec_verify", "flashspec_verify_qwen")
 
 
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_verify", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
+bench = load_script("bench_verify")
 
 
 def _verify_importable() -> bool:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "tok_per_s.py"
+from script_module import load_script
+
 PLAIN = ["hf", "hf_static_compile", "flash_plain"]
 SPECULATIVE = ["hf_assisted", "hf_lookup", "flash_draft", "flash_draft_materialized",
                "flash_lookup", "flash_lookup_materialized"]
@@ -29,14 +30,7 @@ RUN_ARGS = ["--pair", "tiny", "--prompts", "code_edit", "--decoding", ",".join(D
             "--device", "cpu", "--variants", ",".join(VARIANTS)]
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("tok_per_s", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-tok_per_s = _load_script()
+tok_per_s = load_script("tok_per_s")
 TINY_TARGET = str(tok_per_s.PAIRS["tiny"].target)
 
 

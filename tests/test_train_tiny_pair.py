@@ -3,7 +3,6 @@ folders load offline with AutoModelForCausalLM / AutoTokenizer, its card and JSO
 split and the speculation arithmetic, and the command line's refusals."""
 
 import contextlib
-import importlib.util
 import io
 import json
 import os
@@ -17,6 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import flashspec.assets
+
+from script_module import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_tiny_pair.py"
 
@@ -34,15 +35,7 @@ CODE = ('def fib(n: int) -> int:\n    """Fibonacci, naïvely."""\n\tif n < 2:  \
         "        return n\r\n    return fib(n - 1) + fib(n - 2)  # → ok ✓\n\n")
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("train_tiny_pair", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module      # dataclasses look their module up while defining
-    spec.loader.exec_module(module)
-    return module
-
-
-ttp = _load_script()
+ttp = load_script("train_tiny_pair")
 
 
 @pytest.fixture(scope="module")
