@@ -203,9 +203,8 @@ def lm_head_sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingP
     """
     check_lm_head(hidden, weight, hidden_dims=2)
     check_sampling_inputs(hidden, params, positions)
-    logits = compute_logits(hidden, weight)
-    _raise_if_non_finite(_finite_rows(logits, params), check_finite)
-    tokens, logprobs, lse = sample_logits(logits, params, positions)
+    tokens, logprobs, lse = sample_logits(compute_logits(hidden, weight), params, positions)
+    _raise_if_non_finite(tokens >= 0, check_finite)  # -1 marks the non-finite rows
     result = (tokens,) + ((logprobs,) if return_logprobs else ()) + ((lse,) if return_lse else ())
     return result[0] if len(result) == 1 else result
 
@@ -253,11 +252,9 @@ def lm_head_verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: tor
         raise ValueError(f"`acceptance`={acceptance!r} is not allowed: use one of {ACCEPTANCE_MODES}")
 
     logits = compute_logits(hidden.reshape(-1, hidden.shape[-1]), weight)
-    if check_finite:
-        flat_params = params.repeat_interleave(num_positions, validate=False)
-        finite = _finite_rows(logits, flat_params).view(-1, num_positions).all(dim=1)
-        _raise_if_non_finite(finite, check_finite)
-    return verify_logits(logits, draft_tokens, params, positions, acceptance=acceptance)
+    out = verify_logits(logits, draft_tokens, params, positions, acceptance=acceptance)
+    _raise_if_non_finite(out.num_accepted >= 0, check_finite)  # -1 marks the non-finite rows
+    return out
 
 
 def verify_logits(logits: torch.Tensor, draft_tokens: torch.Tensor, params: SamplingParams,

@@ -163,6 +163,27 @@ def test_engine_is_reused_by_calls_of_the_same_shape():
     assert static.cached_engine(target().model) is not engine
 
 
+def test_engine_is_rebuilt_when_the_weights_are_new_tensors():
+    """A replaced LM-head weight, or a model moved to another dtype, gets a new engine (the
+    old one's samplers and graphs hold the old tensors): the tokens follow the new weights,
+    as the eager loop's do."""
+    model = flashspec.wrap(tiny_model("llama"))
+    ids, mask = left_pad(PROMPTS)
+    sampling = dict(do_sample=True, top_k=5, seed=3, max_new_tokens=8)
+    flash(model, ids, mask, engine="static", **sampling)
+    engine = static.cached_engine(model.model)
+    with torch.no_grad():
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.flip(0).clone())
+    fast = flash(model, ids, mask, engine="static", **sampling).sequences
+    assert static.cached_engine(model.model) is not engine
+    assert torch.equal(fast, flash(model, ids, mask, engine="eager", **sampling).sequences)
+    engine = static.cached_engine(model.model)
+    model.double()
+    fast = flash(model, ids, mask, engine="static", **sampling).sequences
+    assert static.cached_engine(model.model) is not engine
+    assert torch.equal(fast, flash(model, ids, mask, engine="eager", **sampling).sequences)
+
+
 def test_materialized_sampler_gives_the_same_tokens():
     ids, mask = left_pad(PROMPTS)
     sampling = dict(do_sample=True, top_p=0.9, seed=5, max_new_tokens=10)

@@ -81,21 +81,21 @@ class FusedSampler:
 
 
 def complete_sample(sampler, hidden: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor):
-    """Exact `sample` of the given rows through the checked entry point (eager, host reads
-    allowed): used for rows a fused step flagged `NEEDS_COMPLETION`."""
-    from .. import api
-    tokens, logprobs = api.lm_head_sample(hidden[rows], sampler.weight,
-                                          sampler.params.select(rows), positions[rows],
-                                          return_logprobs=True)
+    """Exact `sample` of the given rows by the reference (eager): used for rows a fused step
+    flagged `NEEDS_COMPLETION`, which are finite (non-finite rows are flagged `NON_FINITE`),
+    as the checked kernel entry points complete them."""
+    tokens, logprobs = reference.lm_head_sample(
+        hidden[rows], sampler.weight, sampler.params.select(rows, validate=False),
+        positions[rows], return_logprobs=True, check_finite=False)
     return tokens, logprobs.float()
 
 
 def complete_verify(sampler, hidden: torch.Tensor, drafts: torch.Tensor, rows: torch.Tensor,
                     positions: torch.Tensor):
-    """Exact `verify` of the given rows through the checked entry point (eager)."""
-    from .. import api
-    out = api.lm_head_verify(hidden[rows], sampler.weight, drafts[rows],
-                             sampler.params.select(rows), positions[rows])
+    """Exact `verify` of the given rows by the reference (eager), as `complete_sample`."""
+    out = reference.lm_head_verify(hidden[rows], sampler.weight, drafts[rows],
+                                   sampler.params.select(rows, validate=False), positions[rows],
+                                   check_finite=False)
     return out.num_accepted, out.tokens, out.logprobs.float(), out.accept_probs
 
 

@@ -104,6 +104,15 @@ def decode_static(plan, sampler: str = "fused", graphs: bool | None = None,
     return engine.run(plan)
 
 
+def _weight_storage(plan) -> tuple:
+    """Address and dtype of every tensor an engine reads from the models: the LM-head
+    weights and the decoders' parameters."""
+    heads = [plan.head] + ([plan.drafter.head] if isinstance(plan.drafter, AssistantDrafter)
+                           else [])
+    return tuple((tensor.data_ptr(), tensor.dtype) for head in heads
+                 for tensor in (head.weight, *head.decoder.parameters()))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Shape:
     """What the buffers and captured graphs of an engine depend on."""
@@ -250,6 +259,7 @@ class _Engine:
                       *(d.cache.position for d in self._decoders())]
         self.graphs: dict = {}
         self.pool = torch.cuda.graph_pool_handle() if shape.graphs else None
+        self.weight_storage = _weight_storage(plan)
 
     def _sampler(self, weight: torch.Tensor, params: SamplingParams):
         if self.shape.sampler == "fused" and self.device.type == "cuda" and weight.dtype != torch.float64:
@@ -262,11 +272,14 @@ class _Engine:
         return [self.target] + ([self.assistant] if self.assistant is not None else [])
 
     def serves(self, plan) -> bool:
-        """The same models (an engine holds its decoders' caches)."""
+        """The same models, with the same weight tensors (an engine holds its decoders'
+        caches, its samplers hold the LM-head weights and its graphs the parameters'
+        addresses: after ``model.half()``, ``.to(...)`` or a replaced weight it must go)."""
         draft = plan.drafter.head.decoder if isinstance(plan.drafter, AssistantDrafter) else None
         mine = self.assistant.decoder if self.assistant is not None else None
-        return draft is mine and (not isinstance(plan.drafter, PromptLookupDrafter)
-                                  or plan.drafter.max_ngram_size == self.lookup_ngram)
+        return (draft is mine and _weight_storage(plan) == self.weight_storage
+                and (not isinstance(plan.drafter, PromptLookupDrafter)
+                     or plan.drafter.max_ngram_size == self.lookup_ngram))
 
     # ---- one generate() call -------------------------------------------------------
 
