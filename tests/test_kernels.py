@@ -201,6 +201,28 @@ def test_top_k_beyond_one_tiles_budget_is_not_certified():
     assert torch.equal(ours, reference.lm_head_sample(hidden, weight, params, positions))
 
 
+@pytest.mark.parametrize("truncation,fast_rows", [
+    (dict(top_k=40), 0), (dict(top_k=100, top_p=0.9), 0), (dict(top_k=500, min_p=0.8), 6)])
+def test_top_k_longer_than_the_merged_list(truncation, fast_rows):
+    """Regression: a top-k longer than the merged list (SMALL keeps 32 candidates) was cut
+    at a threshold of 0, so rows whose logits were all negative kept nothing and sampled a
+    wrong token with status ok. Such a top-k removes no candidate: alone, or under top-p
+    (normalised over the whole top-k), the row is completed exactly; a min-p that ends the
+    support inside the list needs no completion."""
+    g = torch.Generator().manual_seed(21)
+    weight = -(torch.randn(1000, 16, generator=g).abs() / 4).to(DEVICE)
+    hidden = torch.randn(6, 16, generator=g).abs().to(DEVICE)
+    positions = torch.arange(6, device=DEVICE)
+    params = SamplingParams.create(6, seed=5, device=DEVICE, **truncation)
+    assert (reference.compute_logits(hidden, weight) < 0).all()
+    kernels.reset_stats()
+    ours = kernels.lm_head_sample(hidden, weight, params, positions, config=SMALL)
+    if SMALL is not None:  # the GPU's default tiles keep another budget
+        assert kernels.stats().rows_completed == 6 - fast_rows
+    theirs = reference.lm_head_sample(hidden, weight, params, positions)
+    assert_same_tokens(ours, theirs, hidden, weight, params, positions, str(truncation))
+
+
 def test_tile_configurations_give_identical_tokens():
     g = torch.Generator().manual_seed(9)
     hidden, weight, positions = random_problem(g, 7, 400, 48)

@@ -388,7 +388,9 @@ def lm_head_rows_kernel(
             s0 = tl.max(s, axis=0)
             keep = raw > float("-inf")
             kth = float("-inf")
-            if use_top_k:
+            # A top-k longer than the merged list cuts below every candidate (none removed).
+            listed_top_k = use_top_k & (top_k <= K_MAX)
+            if listed_top_k:
                 kth = tl.sum(tl.where(rank == top_k - 1, s, 0.0))
                 keep = keep & (s >= kth)
             if top_p < 1.0:
@@ -410,9 +412,11 @@ def lm_head_rows_kernel(
             num_certified = tl.sum((top >= floor_key).to(tl.int32))
             num_keep = tl.sum(keep.to(tl.int32))
             saturated = num_keep >= num_certified
-            if use_top_k:
+            if listed_top_k:
                 top_k_support = tl.sum(((s >= kth) & (raw > float("-inf"))).to(tl.int32))
                 saturated = saturated | (top_k_support >= num_certified)
+            else:  # top-p normalises over the whole top-k, which the list does not hold
+                saturated = saturated | (use_top_k & (top_p < 1.0))
             noise = gumbel_noise(seed, position, cand_ids.to(tl.int64))
             score = tl.where(keep, s + noise, float("-inf"))
             pick = tl.argmax(score, axis=0, tie_break_left=True)
