@@ -52,6 +52,10 @@ class SamplingParams:
     any_top_k: bool = dataclasses.field(init=False, repr=False, compare=False)
     any_top_p: bool = dataclasses.field(init=False, repr=False, compare=False)
     any_min_p: bool = dataclasses.field(init=False, repr=False, compare=False)
+    # Every row sampled with a top-k: stage 1 of the fused kernels can leave out the full
+    # log-sum-exp (the candidates normalise the support), unless a top-p has no top-k.
+    all_top_k: bool = dataclasses.field(init=False, repr=False, compare=False)
+    any_top_p_without_top_k: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         expected = {
@@ -88,12 +92,14 @@ class SamplingParams:
                      lambda p: (p >= 0) & (p <= 1))
         _check_range("seed", self.seed, f"in [0, {rng.MAX_SEED}]", lambda s: s >= 0)
         sampled = ~self.is_greedy
-        uses = torch.stack([sampled, sampled & (self.top_k > 0), sampled & (self.top_p < 1),
-                            sampled & (self.min_p > 0)]).any(dim=1).tolist()
-        for name, value in zip(("all_greedy", "any_top_k", "any_top_p", "any_min_p"),
-                               [not uses[0], *uses[1:]]):
+        top_k = sampled & (self.top_k > 0)
+        uses = torch.stack([sampled, top_k, sampled & (self.top_p < 1), sampled & (self.min_p > 0),
+                            ~top_k, sampled & (self.top_p < 1) & ~top_k]).any(dim=1).tolist()
+        for name, value in zip(("all_greedy", "any_top_k", "any_top_p", "any_min_p", "all_top_k",
+                                "any_top_p_without_top_k"),
+                               [not uses[0], *uses[1:4], not uses[4], uses[5]]):
             object.__setattr__(self, name, value)
-        object.__setattr__(self, "any_truncation", any(uses[1:]))
+        object.__setattr__(self, "any_truncation", any(uses[1:4]))
 
     @property
     def batch_size(self) -> int:
@@ -102,6 +108,12 @@ class SamplingParams:
     @property
     def device(self) -> torch.device:
         return self.do_sample.device
+
+    @property
+    def host_flags(self) -> tuple[bool, ...]:
+        """The host-side summaries, which select kernel variants (a cache key)."""
+        return (self.all_greedy, self.any_top_k, self.any_top_p, self.any_min_p, self.all_top_k,
+                self.any_top_p_without_top_k)
 
     @property
     def is_greedy(self) -> torch.Tensor:
@@ -121,9 +133,10 @@ class SamplingParams:
         """The parameters of the given rows (an index tensor), in that order.
 
         ``validate=False`` skips the range checks (rows of valid parameters are valid) and
-        keeps this batch's host flags: they only switch work on (truncation candidates,
-        the sampling epilogue, the warpers of the reference), so the whole batch's flags
-        give the subset the same results. A decode loop then selects its running rows
+        keeps this batch's host flags: they hold for every subset of rows (the `any_` flags
+        only switch work on: truncation candidates, the sampling epilogue, the warpers of
+        the reference; `all_top_k` holds for each row), so the whole batch's flags give the
+        subset the same results. A decode loop then selects its running rows
         without a device read, and a CUDA graph can capture it."""
         return self._map(lambda t: t[rows.to(t.device)], validate)
 

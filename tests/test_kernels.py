@@ -223,6 +223,29 @@ def test_top_k_longer_than_the_merged_list(truncation, fast_rows):
     assert_same_tokens(ours, theirs, hidden, weight, params, positions, str(truncation))
 
 
+def test_rows_with_a_top_k_leave_out_the_full_normaliser():
+    """Every row has a top-k: stage 1 skips the log-sum-exp and stage 2 normalises over the
+    candidates (logprobs and lse included). A top-k of V or more disables itself, so its
+    rows (with and without top-p) need the full normaliser and are completed exactly."""
+    g = torch.Generator().manual_seed(31)
+    hidden, weight, positions = random_problem(g, 6, 200, 32)
+    params = SamplingParams.create(6, temperature=[0.6, 1.0, 0.7, 1.5, 0.6, 1.0],
+                                   top_k=[10, 5, 200, 500, 12, 1], top_p=[0.95, 1.0, 0.9, 1.0, 1.0, 1.0],
+                                   min_p=[0.0, 0.0, 0.0, 0.0, 0.05, 0.0], seed=3, device=DEVICE)
+    assert params.all_top_k and not params.any_top_p_without_top_k
+    kernels.reset_stats()
+    ours, ours_lp, ours_lse = kernels.lm_head_sample(hidden, weight, params, positions, True,
+                                                     return_lse=True, config=SMALL)
+    if SMALL is not None:
+        assert kernels.stats().rows_completed == 2  # rows 2 and 3
+    theirs, lp, lse = reference.lm_head_sample(hidden, weight, params, positions, True,
+                                               return_lse=True)
+    assert_same_tokens(ours, theirs, hidden, weight, params, positions)
+    same = ours == theirs
+    assert torch.allclose(ours_lp[same], lp[same].float(), atol=2e-4, rtol=1e-4)
+    assert torch.allclose(ours_lse, lse.float(), atol=2e-4, rtol=1e-5)
+
+
 def test_tile_configurations_give_identical_tokens():
     g = torch.Generator().manual_seed(9)
     hidden, weight, positions = random_problem(g, 7, 400, 48)

@@ -95,6 +95,27 @@ def test_speculation_invariance_per_truncation_mode(case):
     assert (ours.num_accepted >= 0).all()
 
 
+def test_rows_with_a_top_k_verify_without_the_full_normaliser():
+    """Every row has a top-k, so stage 1 skips the log-sum-exp: p(draft) and logprobs come
+    from the candidates; a top-k of V or more (batch row 2) is completed exactly."""
+    g = torch.Generator().manual_seed(8)
+    batch, num_drafts, vocab_size, dim = 3, 3, 200, 32
+    flat_hidden, weight, _ = random_problem(g, batch * (num_drafts + 1), vocab_size, dim)
+    hidden, weight = flat_hidden.view(batch, num_drafts + 1, dim).cpu(), weight.cpu()
+    positions = torch.randint(0, 1000, (batch,), generator=g)
+    params = SamplingParams.create(batch, temperature=[0.6, 1.2, 0.8], top_k=[10, 7, 300],
+                                   top_p=[0.95, 1.0, 0.9], seed=4)
+    plain = torch.stack([reference.lm_head_sample(hidden[:, j], weight, params, positions + j)
+                         for j in range(num_drafts + 1)], dim=1)
+    kernels.reset_stats()
+    for drafts in (plain[:, :-1], random_drafts(g, plain, vocab_size)):
+        ours = kernel_verify(hidden, weight, drafts, params, positions)
+        theirs = reference.lm_head_verify(hidden, weight, drafts, params, positions)
+        assert_same_verify(ours, theirs, hidden, weight, params, positions)
+    if SMALL is not None:
+        assert kernels.stats().rows_completed == 2  # batch row 2, in both calls
+
+
 def test_verify_probabilities_match_float64():
     g, weight, hidden, params, positions = semantics._verify_setup(seed=4)
     drafts = torch.randint(0, weight.shape[0], (hidden.shape[0], hidden.shape[1] - 1), generator=g)

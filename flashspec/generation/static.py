@@ -141,7 +141,7 @@ class _Shape:
         params = plan.params
         return cls(batch_size, capacity, capacity + max_drafts + 1, max(max_drafts, 1), drafter,
                    drafter == "assistant" and plan.schedule == "heuristic", sampler, graphs, compile,
-                   (params.all_greedy, params.any_top_k, params.any_top_p, params.any_min_p),
+                   params.host_flags,
                    0 if plan.eos_token_ids is None else plan.eos_token_ids.numel())
 
 

@@ -369,6 +369,10 @@ def lm_head_rows_kernel(
         min_p = tl.load(min_p_ptr + param_row).to(tl.float32)
         use_top_k = (top_k > 0) & (top_k < V)
         truncated = sampled & (use_top_k | (top_p < 1.0) | (min_p > 0.0))
+        if not LSE:
+            # Left out because every row has a top-k; one of V or more disables itself,
+            # and the row may need the full normaliser.
+            status = tl.where((status == _OK) & sampled & (top_k >= V), _NEEDS_COMPLETION, status)
         if truncated:
             cand_base = cand_ptr + row.to(tl.int64) * NUM_VT * CAND
             # Every top-K_MAX candidate lies in one of the TOP_TILES tiles with the largest

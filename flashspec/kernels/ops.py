@@ -182,7 +182,12 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
     if hidden.stride(-1) != 1:
         hidden = hidden.contiguous()
     verify = drafts is not None
-    need_lse = want_lse or truncate or verify  # top-p without top-k normalises by the full sum
+    # Stage 1's full log-sum-exp: for the logprobs of rows without a top-k (verification
+    # always reports them) and for top-p without top-k. Rows with a top-k normalise over
+    # their candidates in stage 2 (one `exp` per logit less).
+    has_top_k = params is not None and params.all_top_k
+    need_lse = (((want_lse or verify) and not has_top_k)
+                or (truncate and params.any_top_p_without_top_k))
     cand = config.candidates if truncate else 0
     if params is None:  # argmax: every row reads the one greedy parameter row
         do_sample, temperature, zeros = _greedy_row_params(device)
