@@ -246,6 +246,31 @@ def test_rows_with_a_top_k_leave_out_the_full_normaliser():
     assert torch.allclose(ours_lse, lse.float(), atol=2e-4, rtol=1e-5)
 
 
+def test_tiles_chosen_by_32_bit_keys_leave_nothing_uncertified():
+    """Stage 2 picks the tiles to merge by a 32-bit key whose low bits hold the tile index,
+    so tiles with maxima a few ulps apart are ordered by index, not value. Here 40 tiles
+    hold maxima 1, 1 + ulp, ..., 1 + 39 ulp in increasing tile order; the merge keeps 32
+    tiles (SMALL), the 32 with the smallest maxima, and the top 3 lie in tiles left out.
+    The certificate's floor must cover them: every row is completed, and exactly."""
+    vocab_size, dim = 2048, 16  # 64 tiles of 32 interleaved tokens: token 16 i is in tile i
+    weight = torch.zeros(vocab_size, dim)
+    weight[:, 0] = -5.0
+    weight[:, 1:] = torch.randn(vocab_size, dim - 1, generator=torch.Generator().manual_seed(0))
+    top = torch.arange(40)
+    weight[16 * top, 0] = (1.0 + top.double() * 2.0**-23).float()  # exact in fp32
+    hidden = torch.zeros(4, dim)
+    hidden[:, 0] = 1.0
+    weight, hidden = weight.to(DEVICE), hidden.to(DEVICE)
+    positions = torch.arange(4, device=DEVICE)
+    params = SamplingParams.create(4, top_k=3, seed=2, device=DEVICE)
+    kernels.reset_stats()
+    ours = kernels.lm_head_sample(hidden, weight, params, positions, config=SMALL)
+    if SMALL is not None:
+        assert kernels.stats().rows_completed == 4
+    assert torch.equal(ours, reference.lm_head_sample(hidden, weight, params, positions))
+    assert (ours >= 16 * 37).all()
+
+
 def test_tile_configurations_give_identical_tokens():
     g = torch.Generator().manual_seed(9)
     hidden, weight, positions = random_problem(g, 7, 400, 48)

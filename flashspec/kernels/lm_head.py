@@ -17,8 +17,9 @@ row's token, logprob, log-sum-exp and a status (0 ok, 1 needs exact completion, 
 non-finite). Truncated rows (top-k / top-p / min-p) merge the candidate keys, apply HF's
 rules on the top ``K_MAX`` of them, and sample among the survivors with the same noise.
 The merged list is exact down to the largest "last candidate" of any tile (a missing
-token sits below its tile's last one); the survivors are *certified* to be the whole
-support when they, and top-k's tie class, end strictly above that key. Other rows get
+token sits below its tile's last one) and the largest logit of the tiles left out of the
+merge; the survivors are *certified* to be the whole support when they, and top-k's tie
+class, end strictly above that key. Other rows get
 status 1 and are completed exactly by the caller.
 
 Verification (DRAFT) flattens ``[B, G+1]`` positions into rows: stage 1 leaves each row's
@@ -298,10 +299,15 @@ def lm_head_tiles_kernel(
         logits = acc
         if not EVEN_V:
             logits = tl.where(v_ok[None, :], acc, float("-inf"))
-        top = tl.topk(pack_candidates(logits, offs_v[None, :]), CAND, dim=1)
-        offs_c = tl.arange(0, CAND)
-        cand_ptrs = cand_ptr + (offs_r[:, None] * NUM_VT + pid_v) * CAND + offs_c[None, :]
-        tl.store(cand_ptrs, top, mask=r_ok[:, None])
+        # CAND rounds of (max, lowest id at the max, mask it out) on the fp32 logits: the
+        # keys in descending order, as a sort of packed int64 keys gives them, for fewer
+        # instructions and registers (H200, B=1: stage 1 300 -> 289 us).
+        cand_row = cand_ptr + (offs_r * NUM_VT + pid_v) * CAND
+        for c in tl.static_range(CAND):
+            top = tl.max(logits, axis=1)
+            top_id = tl.min(tl.where(logits == top[:, None], offs_v[None, :], 0x7FFFFFFF), axis=1)
+            tl.store(cand_row + c, pack_candidates(top, top_id), mask=r_ok)
+            logits = tl.where(offs_v[None, :] == top_id[:, None], float("-inf"), logits)
 
 
 @triton.jit
@@ -313,8 +319,7 @@ def lm_head_rows_kernel(
     masked_ptr, masked_logprob_ptr, draft_prob_ptr, draft_logprob_ptr,
     V, NUM_VT, ROWS_PER_PARAM,
     LSE: tl.constexpr, CAND: tl.constexpr, DRAFT: tl.constexpr, K_MAX: tl.constexpr,
-    TOP_TILES: tl.constexpr, BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr,
-    VT_POW2: tl.constexpr, PAD: tl.constexpr,
+    TOP_TILES: tl.constexpr, VT_POW2: tl.constexpr, PAD: tl.constexpr,
 ):
     """Per row: the token (the target's own sample), its logprob, the log-sum-exp and the
     status. With DRAFT (verification) also: the best token other than the draft (`masked`)
@@ -378,11 +383,16 @@ def lm_head_rows_kernel(
             # Every top-K_MAX candidate lies in one of the TOP_TILES tiles with the largest
             # maxima (any other candidate has that many tile maxima above it), so only
             # their candidates are merged: a short sort instead of one over every tile.
+            # Tiles are chosen by a 32-bit key, half the cost of sorting int64 keys (H200,
+            # 2,048 tiles: 9.6 -> 5.6 us): the order key of the tile's largest logit with its
+            # low bits replaced by the tile's index. A tile left out has its largest logit's
+            # order key at most the chosen ones' smallest with those bits set (below).
+            low: tl.constexpr = VT_POW2 - 1
             tile_first = tl.load(cand_base + tiles * CAND, mask=t_ok, other=PAD)
-            _, first_ids = unpack_candidates(tl.topk(tile_first, TOP_TILES))
-            # Padding keys (tiles past NUM_VT, or fewer tiles than TOP_TILES) hold no token.
-            real = first_ids < V
-            tile_of = tl.where(real, _token_tile(first_ids, NUM_VT, BLOCK_V, INTERLEAVE), 0)
+            order = (tile_first >> 32).to(tl.int32)
+            chosen = tl.topk(tl.where(t_ok, (order & ~low) | (low - tiles), -2**31), TOP_TILES)
+            tile_of = low - (chosen & low)
+            real = tile_of < NUM_VT  # padding tiles sort last; chosen only if there are few tiles
             gathered = tl.load(cand_base + tile_of[:, None] * CAND + tl.arange(0, CAND)[None, :],
                                mask=real[:, None], other=PAD)
             top = tl.topk(tl.reshape(gathered, (TOP_TILES * CAND,)), K_MAX)
@@ -413,6 +423,10 @@ def lm_head_rows_kernel(
             tile_last = tl.load(cand_base + tiles * CAND + CAND - 1, mask=t_ok, other=PAD)
             floor_key = tl.maximum(tl.max(tile_last, axis=0),
                                    tl.sum(tl.where(rank == K_MAX - 1, top, 0)))
+            # Tokens of the tiles left out have an order key below this one (an int64
+            # overflow here only for NaN keys: such rows are reported non-finite).
+            left_out = ((tl.min(chosen, axis=0) | low).to(tl.int64) + 1) << 32
+            floor_key = tl.where(NUM_VT > TOP_TILES, tl.maximum(floor_key, left_out), floor_key)
             num_certified = tl.sum((top >= floor_key).to(tl.int32))
             num_keep = tl.sum(keep.to(tl.int32))
             saturated = num_keep >= num_certified
