@@ -18,7 +18,9 @@ row. Every variant includes the LM-head matmul, so the numbers are comparable en
   p=0.95): flashspec's fused kernels, which never write the logits.
 
 Timing (CUDA): ``triton.testing.do_bench`` medians (CUDA events, L2 flushed before every
-call), at least 100 timed calls after 25 ms of warm-up, the same method for every variant.
+call), at least 100 timed calls after 25 ms of warm-up, of each variant captured in a CUDA
+graph (`graph_replay`: the GPU time, not Python's launch work; eager where capture fails,
+noted per row), the same method for every variant.
 A variant that fails (flashspec's kernels are work in progress) is recorded as an error
 string and the run goes on.
 
@@ -257,6 +259,31 @@ def time_cuda_ms(fn: Callable, rep_ms: float) -> float:
     return triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=rep, return_mode="median")
 
 
+def graph_replay(fn: Callable) -> tuple[Callable, str]:
+    """(the replay of `fn` captured in a CUDA graph, "graph"), or (fn, "eager: <why>") where
+    it cannot be captured.
+
+    Timed eagerly, a Python entry point's host work can exceed the GPU time of a decode-size
+    LM head and set the time instead: flashspec's unchecked launchers spend 0.2-0.3 ms of
+    host time per call on the H200 (validation, three launches), as long as the 0.3 ms their
+    kernels take at D=4096, V=151,936. A replay launches the same kernels with none of it,
+    as the generation engine's captured steps do; every variant is timed the same way.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up off the capturing stream, as torch asks
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as error:  # noqa: BLE001 - e.g. a host sync inside fn
+        torch.cuda.synchronize()
+        return fn, f"eager: {_status_of(error)}"
+    return graph.replay, "graph"
+
+
 def time_cpu_ms(fn: Callable, rep_ms: float) -> float:
     fn()
     times: list[float] = []
@@ -294,17 +321,21 @@ def _rows_not_ok(out) -> int | None:
     return None if status is None else int((status != 0).sum())
 
 
-def time_variant(name: str, case: Case, timer: Callable) -> tuple[float | None, str, int | None]:
-    """(median ms or None, "ok" / skip reason / "error: ...", rows_not_ok)."""
+def time_variant(name: str, case: Case,
+                 timer: Callable) -> tuple[float | None, str, int | None, str | None]:
+    """(median ms or None, "ok" / skip reason / "error: ...", rows_not_ok, how it was timed:
+    "graph", "eager: <why capture failed>" or, on CPU, "eager")."""
     try:
         fn = VARIANTS[name](case)
-        return timer(fn), "ok", _rows_not_ok(fn())
+        not_ok = _rows_not_ok(fn())  # also the warm-up (and the compile)
+        timed, how = graph_replay(fn) if case.cuda else (fn, "eager")
+        return timer(timed), "ok", not_ok, how
     except Skipped as skipped:
-        return None, str(skipped), None
+        return None, str(skipped), None, None
     except Exception as error:  # noqa: BLE001 - a broken variant must not stop the others
         if case.cuda:
             torch.cuda.empty_cache()
-        return None, _status_of(error), None
+        return None, _status_of(error), None, None
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -341,11 +372,13 @@ def run_row(case: Case, variants: list[str], timer: Callable, bandwidth: float) 
     vocab = case.weight.shape[0]
     row = {"D": dim, "V": vocab, "B": batch,
            "floor_ms": (vocab * dim + batch * dim) * 2 / bandwidth, "ms": {}, "status": {},
-           "rows_not_ok": {}}
+           "rows_not_ok": {}, "timing": {}}
     for name in variants:
-        row["ms"][name], row["status"][name], not_ok = time_variant(name, case, timer)
+        row["ms"][name], row["status"][name], not_ok, how = time_variant(name, case, timer)
         if not_ok is not None:
             row["rows_not_ok"][name] = not_ok
+        if how is not None:
+            row["timing"][name] = how
     derive_ratios(row)
     return row
 
@@ -367,8 +400,9 @@ def run_shape(dim: int, vocab: int, batch_sizes: list[int], variants: list[str],
 
 
 def build_report(args: argparse.Namespace, cuda: bool, bandwidth: float, rows: list[dict]) -> dict:
-    method = (f"triton.testing.do_bench median, CUDA events, L2 flushed, warmup={WARMUP_MS} ms, "
-              f">= {CUDA_MIN_ITERS} calls and >= {args.rep_ms} ms" if cuda else
+    method = (f"triton.testing.do_bench median of each variant's CUDA-graph replay (eager "
+              f"where capture failed: rows' `timing`), CUDA events, L2 flushed, "
+              f"warmup={WARMUP_MS} ms, >= {CUDA_MIN_ITERS} calls and >= {args.rep_ms} ms" if cuda else
               f"time.perf_counter median of >= {CPU_MIN_ITERS} calls (CPU smoke test)")
     return {
         "device": torch.cuda.get_device_name() if cuda else "cpu",

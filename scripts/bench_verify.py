@@ -34,8 +34,8 @@ flashspec ms), untruncated and qwen, checked against the acceptance bars: verify
 matmul at every point, and >= 1.3x faster than materialized wherever R >= 32.
 
 Timing: bench_kernels.py's own functions. CUDA: ``triton.testing.do_bench`` medians (CUDA
-events, L2 flushed before every call), >= 100 timed calls after 25 ms of warm-up, the same for
-every variant. CPU (``--quick``, a smoke test): ``time.perf_counter`` medians. A variant that
+events, L2 flushed before every call), >= 100 timed calls after 25 ms of warm-up, of each
+variant's CUDA-graph replay (``bench_kernels.graph_replay``), the same for every variant. CPU (``--quick``, a smoke test): ``time.perf_counter`` medians. A variant that
 fails (e.g. the kernel does not exist yet) is recorded as an error string and the run goes on.
 
 Run (from the repository root):
@@ -231,13 +231,15 @@ class Timed(NamedTuple):
     status: str                # "ok", a skip reason or "error: ..."
     rows_not_ok: int | None    # flashspec: rows with status != 0
     note: str | None           # materialized on CUDA: how it was compiled
+    timing: str | None = None  # "graph", "eager: <why capture failed>" or "eager" (CPU)
 
 
 def time_variant(name: str, case: Case, timer: Callable) -> Timed:
     try:
         fn = BUILDERS[name](case)
         not_ok = bk._rows_not_ok(fn())  # also the warm-up (and the compile)
-        return Timed(timer(fn), "ok", not_ok, getattr(fn, "note", None))
+        timed, how = bk.graph_replay(fn) if case.cuda else (fn, "eager")
+        return Timed(timer(timed), "ok", not_ok, getattr(fn, "note", None), how)
     except bk.Skipped as skipped:
         return Timed(None, str(skipped), None, None)
     except Exception as error:  # noqa: BLE001 - a broken variant must not stop the others
@@ -280,10 +282,12 @@ def make_case(batch: int, drafts: int, weight: torch.Tensor, args: argparse.Name
 def run_point(case: Case, timer: Callable) -> dict:
     batch, positions, _ = case.hidden.shape
     row = {"B": batch, "G": positions - 1, "R": batch * positions, "ms": {}, "status": {},
-           "rows_not_ok": {}, "notes": {}}
+           "rows_not_ok": {}, "notes": {}, "timing": {}}
     for name in VARIANTS:
         timed = time_variant(name, case, timer)
         row["ms"][name], row["status"][name] = timed.ms, timed.status
+        if timed.timing is not None:
+            row["timing"][name] = timed.timing
         if timed.rows_not_ok is not None:
             row["rows_not_ok"][name] = timed.rows_not_ok
         if timed.note is not None:
@@ -309,8 +313,10 @@ def run_all(args: argparse.Namespace, cuda: bool, timer: Callable) -> list[dict]
 
 
 def build_report(args: argparse.Namespace, cuda: bool, rows: list[dict]) -> dict:
-    method = (f"triton.testing.do_bench median, CUDA events, L2 flushed, warmup={bk.WARMUP_MS} "
-              f"ms, >= {bk.CUDA_MIN_ITERS} calls and >= {args.rep_ms} ms" if cuda else
+    method = (f"triton.testing.do_bench median of each variant's CUDA-graph replay (eager "
+              f"where capture failed: rows' `timing`), CUDA events, L2 flushed, "
+              f"warmup={bk.WARMUP_MS} ms, >= {bk.CUDA_MIN_ITERS} calls and >= {args.rep_ms} ms"
+              if cuda else
               f"time.perf_counter median of 1 to {CPU_MAX_ITERS} calls (CPU smoke test)")
     dim, vocab = args.shape
     return {

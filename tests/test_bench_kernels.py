@@ -98,6 +98,9 @@ def test_rows_schema(report):
         assert all(_is_ratio(v) for v in row["speedup"].values())
         assert set(row["truncation_cost"]) == set(bench.TRUNCATED_FLASHSPEC)
         assert all(isinstance(n, int) and 0 <= n <= row["B"] for n in row["rows_not_ok"].values())
+        # How each timed variant was timed: CUDA-graph replays on a GPU, eagerly here.
+        assert row["timing"] == {name: "eager" for name, status in row["status"].items()
+                                 if status == "ok"}
 
 
 def test_materialized_baselines_are_timed(report):

@@ -99,6 +99,9 @@ def test_rows_schema(report):
         assert set(row["rows_not_ok"]) <= set(FLASHSPEC_VARIANTS)
         assert row["notes"] == {}  # only compiled (CUDA, not --quick) baselines get notes
         assert all(isinstance(n, int) and 0 <= n <= row["B"] for n in row["rows_not_ok"].values())
+        # How each timed variant was timed: CUDA-graph replays on a GPU, eagerly here.
+        assert row["timing"] == {name: "eager" for name, status in row["status"].items()
+                                 if status == "ok"}
 
 
 def test_baselines_are_timed(report):
