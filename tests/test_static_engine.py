@@ -151,6 +151,28 @@ def test_speculation_stats_equal_the_eager_loop(drafter, schedule):
     torch.testing.assert_close(fast.accept_probs, eager.accept_probs, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("schedule, allowed", [
+    ("constant", {3}), ("heuristic", {1, 2, 4, 8, 16, 19})])
+def test_verification_steps_take_few_distinct_widths(monkeypatch, schedule, allowed):
+    """Each verification width is a compilation and a captured graph on CUDA, so the steps
+    after the prompt verify a constant schedule's G (rows near their budget verify padding)
+    or the heuristic schedule's next power of two (up to its most drafts, 19 here). The
+    tokens and statistics stay the eager loop's."""
+    widths = []
+    verify = static._Engine._verify
+    monkeypatch.setattr(static._Engine, "_verify", lambda self, width, prompt=None: (
+        widths.append(width) if prompt is None else None, verify(self, width, prompt))[1])
+    ids, mask = left_pad(PROMPTS)
+    kwargs = dict(assistant_model=target(), num_assistant_tokens=3,
+                  num_assistant_tokens_schedule=schedule, do_sample=True, top_k=0, seed=4,
+                  max_new_tokens=20)
+    fast = flash(target(), ids, mask, engine="static", **kwargs)
+    eager = flash(target(), ids, mask, engine="eager", **kwargs)
+    assert widths and set(widths) <= allowed
+    assert torch.equal(fast.sequences, eager.sequences)
+    assert torch.equal(fast.flash_stats.drafted, eager.flash_stats.drafted)
+
+
 def test_engine_is_reused_by_calls_of_the_same_shape():
     static.drop_engine(target().model)
     ids, mask = left_pad(PROMPTS)

@@ -103,9 +103,8 @@ def decode(plan) -> Generated:
         num_real = (drafts >= 0).sum(dim=1) if drafts is not None else torch.zeros_like(accepted)
         steps.append((batch.rows, num_real, accepted, emitted, accept_probs))
         if plan.schedule == "heuristic" and drafts is not None:
-            grow = (accepted == num_real) & (num_real > 0)
-            rows = batch.rows
-            num_drafts[rows] = torch.where(grow, num_drafts[rows] + 2, (num_drafts[rows] - 1).clamp_min(1))
+            num_drafts[batch.rows] = heuristic_draft_counts(num_drafts[batch.rows], accepted,
+                                                            num_real)
         batch = _advance(batch, caches, new_tokens, emitted, ~finished, plan.pad_token_id)
     if plan.streamer is not None:
         plan.streamer.end()
@@ -147,7 +146,6 @@ def _stop(plan, batch: Batch, new_tokens: torch.Tensor, proposed: torch.Tensor,
           budget: torch.Tensor):
     """How many of each row's proposed tokens are emitted, and which rows are finished:
     the row's budget, its first EOS and its first completed stop string end it."""
-    columns = torch.arange(new_tokens.shape[1], device=new_tokens.device)
     emitted = torch.minimum(proposed, budget)
     ends = torch.zeros_like(new_tokens, dtype=torch.bool)
     if plan.eos_token_ids is not None:
@@ -157,10 +155,25 @@ def _stop(plan, batch: Batch, new_tokens: torch.Tensor, proposed: torch.Tensor,
         length = batch.tokens.shape[1]
         for j in range(int(emitted.max())):
             ends[:, j] |= plan.stop_criteria(context[:, : length + j + 1], None).to(ends.device)
-    ends &= columns[None, :] < emitted[:, None]
-    has_end = ends.any(dim=1)
-    emitted = torch.where(has_end, ends.int().argmax(dim=1) + 1, emitted)
+    emitted, has_end = cut_at_first_end(emitted, ends)
     return emitted, has_end | (emitted == budget)
+
+
+def cut_at_first_end(emitted: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's emitted count cut after its first end (``ends`` bool ``[B, W]``: EOS or a
+    completed stop string) among the tokens it emits, and whether it had one."""
+    columns = torch.arange(ends.shape[1], device=ends.device)
+    ends = ends & (columns[None, :] < emitted[:, None])
+    has_end = ends.any(dim=1)
+    return torch.where(has_end, ends.int().argmax(dim=1) + 1, emitted), has_end
+
+
+def heuristic_draft_counts(num_drafts: torch.Tensor, accepted: torch.Tensor,
+                           drafted: torch.Tensor) -> torch.Tensor:
+    """transformers' "heuristic" schedule: two more drafts after a step that accepted all
+    of its drafts, one fewer (at least one) otherwise."""
+    grow = (accepted == drafted) & (drafted > 0)
+    return torch.where(grow, num_drafts + 2, (num_drafts - 1).clamp_min(1))
 
 
 def _advance(batch: Batch, caches: list[CachedDecoder], new_tokens: torch.Tensor,

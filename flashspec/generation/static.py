@@ -35,6 +35,7 @@ from ..checks import NonFiniteLogitsError
 from ..params import SamplingParams
 from . import samplers
 from .drafters import AssistantDrafter, PromptLookupDrafter, prompt_lookup_drafts
+from .loop import Generated, cut_at_first_end, heuristic_draft_counts
 from .outputs import SpeculationStats
 from .window import WindowCache, layer_kinds
 
@@ -284,7 +285,6 @@ class _Engine:
     # ---- one generate() call -------------------------------------------------------
 
     def run(self, plan):
-        from .loop import Generated
         self._load(plan)
         started = time.monotonic()
         steps = []
@@ -299,12 +299,13 @@ class _Engine:
                 hidden = self._step("plain", self._plain)
                 report = self._finish(plan, hidden, None)
             else:
-                width = self._ensure_room(report, width + 1, width + 1) - 1
+                step = self._ensure_room(report, self._step_width(width) + 1, width + 1) - 1
+                width = min(width, step)
                 if self.assistant is not None:
                     self._step("draft_first", self._draft_first)
                     for _ in range(width - 1):
                         self._step("draft_next", self._draft_next)
-                hidden, drafts = self._step(("verify", width), lambda: self._verify(width))
+                hidden, drafts = self._step(("verify", step), lambda: self._verify(step))
                 report = self._finish(plan, hidden, drafts)
             steps.append(report)
         if plan.persist_schedule is not None:
@@ -443,9 +444,7 @@ class _Engine:
         columns = torch.arange(width, device=self.device)
         emitted = torch.where(ok, torch.minimum(proposed, self.end - self.length), 0)
         if self.shape.num_eos:
-            ends = torch.isin(tokens, self.eos) & (columns[None, :] < emitted[:, None])
-            has_end = ends.any(dim=1)
-            emitted = torch.where(has_end, ends.int().argmax(dim=1) + 1, emitted)
+            emitted, has_end = cut_at_first_end(emitted, torch.isin(tokens, self.eos))
         else:
             has_end = torch.zeros_like(ok)
         index = (self.length[:, None] + columns[None, :]).clamp_max(self.seq.shape[1] - 1)
@@ -458,8 +457,7 @@ class _Engine:
         accepted = torch.where(ok, proposed - 1, 0)
         drafted = torch.where(ok, drafted, 0)
         if schedule and self.shape.heuristic:
-            grow = (accepted == drafted) & (drafted > 0)
-            stepped = torch.where(grow, self.num_drafts + 2, (self.num_drafts - 1).clamp_min(1))
+            stepped = heuristic_draft_counts(self.num_drafts, accepted, drafted)
             self.num_drafts.copy_(torch.where(ok, stepped, self.num_drafts))
         fills = [self._fill(self.target, 1)]
         fills.append(self._fill(self.assistant, 2) if self.assistant is not None else fills[0])
@@ -492,6 +490,16 @@ class _Engine:
         widths = [min(num, end - length - 1) for num, end, length, done in
                   zip(report.num_drafts, self.end_list, report.length, report.finished) if not done]
         return max(0, min(max(widths), self.shape.max_drafts))
+
+    def _step_width(self, width: int) -> int:
+        """Positions a verification step of `width` drafts checks. Each distinct width is a
+        compilation and a captured graph (seconds to a minute each, on a shape's first
+        call), so widths come from a short list: a constant schedule's G (fewer drafts only
+        near the end of a row's budget), the heuristic schedule's next power of two. The
+        extra positions verify padding, which the kernels skip, in a memory-bound step."""
+        if not self.shape.heuristic:
+            return self.shape.max_drafts
+        return min(1 << (width - 1).bit_length(), self.shape.max_drafts)
 
     def _ensure_room(self, report: _Report, target_columns: int, draft_columns: int) -> int:
         """Make room for the next step's writes (compacting a cache whose holes left too
