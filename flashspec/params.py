@@ -52,9 +52,11 @@ class SamplingParams:
     any_top_k: bool = dataclasses.field(init=False, repr=False, compare=False)
     any_top_p: bool = dataclasses.field(init=False, repr=False, compare=False)
     any_min_p: bool = dataclasses.field(init=False, repr=False, compare=False)
-    # Every row sampled with a top-k: stage 1 of the fused kernels can leave out the full
-    # log-sum-exp (the candidates normalise the support), unless a top-p has no top-k.
+    # Every row sampled with a top-k below the vocabulary (`max_top_k`: the largest top-k,
+    # 0 where none): stage 1 of the fused kernels can leave out the full log-sum-exp (the
+    # candidates normalise the support), unless a top-p has no top-k.
     all_top_k: bool = dataclasses.field(init=False, repr=False, compare=False)
+    max_top_k: int = dataclasses.field(init=False, repr=False, compare=False)
     any_top_p_without_top_k: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -83,8 +85,11 @@ class SamplingParams:
                 raise ValueError(f"`{name}` is on {value.device} but `do_sample` is on {device}")
         if batch_size == 0:
             raise ValueError("SamplingParams needs at least one row, got batch_size=0")
-        _check_range("temperature", self.temperature, "finite and >= 0 (0 means greedy)",
-                     lambda t: torch.isfinite(t) & (t >= 0))
+        # The kernels scale in float32: a positive temperature that rounds to 0 there
+        # would be greedy for them and sampled for the host.
+        _check_range("temperature", self.temperature,
+                     "finite and >= 0 (0 means greedy), and not rounding to 0 in float32",
+                     lambda t: torch.isfinite(t) & (t >= 0) & ((t == 0) | (t.float() > 0)))
         _check_range("top_k", self.top_k, ">= 0 (0 disables top-k)", lambda k: k >= 0)
         _check_range("top_p", self.top_p, "in (0, 1] (1 disables top-p)",
                      lambda p: (p > 0) & (p <= 1))
@@ -100,6 +105,7 @@ class SamplingParams:
                                [not uses[0], *uses[1:4], not uses[4], uses[5]]):
             object.__setattr__(self, name, value)
         object.__setattr__(self, "any_truncation", any(uses[1:4]))
+        object.__setattr__(self, "max_top_k", int(self.top_k.max()))
 
     @property
     def batch_size(self) -> int:
@@ -113,7 +119,7 @@ class SamplingParams:
     def host_flags(self) -> tuple[bool, ...]:
         """The host-side summaries, which select kernel variants (a cache key)."""
         return (self.all_greedy, self.any_top_k, self.any_top_p, self.any_min_p, self.all_top_k,
-                self.any_top_p_without_top_k)
+                self.max_top_k, self.any_top_p_without_top_k)
 
     @property
     def is_greedy(self) -> torch.Tensor:
@@ -135,8 +141,8 @@ class SamplingParams:
         ``validate=False`` skips the range checks (rows of valid parameters are valid) and
         keeps this batch's host flags: they hold for every subset of rows (the `any_` flags
         only switch work on: truncation candidates, the sampling epilogue, the warpers of
-        the reference; `all_top_k` holds for each row), so the whole batch's flags give the
-        subset the same results. A decode loop then selects its running rows
+        the reference; `all_top_k` holds for each row, `max_top_k` bounds each row's), so
+        the whole batch's flags give the subset the same results. A decode loop then selects its running rows
         without a device read, and a CUDA graph can capture it."""
         return self._map(lambda t: t[rows.to(t.device)], validate)
 

@@ -241,7 +241,9 @@ def lm_head_verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: tor
             iff u < p(draft), u from the independent acceptance stream; on rejection the
             token is the Gumbel-max sample with the draft masked out. Both are exact
             speculative sampling for greedy (one-hot) drafts.
-        check_finite: as in `lm_head_sample`; a non-finite row gets num_accepted -1.
+        check_finite: as in `lm_head_sample`; a non-finite row gets num_accepted -1. Only
+            the positions a row can emit are checked: its drafts and the one after them
+            (positions after a padded draft are never emitted).
     """
     check_lm_head(hidden, weight, hidden_dims=3)
     vocab_size = weight.shape[0]
@@ -268,10 +270,11 @@ def verify_logits(logits: torch.Tensor, draft_tokens: torch.Tensor, params: Samp
     flat_params = params.repeat_interleave(num_positions, validate=False)
     offsets = torch.arange(num_positions, device=logits.device)
     flat_positions = (positions[:, None] + offsets[None, :]).reshape(-1)
-    finite = _finite_rows(logits, flat_params).view(batch_size, num_positions).all(dim=1)
-
     # Drafts end at the first padding; the position after the last draft gets no draft.
+    # Positions past it are never emitted: their logits are not checked either.
     is_draft = (draft_tokens >= 0).cumprod(dim=1).bool()
+    used = offsets[None, :] <= is_draft.sum(dim=1, keepdim=True)
+    finite = (_finite_rows(logits, flat_params).view(batch_size, num_positions) | ~used).all(dim=1)
     drafts = torch.cat([torch.where(is_draft, draft_tokens, -1),
                         draft_tokens.new_full((batch_size, 1), -1)], dim=1)
     flat_scores = transform_logits(logits, flat_params)

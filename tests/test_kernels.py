@@ -223,21 +223,43 @@ def test_top_k_longer_than_the_merged_list(truncation, fast_rows):
     assert_same_tokens(ours, theirs, hidden, weight, params, positions, str(truncation))
 
 
-def test_rows_with_a_top_k_leave_out_the_full_normaliser():
-    """Every row has a top-k: stage 1 skips the log-sum-exp and stage 2 normalises over the
-    candidates (logprobs and lse included). A top-k of V or more disables itself, so its
-    rows (with and without top-p) need the full normaliser and are completed exactly."""
+class StageOneSpy:
+    """Stands in for the stage-1 kernel and records each launch's LSE flag."""
+
+    def __init__(self, kernel):
+        self.kernel, self.lse = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.lse.append(kwargs["LSE"])
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize("top_k, full_normaliser, completed", [
+    # Every row has a top-k below V = 200; row 2's (150, under top-p) is longer than the
+    # 32 candidates SMALL merges, so that row is completed.
+    ([10, 5, 150, 6, 1], False, 1),
+    ([10, 5, 200, 6, 1], True, 0),  # a top-k of V disables itself: row 2 needs the full sum
+])
+def test_rows_with_a_top_k_leave_out_the_full_normaliser(monkeypatch, top_k, full_normaliser,
+                                                          completed):
+    """Where every row has a top-k below V, stage 1 skips the log-sum-exp and stage 2
+    normalises each support over its candidates (logprobs and lse included); otherwise
+    stage 1 computes it. Either way the results are the reference's."""
+    spy = StageOneSpy(kernels.ops.lm_head.lm_head_tiles_kernel)
+    monkeypatch.setattr(kernels.ops.lm_head, "lm_head_tiles_kernel", spy)
     g = torch.Generator().manual_seed(31)
-    hidden, weight, positions = random_problem(g, 6, 200, 32)
-    params = SamplingParams.create(6, temperature=[0.6, 1.0, 0.7, 1.5, 0.6, 1.0],
-                                   top_k=[10, 5, 200, 500, 12, 1], top_p=[0.95, 1.0, 0.9, 1.0, 1.0, 1.0],
-                                   min_p=[0.0, 0.0, 0.0, 0.0, 0.05, 0.0], seed=3, device=DEVICE)
-    assert params.all_top_k and not params.any_top_p_without_top_k
+    hidden, weight, positions = random_problem(g, 5, 200, 32)
+    params = SamplingParams.create(5, temperature=[0.6, 1.0, 0.7, 0.6, 1.0], top_k=top_k,
+                                   top_p=[0.95, 1.0, 0.9, 1.0, 1.0],
+                                   min_p=[0.0, 0.0, 0.0, 0.05, 0.0], seed=3, device=DEVICE)
     kernels.reset_stats()
     ours, ours_lp, ours_lse = kernels.lm_head_sample(hidden, weight, params, positions, True,
                                                      return_lse=True, config=SMALL)
+    assert spy.lse == [full_normaliser]
     if SMALL is not None:
-        assert kernels.stats().rows_completed == 2  # rows 2 and 3
+        assert kernels.stats().rows_completed == completed
     theirs, lp, lse = reference.lm_head_sample(hidden, weight, params, positions, True,
                                                return_lse=True)
     assert_same_tokens(ours, theirs, hidden, weight, params, positions)

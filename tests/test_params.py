@@ -28,6 +28,7 @@ def test_greedy_rows():
     ("temperature", -0.1, "temperature.*-0.1.*>= 0"),
     ("temperature", float("nan"), "temperature.*nan"),
     ("temperature", float("inf"), "temperature.*inf"),
+    ("temperature", 1e-50, "temperature.*1e-50.*float32"),  # greedy in float32
     ("top_p", 0.0, r"top_p.*0.0.*\(0, 1\]"),
     ("top_p", 1.5, r"top_p.*1.5.*\(0, 1\]"),
     ("top_p", float("nan"), "top_p.*nan"),
@@ -128,12 +129,13 @@ def test_repeat_interleave_and_to():
 
 
 @pytest.mark.parametrize("rows,flags", [
-    # (all_greedy, any_top_k, any_top_p, any_min_p, all_top_k, any_top_p_without_top_k)
-    (dict(do_sample=False, top_k=5), (True, False, False, False, False, False)),
-    (dict(top_k=[20, 5], top_p=[0.95, 1.0]), (False, True, True, False, True, False)),
-    (dict(top_k=[20, 0], top_p=[1.0, 0.9]), (False, True, True, False, False, True)),
-    (dict(do_sample=[True, False], top_k=20, min_p=0.1), (False, True, False, True, False, False)),
-    (dict(temperature=[0.7, 0.0], top_p=0.9), (False, False, True, False, False, True)),
+    # (all_greedy, any_top_k, any_top_p, any_min_p, all_top_k, max_top_k,
+    #  any_top_p_without_top_k)
+    (dict(do_sample=False, top_k=5), (True, False, False, False, False, 5, False)),
+    (dict(top_k=[20, 5], top_p=[0.95, 1.0]), (False, True, True, False, True, 20, False)),
+    (dict(top_k=[20, 0], top_p=[1.0, 0.9]), (False, True, True, False, False, 20, True)),
+    (dict(do_sample=[True, False], top_k=20, min_p=0.1), (False, True, False, True, False, 20, False)),
+    (dict(temperature=[0.7, 0.0], top_p=0.9), (False, False, True, False, False, 0, True)),
 ])
 def test_host_flags(rows, flags):
     """The host-side summaries that pick kernel variants: greedy rows (do_sample off or

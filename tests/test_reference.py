@@ -339,6 +339,13 @@ def test_non_finite_rows_are_reported_not_sampled():
     out = reference.lm_head_verify(hidden3, weight, torch.zeros(2, 2, dtype=torch.long), params2,
                                    torch.zeros(2, dtype=torch.long), check_finite=False)
     assert out.num_accepted[1] == -1 and (out.tokens[1] == -1).all() and out.num_accepted[0] >= 0
+    # Row 1 with one draft, then padding, emits positions 0 and 1 only: the inf after is unused.
+    padded = torch.tensor([[0, 0], [0, -1]])
+    out = reference.lm_head_verify(hidden3, weight, padded, params2, torch.zeros(2, dtype=torch.long))
+    clean = hidden3.clone()
+    clean[1, 2, 0] = 0.0
+    assert torch.equal(out.tokens, reference.lm_head_verify(
+        clean, weight, padded, params2, torch.zeros(2, dtype=torch.long)).tokens)
 
 
 def test_overflowing_temperature_is_reported():

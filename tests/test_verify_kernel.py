@@ -11,7 +11,7 @@ from flashspec import NonFiniteLogitsError, SamplingParams, kernels, reference, 
 from flashspec.testing import is_near_tie
 
 import test_reference as semantics
-from test_kernels import DEVICE, OTHER, SMALL, mixed_params, random_problem
+from test_kernels import DEVICE, OTHER, SMALL, StageOneSpy, mixed_params, random_problem
 
 
 def kernel_verify(hidden, weight, drafts, params, positions, config=SMALL, **kwargs):
@@ -95,15 +95,20 @@ def test_speculation_invariance_per_truncation_mode(case):
     assert (ours.num_accepted >= 0).all()
 
 
-def test_rows_with_a_top_k_verify_without_the_full_normaliser():
-    """Every row has a top-k, so stage 1 skips the log-sum-exp: p(draft) and logprobs come
-    from the candidates; a top-k of V or more (batch row 2) is completed exactly."""
+@pytest.mark.parametrize("top_k, full_normaliser", [([10, 7, 150], False), ([10, 7, 300], True)])
+def test_rows_with_a_top_k_verify_without_the_full_normaliser(monkeypatch, top_k, full_normaliser):
+    """Where every row has a top-k below V, stage 1 skips the log-sum-exp: p(draft) and the
+    logprobs come from the candidates. A top-k of V or more disables itself and stage 1
+    computes the normaliser. Batch row 2 is completed exactly either way: its top-k of 150
+    under top-p is longer than SMALL's 32 merged candidates, and so is its top-p support."""
+    spy = StageOneSpy(kernels.ops.lm_head.lm_head_tiles_kernel)
+    monkeypatch.setattr(kernels.ops.lm_head, "lm_head_tiles_kernel", spy)
     g = torch.Generator().manual_seed(8)
     batch, num_drafts, vocab_size, dim = 3, 3, 200, 32
     flat_hidden, weight, _ = random_problem(g, batch * (num_drafts + 1), vocab_size, dim)
     hidden, weight = flat_hidden.view(batch, num_drafts + 1, dim).cpu(), weight.cpu()
     positions = torch.randint(0, 1000, (batch,), generator=g)
-    params = SamplingParams.create(batch, temperature=[0.6, 1.2, 0.8], top_k=[10, 7, 300],
+    params = SamplingParams.create(batch, temperature=[0.6, 1.2, 0.8], top_k=top_k,
                                    top_p=[0.95, 1.0, 0.9], seed=4)
     plain = torch.stack([reference.lm_head_sample(hidden[:, j], weight, params, positions + j)
                          for j in range(num_drafts + 1)], dim=1)
@@ -112,6 +117,7 @@ def test_rows_with_a_top_k_verify_without_the_full_normaliser():
         ours = kernel_verify(hidden, weight, drafts, params, positions)
         theirs = reference.lm_head_verify(hidden, weight, drafts, params, positions)
         assert_same_verify(ours, theirs, hidden, weight, params, positions)
+    assert spy.lse == [full_normaliser] * 2
     if SMALL is not None:
         assert kernels.stats().rows_completed == 2  # batch row 2, in both calls
 
@@ -222,6 +228,13 @@ def test_non_finite_rows_are_reported():
     out = kernel_verify(hidden, weight, drafts, params, positions, check_finite=False)
     assert out.num_accepted[1] == -1 and (out.tokens[1] == -1).all()
     assert (out.num_accepted[[0, 2]] >= 0).all() and (out.tokens[[0, 2], 0] >= 0).all()
+    # Row 1 with no drafts emits position 0 only: the inf after it is never used.
+    padded = drafts.clone()
+    padded[1] = -1
+    out = kernel_verify(hidden, weight, padded, params, positions)
+    clean = hidden.clone()
+    clean[1, 2, 0] = 0.0
+    assert torch.equal(out.tokens, kernel_verify(clean, weight, padded, params, positions).tokens)
 
 
 def test_bad_verify_inputs():

@@ -17,9 +17,9 @@ row's token, logprob, log-sum-exp and a status (0 ok, 1 needs exact completion, 
 non-finite). Truncated rows (top-k / top-p / min-p) merge the candidate keys, apply HF's
 rules on the top ``K_MAX`` of them, and sample among the survivors with the same noise.
 The merged list is exact down to the largest "last candidate" of any tile (a missing
-token sits below its tile's last one) and the largest logit of the tiles left out of the
-merge; the survivors are *certified* to be the whole support when they, and top-k's tie
-class, end strictly above that key. Other rows get
+token sits below its tile's last one) and a bound on the logits of the tiles left out of
+the merge (from the keys they were chosen by); the survivors are *certified* to be the
+whole support when they, and top-k's tie class, end strictly above that key. Other rows get
 status 1 and are completed exactly by the caller.
 
 Verification (DRAFT) flattens ``[B, G+1]`` positions into rows: stage 1 leaves each row's
@@ -374,19 +374,16 @@ def lm_head_rows_kernel(
         min_p = tl.load(min_p_ptr + param_row).to(tl.float32)
         use_top_k = (top_k > 0) & (top_k < V)
         truncated = sampled & (use_top_k | (top_p < 1.0) | (min_p > 0.0))
-        if not LSE:
-            # Left out because every row has a top-k; one of V or more disables itself,
-            # and the row may need the full normaliser.
-            status = tl.where((status == _OK) & sampled & (top_k >= V), _NEEDS_COMPLETION, status)
         if truncated:
             cand_base = cand_ptr + row.to(tl.int64) * NUM_VT * CAND
-            # Every top-K_MAX candidate lies in one of the TOP_TILES tiles with the largest
-            # maxima (any other candidate has that many tile maxima above it), so only
-            # their candidates are merged: a short sort instead of one over every tile.
-            # Tiles are chosen by a 32-bit key, half the cost of sorting int64 keys (H200,
+            # The top-K_MAX candidates lie in the TOP_TILES tiles with the largest maxima
+            # (any other candidate has that many tile maxima above it), so only their
+            # candidates are merged: a short sort instead of one over every tile. Tiles
+            # are chosen by a 32-bit key, half the cost of sorting int64 keys (H200,
             # 2,048 tiles: 9.6 -> 5.6 us): the order key of the tile's largest logit with its
-            # low bits replaced by the tile's index. A tile left out has its largest logit's
-            # order key at most the chosen ones' smallest with those bits set (below).
+            # low bits replaced by the tile's index, which can order close maxima by index:
+            # a tile left out has its largest logit's order key at most the chosen ones'
+            # smallest with those bits set, and the certificate's floor covers that (below).
             low: tl.constexpr = VT_POW2 - 1
             tile_first = tl.load(cand_base + tiles * CAND, mask=t_ok, other=PAD)
             order = (tile_first >> 32).to(tl.int32)
@@ -517,8 +514,10 @@ def verify_finalize_kernel(
     tokens = tl.where(j < num_accepted, drafts, tl.where(j == num_accepted, replacement, -1))
     logprobs = tl.where(j < num_accepted, draft_logprob,
                         tl.where(j == num_accepted, replacement_logprob, 0.0))
-    non_finite = tl.sum((row_status == _NON_FINITE).to(tl.int32)) > 0
-    incomplete = tl.sum((row_status == _NEEDS_COMPLETION).to(tl.int32)) > 0
+    # Positions after the drafts end (padding) are never emitted: their status is not the row's.
+    used = valid & (j <= tl.sum(is_draft.to(tl.int32)))
+    non_finite = tl.sum(((row_status == _NON_FINITE) & used).to(tl.int32)) > 0
+    incomplete = tl.sum(((row_status == _NEEDS_COMPLETION) & used).to(tl.int32)) > 0
     status = tl.where(non_finite, _NON_FINITE, tl.where(incomplete, _NEEDS_COMPLETION, _OK))
     tl.store(num_accepted_ptr + b, tl.where(status == _OK, num_accepted, -1).to(tl.int64))
     tl.store(tokens_ptr + rows, tl.where(status == _OK, tokens, -1).to(tl.int64), mask=valid)

@@ -183,10 +183,11 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
         hidden = hidden.contiguous()
     verify = drafts is not None
     # Stage 1's full log-sum-exp: for the logprobs of rows without a top-k (verification
-    # always reports them) and for top-p without top-k. Rows with a top-k normalise over
-    # their candidates in stage 2 (one `exp` per logit less).
-    has_top_k = params is not None and params.all_top_k
-    need_lse = (((want_lse or verify) and not has_top_k)
+    # always reports them) and for top-p without top-k. Rows with a top-k below V
+    # normalise over their candidates in stage 2 (one `exp` per logit less).
+    every_row_top_k = (params is not None and params.all_top_k
+                       and params.max_top_k < weight.shape[0])
+    need_lse = (((want_lse or verify) and not every_row_top_k)
                 or (truncate and params.any_top_p_without_top_k))
     cand = config.candidates if truncate else 0
     if params is None:  # argmax: every row reads the one greedy parameter row
