@@ -173,6 +173,41 @@ def test_verification_steps_take_few_distinct_widths(monkeypatch, schedule, allo
     assert torch.equal(fast.flash_stats.drafted, eager.flash_stats.drafted)
 
 
+def test_padding_stays_inside_the_position_table():
+    """GPT-2 learns a table of 256 positions. With prompt + max_new_tokens = 256 and 4 drafts
+    per step, all accepted (the model drafts for itself), the prompt of 243 tokens grows to
+    248 and 253, where the row may take 2 drafts: the step's 2 padding columns lie past the
+    budget. They are fed at positions inside the table (and kept out of the cache), so the
+    run ends as the eager loop's does."""
+    model = target("gpt2")
+    assert model.config.max_position_embeddings == 256
+    ids = torch.randint(1, 100, (1, 243), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(assistant_model=model, num_assistant_tokens=4,
+                  num_assistant_tokens_schedule="constant", max_new_tokens=13)
+    fast = flash(model, ids, engine="static", **kwargs)
+    eager = flash(model, ids, engine="eager", **kwargs)
+    assert torch.equal(fast.sequences, eager.sequences)
+
+
+@pytest.mark.parametrize("seed", [3, 11])
+def test_ragged_rows_stay_inside_the_position_table(seed):
+    """Two rows, one ending at GPT-2's last position, the model sampling and drafting for
+    itself: acceptance is ragged, so the row at the end of its budget is padded, or keeps
+    drafting, while the other row drafts more (seed 3 overran the table in the eager loop's
+    assistant, seed 11 in its verification). Both engines feed that work at positions inside
+    the row's budget and agree."""
+    model = target("gpt2")
+    g = torch.Generator().manual_seed(0)
+    ids, mask = left_pad([torch.randint(1, 100, (243,), generator=g).tolist(),
+                          torch.randint(1, 100, (200,), generator=g).tolist()])
+    kwargs = dict(assistant_model=model, num_assistant_tokens=4,
+                  num_assistant_tokens_schedule="constant", max_new_tokens=13, do_sample=True,
+                  seed=seed)
+    fast = flash(model, ids, mask, engine="static", **kwargs)
+    eager = flash(model, ids, mask, engine="eager", **kwargs)
+    assert torch.equal(fast.sequences, eager.sequences)
+
+
 def test_engine_is_reused_by_calls_of_the_same_shape():
     static.drop_engine(target().model)
     ids, mask = left_pad(PROMPTS)

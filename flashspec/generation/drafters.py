@@ -38,13 +38,16 @@ class AssistantDrafter:
         input_ids = batch.tokens[:, self.decoder.cached:]
         position_ids = batch.positions[:, self.decoder.cached:]
         attention_mask = batch.valid
+        # Rows with fewer drafts than others keep drafting (discarded), at positions inside
+        # their budget: past it, a learned position table could end.
+        last_position = (batch.lengths + max_drafts)[:, None]
         drafts = []
         for step in range(num_steps):
             hidden = self.decoder.forward(input_ids, attention_mask, position_ids)[:, -1]
             drafts.append(api.lm_head_argmax(hidden.to(weight.dtype), weight))
             if step + 1 < num_steps:          # the last draft is fed next round, if accepted
                 input_ids = drafts[-1][:, None].clamp_min(0)
-                position_ids = position_ids[:, -1:] + 1
+                position_ids = torch.minimum(position_ids[:, -1:] + 1, last_position)
                 attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(hidden), 1)], 1)
         drafts = torch.stack(drafts, dim=1)
         # The argmax is -1 where the assistant's logits are not finite: report, don't draft.

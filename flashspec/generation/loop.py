@@ -133,8 +133,12 @@ def _verify_step(plan, target: CachedDecoder, batch: Batch, params, drafts: torc
     num_drafts = drafts.shape[1]
     offsets = torch.arange(num_drafts, device=drafts.device)
     input_ids = torch.cat([batch.tokens[:, target.cached:], drafts.clamp_min(0)], dim=1)
+    # A row's padding (other rows draft more) is fed at its bonus token's position, inside
+    # its budget: past it, a learned position table could end. Causality goes by column.
+    last = batch.lengths + (drafts >= 0).sum(dim=1)
     position_ids = torch.cat([batch.positions[:, target.cached:],
-                              batch.lengths[:, None] + offsets[None, :]], dim=1)
+                              torch.minimum(batch.lengths[:, None] + offsets[None, :],
+                                            last[:, None])], dim=1)
     attention_mask = torch.cat([batch.valid, batch.valid.new_ones(drafts.shape)], dim=1)
     hidden = target.forward(input_ids, attention_mask, position_ids)[:, -(num_drafts + 1):]
     weight = plan.head.weight

@@ -382,7 +382,8 @@ class _Engine:
     def _draft_next(self) -> None:
         count = self.draft_count.view(1)
         previous = self.drafts.index_select(1, count - 1).clamp_min(0)
-        positions = self.length[:, None] + count - 1
+        # Rows that take fewer drafts keep drafting (unused), inside their budget's positions.
+        positions = torch.minimum(self.length[:, None] + count - 1, (self.end - 1)[:, None])
         hidden = self.assistant.step_forward(previous, positions)[:, -1]
         tokens = self.draft_sampler.argmax(hidden.to(self.draft_sampler.weight.dtype))
         self.drafts.index_copy_(1, count, tokens[:, None])
@@ -402,17 +403,20 @@ class _Engine:
             proposed = self._lookup(width, allowed)
             broken = torch.zeros_like(self.finished)
         drafts = torch.where(within, proposed, -1)
-        draft_positions = self.length[:, None] + columns
+        # Padding (columns a row does not draft) stays out of the cache, at positions within
+        # the row's budget: past it, a learned position table could end.
+        draft_positions = torch.minimum(self.length[:, None] + columns, (self.end - 1)[:, None])
         if prompt is None:
             last = (self.length - 1)[:, None]
             hidden = self.target.step_forward(
                 torch.cat([self.seq.gather(1, last), drafts.clamp_min(0)], dim=1),
-                torch.cat([last, draft_positions], dim=1))
+                torch.cat([last, draft_positions], dim=1),
+                torch.cat([torch.ones_like(last, dtype=torch.bool), within], dim=1))
         else:
             input_ids, positions, live = prompt
             hidden = self.target.forward(torch.cat([input_ids, drafts.clamp_min(0)], dim=1),
                                          torch.cat([positions, draft_positions], dim=1),
-                                         torch.cat([live, torch.ones_like(within)], dim=1))
+                                         torch.cat([live, within], dim=1))
         hidden = hidden[:, -(width + 1):].to(self.sampler.weight.dtype)
         num_accepted, tokens, logprobs, accept_probs, status = self.sampler.verify(
             hidden, drafts, self.length)
@@ -496,7 +500,7 @@ class _Engine:
         compilation and a captured graph (seconds to a minute each, on a shape's first
         call), so widths come from a short list: a constant schedule's G (fewer drafts only
         near the end of a row's budget), the heuristic schedule's next power of two. The
-        extra positions verify padding, which the kernels skip, in a memory-bound step."""
+        extra positions verify padding: a few more rows in a memory-bound step."""
         if not self.shape.heuristic:
             return self.shape.max_drafts
         return min(1 << (width - 1).bit_length(), self.shape.max_drafts)
