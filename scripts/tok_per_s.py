@@ -1,7 +1,8 @@
 """Tokens per second of generate() for a model pair: stock transformers vs flashspec's engine.
 
-For each pair, batch size B, decoding, draft length G and variant: one untimed warm-up
-call (it also compiles and captures CUDA graphs), then --reps timed calls of B prompts,
+For each pair, batch size B, decoding, draft length G and variant: a first call (it also
+compiles and captures CUDA graphs; its seconds are reported apart, ``first_call_seconds``),
+then --reps timed calls of B prompts,
 each generating exactly --new-tokens tokens (EOS disabled); tok/s = B * new_tokens /
 median seconds (the device synchronized around each call). Plain variants run once per
 (B, decoding), speculative ones once per G of --num-drafts. Decodings (--decoding):
@@ -377,17 +378,17 @@ def _synchronize(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def timed_calls(generate: Callable, reps: int, cuda: bool) -> tuple[list[float], object]:
-    """Seconds of each of `reps` calls after one untimed warm-up, and the last output."""
-    output = generate()
+def timed_calls(generate: Callable, reps: int, cuda: bool) -> tuple[float, list[float], object]:
+    """Seconds of a first call (the static engine's compilation and graph capture happen
+    there) and of each of `reps` calls after it, and the last output."""
     seconds = []
-    for _ in range(reps):
+    for _ in range(reps + 1):
         _synchronize(cuda)
         start = time.perf_counter()
         output = generate()
         _synchronize(cuda)
         seconds.append(time.perf_counter() - start)
-    return seconds, output
+    return seconds[0], seconds[1:], output
 
 
 def copy_bandwidth_gbps(device: str) -> float:
@@ -397,7 +398,7 @@ def copy_bandwidth_gbps(device: str) -> float:
     # ones, not empty: untouched CPU pages would read as the shared zero page, too fast.
     source = torch.ones(nbytes, dtype=torch.uint8, device=device)
     destination = torch.empty_like(source)
-    seconds, _ = timed_calls(partial(destination.copy_, source), COPY_REPS, cuda)
+    _, seconds, _ = timed_calls(partial(destination.copy_, source), COPY_REPS, cuda)
     return 2 * nbytes / statistics.median(seconds) / 1e9
 
 
@@ -483,8 +484,8 @@ def _sequences(output) -> torch.Tensor:
 
 def run_variant(name: str, case: Case, inputs: dict, args: argparse.Namespace) -> tuple[dict, torch.Tensor | None]:
     """The row of `name` (without ratios), and its last call's sequences (None if it did not run)."""
-    row = {"variant": name, "status": "ok", "seconds": None, "tok_s": None, "flash_stats": None,
-           "step_ms": None, "expected_tok_s": None}
+    row = {"variant": name, "status": "ok", "first_call_seconds": None, "seconds": None,
+           "tok_s": None, "flash_stats": None, "step_ms": None, "expected_tok_s": None}
     variant = VARIANTS[name]
     try:
         kwargs = variant.kwargs(case)
@@ -493,7 +494,7 @@ def run_variant(name: str, case: Case, inputs: dict, args: argparse.Namespace) -
             torch.manual_seed(SEED)          # stock sampling draws from torch's generator
             return case.target.generate(**inputs, **kwargs)
 
-        seconds, output = timed_calls(generate, args.reps, case.cuda)
+        first_call, seconds, output = timed_calls(generate, args.reps, case.cuda)
     except Skipped as skipped:
         row["status"] = str(skipped)
         return row, None
@@ -507,6 +508,7 @@ def run_variant(name: str, case: Case, inputs: dict, args: argparse.Namespace) -
     if generated != args.new_tokens:
         row["status"] = f"error: generated {generated} tokens, expected {args.new_tokens}"
         return row, None
+    row["first_call_seconds"] = first_call
     row["seconds"] = seconds
     row["tok_s"] = case.batch_size * args.new_tokens / statistics.median(seconds)
     if variant.engine_sampler is not None:
@@ -743,7 +745,8 @@ def _steps_text(steps: dict | None) -> str:
 
 
 TABLE_LEGEND = """\
-tok/s = B * new tokens / median s; x_stc, x_hf = / hf_static_compile, / hf; x_stk = / the stock
+tok/s = B * new tokens / median s; 1st s = seconds of the first call (compilation and graph
+capture included); x_stc, x_hf = / hf_static_compile, / hf; x_stk = / the stock
 twin (assisted or lookup, same G); x_mat = fused / materialized (same G); acc = accepted /
 drafted; len = tokens per target forward; exp@1 = tok/s the step graphs allow at acceptance 1;
 bw = weight bytes read per s / copy bandwidth; ms/step = GPU ms of the captured plain step, or
@@ -761,7 +764,7 @@ def print_table(report: dict) -> None:
           f"{args['new_tokens']} new tokens; G in {','.join(map(str, args['num_drafts']))}")
     print(TABLE_LEGEND)
     width = max([4] + [len(row["pair"]) for row in report["rows"]])
-    print(f"{'pair':{width}} {'B':>3} {'dec':6} {'G':>2} {'variant':25} {'tok/s':>9} "
+    print(f"{'pair':{width}} {'B':>3} {'dec':6} {'G':>2} {'variant':25} {'tok/s':>9} {'1st s':>6} "
           f"{'x_stc':>6} {'x_hf':>6} {'x_stk':>6} {'x_mat':>6} {'acc':>5} {'len':>5} "
           f"{'exp@1':>9} {'bw':>5}  ms/step")
     for row in report["rows"]:
@@ -772,7 +775,8 @@ def print_table(report: dict) -> None:
             continue
         ratio, stats = row["ratio"], row["flash_stats"] or {}
         expected = (row["expected_tok_s"] or {}).get("all_accepted")
-        print(f"{head} {_fmt(row['tok_s'], 9, 1)} {_fmt(ratio['vs_hf_static_compile'], 6, 2)} "
+        print(f"{head} {_fmt(row['tok_s'], 9, 1)} {_fmt(row['first_call_seconds'], 6, 1)} "
+              f"{_fmt(ratio['vs_hf_static_compile'], 6, 2)} "
               f"{_fmt(ratio['vs_hf'], 6, 2)} {_fmt(ratio['vs_stock_assisted'], 6, 2)} "
               f"{_fmt(ratio['vs_materialized'], 6, 2)} {_fmt(stats.get('acceptance_rate'), 5, 2)} "
               f"{_fmt(stats.get('mean_accepted_length'), 5, 2)} {_fmt(expected, 9, 1)} "
@@ -874,8 +878,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="comma-separated decodings: greedy, sample (T=0.6, top-k 20, "
                              "top-p 0.95, seed 0); default greedy")
     parser.add_argument("--reps", type=positive_int, default=None,
-                        help="timed calls per row (median), after one untimed warm-up; "
-                             + _default_help("reps"))
+                        help="timed calls per row (median), after a first call (it compiles "
+                             "and captures; timed apart); " + _default_help("reps"))
     parser.add_argument("--variants", type=parse_variants, default=list(VARIANTS),
                         help="comma-separated variants among " + ", ".join(VARIANTS)
                              + " (each (B, decoding) runs the plain ones, then the speculative "

@@ -235,7 +235,7 @@ def test_skipped_rows_say_why(report):
            for name in ("hf_assisted", "hf_lookup")})
     for row in skipped.values():
         assert row["status"].startswith("skipped: ")
-        assert row["tok_s"] is None and row["seconds"] is None
+        assert row["tok_s"] is None and row["seconds"] is None and row["first_call_seconds"] is None
 
 
 def test_rows_that_ran(report):
@@ -243,6 +243,7 @@ def test_rows_that_ran(report):
         if row["status"] != "ok":
             continue
         assert _positive(row["tok_s"]) and all(map(_positive, row["seconds"]))
+        assert _positive(row["first_call_seconds"])  # compilation and capture, on CUDA
         assert row["tok_s"] == pytest.approx(row["batch_size"] * NEW_TOKENS / row["seconds"][0])
         assert all(value is None or _positive(value) for value in row["ratio"].values())
         assert row["step_ms"] is None and row["expected_tok_s"] is None     # no graphs on CPU
