@@ -116,7 +116,7 @@ class SamplingParams:
         return self.do_sample.device
 
     @property
-    def host_flags(self) -> tuple[bool, ...]:
+    def host_flags(self) -> tuple:
         """The host-side summaries, which select kernel variants (a cache key)."""
         return (self.all_greedy, self.any_top_k, self.any_top_p, self.any_min_p, self.all_top_k,
                 self.max_top_k, self.any_top_p_without_top_k)
@@ -142,8 +142,8 @@ class SamplingParams:
         keeps this batch's host flags: they hold for every subset of rows (the `any_` flags
         only switch work on: truncation candidates, the sampling epilogue, the warpers of
         the reference; `all_top_k` holds for each row, `max_top_k` bounds each row's), so
-        the whole batch's flags give the subset the same results. A decode loop then selects its running rows
-        without a device read, and a CUDA graph can capture it."""
+        the whole batch's flags give the subset the same results. A decode loop then
+        selects its running rows without a device read, and a CUDA graph can capture it."""
         return self._map(lambda t: t[rows.to(t.device)], validate)
 
     def _map(self, fn, validate: bool = True) -> "SamplingParams":
