@@ -3,9 +3,9 @@
 # and JSON go to $OUT (default ./gpu_out); the benchmarks' tables are printed last.
 #   bash scripts/gpu_check.sh [pytest args...]
 # Without arguments the tests are the Triton kernels compiled for the GPU and the engine's GPU
-# tests (the rest of the suite is CPU code, which CI runs). On an H200 (2026-11-21) the parts
-# took about 160 s (kernel tests), 90 s (engine tests), 120 s and 110 s (the two benchmarks):
-# under the device tool's 10-minute call.
+# tests (the rest of the suite is CPU code, which CI runs). On an H200 (2026-11-21) the tests
+# took about 160 s (kernels) and 90 s (engine); the benchmarks' full sets are estimated at
+# about 2 minutes each from that day's partial runs: under the device tool's 10-minute call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
