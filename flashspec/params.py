@@ -115,11 +115,16 @@ class SamplingParams:
     def device(self) -> torch.device:
         return self.do_sample.device
 
-    @property
-    def host_flags(self) -> tuple:
-        """The host-side summaries, which select kernel variants (a cache key)."""
-        return (self.all_greedy, self.any_top_k, self.any_top_p, self.any_min_p, self.all_top_k,
-                self.max_top_k, self.any_top_p_without_top_k)
+    def top_k_everywhere(self, vocab_size: int) -> bool:
+        """Every row is sampled with a top-k below `vocab_size` (one of V or more keeps
+        everything): the fused kernels then normalise each row over its candidates."""
+        return self.all_top_k and self.max_top_k < vocab_size
+
+    def kernel_flags(self, vocab_size: int) -> tuple[bool, ...]:
+        """The host-side summaries that select the fused kernels' variants for a vocabulary
+        of `vocab_size` (a cache key: parameters with the same flags share captured graphs)."""
+        return (self.all_greedy, self.any_top_k, self.any_top_p, self.any_min_p,
+                self.top_k_everywhere(vocab_size), self.any_top_p_without_top_k)
 
     @property
     def is_greedy(self) -> torch.Tensor:

@@ -129,17 +129,19 @@ def test_repeat_interleave_and_to():
 
 
 @pytest.mark.parametrize("rows,flags", [
-    # (all_greedy, any_top_k, any_top_p, any_min_p, all_top_k, max_top_k,
+    # (all_greedy, any_top_k, any_top_p, any_min_p, top-k everywhere below V = 30,
     #  any_top_p_without_top_k)
-    (dict(do_sample=False, top_k=5), (True, False, False, False, False, 5, False)),
-    (dict(top_k=[20, 5], top_p=[0.95, 1.0]), (False, True, True, False, True, 20, False)),
-    (dict(top_k=[20, 0], top_p=[1.0, 0.9]), (False, True, True, False, False, 20, True)),
-    (dict(do_sample=[True, False], top_k=20, min_p=0.1), (False, True, False, True, False, 20, False)),
-    (dict(temperature=[0.7, 0.0], top_p=0.9), (False, False, True, False, False, 0, True)),
+    (dict(do_sample=False, top_k=5), (True, False, False, False, False, False)),
+    (dict(top_k=[20, 5], top_p=[0.95, 1.0]), (False, True, True, False, True, False)),
+    (dict(top_k=[20, 30], top_p=[0.95, 1.0]), (False, True, True, False, False, False)),
+    (dict(top_k=[20, 0], top_p=[1.0, 0.9]), (False, True, True, False, False, True)),
+    (dict(do_sample=[True, False], top_k=20, min_p=0.1), (False, True, False, True, False, False)),
+    (dict(temperature=[0.7, 0.0], top_p=0.9), (False, False, True, False, False, True)),
 ])
-def test_host_flags(rows, flags):
+def test_kernel_flags(rows, flags):
     """The host-side summaries that pick kernel variants: greedy rows (do_sample off or
-    temperature 0) use no warper, and `all_top_k` needs every row sampled with a top-k."""
+    temperature 0) use no warper; a top-k "everywhere" needs every row sampled with one
+    below the vocabulary. A subset selected without validation keeps flags that hold for it."""
     params = SamplingParams.create(2, seed=0, **rows)
-    assert params.host_flags == flags
-    assert params.select(torch.tensor([1]), validate=False).host_flags == flags
+    assert params.kernel_flags(30) == flags
+    assert params.select(torch.tensor([1]), validate=False).kernel_flags(30) == flags

@@ -220,6 +220,23 @@ def test_engine_is_reused_by_calls_of_the_same_shape():
     assert static.cached_engine(target().model) is not engine
 
 
+def test_engine_is_reused_across_top_k_values_that_pick_the_same_kernels():
+    """Sampling parameters enter the engine as values; only the flags that select kernel
+    variants key it. Top-k 20 and 10 share one engine (and its graphs); a top-k of the
+    vocabulary size (128) or more keeps everything, another variant, another engine."""
+    static.drop_engine(target().model)
+    ids, mask = left_pad(PROMPTS)
+    sampling = dict(do_sample=True, seed=1, max_new_tokens=8)
+    flash(target(), ids, mask, engine="static", top_k=20, **sampling)
+    engine = static.cached_engine(target().model)
+    tokens = flash(target(), ids, mask, engine="static", top_k=10, **sampling).sequences
+    assert static.cached_engine(target().model) is engine
+    assert torch.equal(tokens, flash(target(), ids, mask, engine="eager", top_k=10,
+                                     **sampling).sequences)
+    flash(target(), ids, mask, engine="static", top_k=128, **sampling)
+    assert static.cached_engine(target().model) is not engine
+
+
 def test_engine_is_rebuilt_when_the_weights_are_new_tensors():
     """A replaced LM-head weight, or a model moved to another dtype, gets a new engine (the
     old one's samplers and graphs hold the old tensors): the tokens follow the new weights,

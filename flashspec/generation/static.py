@@ -142,7 +142,7 @@ class _Shape:
         params = plan.params
         return cls(batch_size, capacity, capacity + max_drafts + 1, max(max_drafts, 1), drafter,
                    drafter == "assistant" and plan.schedule == "heuristic", sampler, graphs, compile,
-                   params.host_flags,
+                   params.kernel_flags(plan.head.weight.shape[0]),
                    0 if plan.eos_token_ids is None else plan.eos_token_ids.numel())
 
 

@@ -185,8 +185,7 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
     # Stage 1's full log-sum-exp: for the logprobs of rows without a top-k (verification
     # always reports them) and for top-p without top-k. Rows with a top-k below V
     # normalise over their candidates in stage 2 (one `exp` per logit less).
-    every_row_top_k = (params is not None and params.all_top_k
-                       and params.max_top_k < weight.shape[0])
+    every_row_top_k = params is not None and params.top_k_everywhere(weight.shape[0])
     need_lse = (((want_lse or verify) and not every_row_top_k)
                 or (truncate and params.any_top_p_without_top_k))
     cand = config.candidates if truncate else 0
