@@ -97,15 +97,18 @@ class SamplingParams:
                      lambda p: (p >= 0) & (p <= 1))
         _check_range("seed", self.seed, f"in [0, {rng.MAX_SEED}]", lambda s: s >= 0)
         sampled = ~self.is_greedy
-        top_k = sampled & (self.top_k > 0)
-        uses = torch.stack([sampled, top_k, sampled & (self.top_p < 1), sampled & (self.min_p > 0),
-                            ~top_k, sampled & (self.top_p < 1) & ~top_k]).any(dim=1).tolist()
-        for name, value in zip(("all_greedy", "any_top_k", "any_top_p", "any_min_p", "all_top_k",
-                                "any_top_p_without_top_k"),
-                               [not uses[0], *uses[1:4], not uses[4], uses[5]]):
+        top_k, top_p = sampled & (self.top_k > 0), sampled & (self.top_p < 1)
+        rows = torch.stack([sampled, top_k, top_p, sampled & (self.min_p > 0), ~top_k,
+                            top_p & ~top_k]).any(dim=1).long()
+        (any_sampled, any_top_k, any_top_p, any_min_p, any_without_top_k,
+         any_top_p_without_top_k, max_top_k) = torch.cat([rows, self.top_k.max()[None]]).tolist()
+        flags = dict(all_greedy=not any_sampled, any_top_k=bool(any_top_k),
+                     any_top_p=bool(any_top_p), any_min_p=bool(any_min_p),
+                     any_truncation=bool(any_top_k or any_top_p or any_min_p),
+                     all_top_k=not any_without_top_k,
+                     any_top_p_without_top_k=bool(any_top_p_without_top_k), max_top_k=max_top_k)
+        for name, value in flags.items():  # one device read for all of them
             object.__setattr__(self, name, value)
-        object.__setattr__(self, "any_truncation", any(uses[1:4]))
-        object.__setattr__(self, "max_top_k", int(self.top_k.max()))
 
     @property
     def batch_size(self) -> int:
