@@ -2,20 +2,33 @@
 # One call on a CUDA machine: the GPU tests, then the kernel and verification benchmarks. Logs
 # and JSON go to $OUT (default ./gpu_out); the benchmarks' tables are printed last.
 #   bash scripts/gpu_check.sh [pytest args...]
+#   PARTS="kernels verify" bash scripts/gpu_check.sh     # a subset: tests, kernels, verify
 # Without arguments the tests are the Triton kernels compiled for the GPU and the engine's GPU
-# tests (the rest of the suite is CPU code, which CI runs). On an H200 (2026-11-21) the tests
-# took about 160 s (kernels) and 90 s (engine); the benchmarks' full sets are estimated at
-# about 2 minutes each from that day's partial runs: under the device tool's 10-minute call.
+# tests (the rest of the suite is CPU code, which CI runs). Measured durations: H100
+# (2026-11-21, eighth session) tests 375 s (95 tests), kernels about 120 s, verify about
+# 100 s, over the device tool's 10-minute call together: run PARTS=tests, then
+# PARTS="kernels verify". H200 (seventh session): tests about 250 s, all three fit one call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_out}
+PARTS=${PARTS:-tests kernels verify}
+for part in $PARTS; do
+    case $part in
+        tests|kernels|verify) ;;
+        *) echo "gpu_check.sh: PARTS has '$part'; allowed: tests, kernels, verify" >&2; exit 2 ;;
+    esac
+done
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 if [ $# -eq 0 ]; then
     set -- tests/test_kernels.py tests/test_verify_kernel.py tests/test_generate_gpu.py
 fi
-python -m pytest -q -x -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest.log" | tail -5
-python scripts/bench_kernels.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40
-python scripts/bench_verify.py --out "$OUT" 2>&1 | tee "$OUT/bench_verify.log" | tail -28
+for part in $PARTS; do
+    case $part in
+        tests) python -m pytest -q -x -p no:cacheprovider --durations=15 "$@" 2>&1 | tee "$OUT/pytest.log" | tail -5 ;;
+        kernels) python scripts/bench_kernels.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+        verify) python scripts/bench_verify.py --out "$OUT" 2>&1 | tee "$OUT/bench_verify.log" | tail -28 ;;
+    esac
+done
