@@ -1,10 +1,21 @@
-"""Time flashspec's fused sampler for several tile configurations per batch size (GPU).
+"""Time flashspec's fused kernels under several tile configurations per row count (GPU).
 
-How the fixed tile table in `flashspec/kernels/ops.py::default_config` was chosen:
+How the fixed tile tables in `flashspec/kernels/ops.py::default_config` are chosen:
 
-    PYTHONPATH=. python scripts/sweep_tiles.py [--dim 4096 --vocab 151936] [--out DIR]
+    PYTHONPATH=. python scripts/sweep_tiles.py --kernel sample --rows 1,16,64
+    PYTHONPATH=. python scripts/sweep_tiles.py --kernel verify --drafts 3 --rows 64,128,256 \
+        --configs "128,64,64,8,4 128,128,128,8,3,2"
+    PYTHONPATH=. TRITON_INTERPRET=1 python scripts/sweep_tiles.py --quick   # CPU smoke run
 
-Prints, per B, each configuration's median time and ratio to the HBM floor; writes JSON.
+--kernel: argmax; sample (T 0.7); qwen (T 0.6, top-k 20, top-p 0.95); verify and
+verify-qwen (the same settings, random drafts; rows = B * (G + 1) with G = --drafts).
+Each configuration, the default table's and cuBLAS matmul of the same rows are timed in one
+run and the same way as scripts/bench_kernels.py (CUDA-graph replay, do_bench median, L2
+flushed), so their ratios are what a choice can rest on: the same verification timed by two
+harnesses differed by up to 13% (H100, R = 96-256, 2026-11-21).
+
+Prints, per row count, the default's and the three fastest configurations' times against
+matmul; writes sweep_tiles.json (device, every timing) to --out.
 """
 
 from __future__ import annotations
@@ -13,72 +24,166 @@ import argparse
 import itertools
 import json
 import os
+import sys
+from functools import partial
+from pathlib import Path
+from typing import Callable
 
 import torch
-import triton
 
-import flashspec
-from flashspec.kernels import TileConfig, argmax_unchecked, sample_unchecked
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_kernels as bk  # noqa: E402 - a sibling script, not a package
+
+KERNELS = ("argmax", "sample", "qwen", "verify", "verify-qwen")
+SETTINGS = {"sample": dict(temperature=0.7), "qwen": dict(temperature=0.6, top_k=20, top_p=0.95)}
+QUICK_SHAPE = (32, 200)
 
 
-def measure_bandwidth() -> float:
-    """Bytes per second of a large device-to-device copy (read + write)."""
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-    return 2 * src.numel() / (ms * 1e-3)
+def parse_configs(text: str):
+    """TileConfigs from "bv,br,bd,warps,stages[,parts]" items separated by spaces or ';'."""
+    from flashspec.kernels import TileConfig
+
+    configs = []
+    for item in text.replace(";", " ").split():
+        try:
+            fields = [int(x) for x in item.split(",")]
+            if len(fields) not in (5, 6):
+                raise ValueError("expected 5 or 6 integers")
+            names = ("block_v", "block_r", "block_d", "num_warps", "num_stages", "epilogue_parts")
+            configs.append(TileConfig(**dict(zip(names, fields))))
+        except (ValueError, TypeError) as error:
+            raise argparse.ArgumentTypeError(
+                f"--configs item {item!r}: {error} (bv,br,bd,warps,stages[,parts])") from None
+    return configs
+
+
+def default_grid(rows: int):
+    """The grid swept when --configs is not given: row tiles that fit `rows`, two vocab
+    widths, two reduction steps, 4 or 8 warps, 2-4 stages (two stages leave room for two
+    programs per SM, so one's epilogue can overlap another's main loop)."""
+    from flashspec.kernels import TileConfig
+
+    block_rs = ([16] if rows <= 16 else [16, 32] if rows <= 32 else [32, 64] if rows <= 64
+                else [64, 128])
+    grid = itertools.product([64, 128], block_rs, [64, 128], [4, 8], [2, 3, 4])
+    return [TileConfig(block_v=bv, block_r=br, block_d=bd, num_warps=w, num_stages=s)
+            for bv, br, bd, w, s in grid]
+
+
+def default_config_of(kernel: str, rows: int):
+    """The tile configuration flashspec picks for `rows` bf16 rows of this kernel."""
+    from flashspec.kernels import default_config
+
+    return default_config(rows, 2, truncation=kernel.endswith("qwen"))
+
+
+def make_launch(kernel: str, rows: int, drafts: int, weight: torch.Tensor):
+    """(launch(config) -> outputs, hidden rows [R, D] for the matmul) for `rows` rows."""
+    import flashspec
+    from flashspec.kernels import argmax_unchecked, sample_unchecked, verify_unchecked
+
+    vocab, dim = weight.shape
+    device = weight.device
+    verify = kernel.startswith("verify")
+    positions_per_row = drafts + 1 if verify else 1
+    batch = rows // positions_per_row
+    gen = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(rows, dim, generator=gen, device=device).mul_(bk.HIDDEN_SCALE)
+    hidden = hidden.to(weight.dtype)
+    positions = torch.zeros(batch, dtype=torch.long, device=device)
+    if kernel == "argmax":
+        return (lambda config: argmax_unchecked(hidden, weight, config=config)), hidden
+    setting = SETTINGS["qwen" if kernel.endswith("qwen") else "sample"]
+    params = flashspec.SamplingParams.create(batch, seed=0, device=device, **setting)
+    if not verify:
+        return (lambda config: sample_unchecked(hidden, weight, params, positions,
+                                                config=config)), hidden
+    draft_tokens = torch.randint(0, vocab, (batch, drafts), generator=gen, device=device)
+    hidden3 = hidden.view(batch, positions_per_row, dim)
+    return (lambda config: verify_unchecked(hidden3, weight, draft_tokens, params, positions,
+                                            config=config)), hidden
+
+
+def time_config(launch: Callable, config, timer: Callable, cuda: bool) -> float | str:
+    """Median ms of `launch(config)` timed as bench_kernels times its variants, or the error
+    (a configuration that does not fit shared memory is skipped, not fatal)."""
+    try:
+        fn = partial(launch, config)
+        fn()  # the compile
+        timed, _ = bk.graph_replay(fn) if cuda else (fn, "eager")
+        return timer(timed)
+    except Exception as error:  # noqa: BLE001
+        if cuda:
+            torch.cuda.empty_cache()
+        return bk._status_of(error)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernel", choices=KERNELS, default="sample")
+    parser.add_argument("--dim", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=151_936)
+    parser.add_argument("--rows", default="1,16,32,64,128,256",
+                        help="row counts (verify: B * (G + 1))")
+    parser.add_argument("--drafts", type=int, default=3, help="G, for verify kernels")
+    parser.add_argument("--configs", type=parse_configs, default=None,
+                        help='"bv,br,bd,warps,stages[,parts] ..." (default: a grid per row count)')
+    parser.add_argument("--quick", action="store_true", help="tiny shape, CPU interpreter too")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args(argv)
+    try:
+        args.rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        parser.error(f"--rows {args.rows!r}: expected comma-separated positive integers")
+    if min(args.rows) < 1 or args.drafts < 1:
+        parser.error(f"--rows {args.rows} and --drafts {args.drafts} must be positive")
+    if args.kernel.startswith("verify") and any(r % (args.drafts + 1) for r in args.rows):
+        parser.error(f"--rows {args.rows}: each must be a multiple of --drafts + 1 = "
+                     f"{args.drafts + 1} for --kernel {args.kernel}")
+    return args
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dim", type=int, default=4096)
-    parser.add_argument("--vocab", type=int, default=151_936)
-    parser.add_argument("--batch-sizes", default="1,16,32,64,128,256")
-    parser.add_argument("--truncation", action="store_true", help="time top_k=20, top_p=0.95")
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = parser.parse_args(argv)
-
-    bandwidth = measure_bandwidth()
-    weight = torch.randn(args.vocab, args.dim, device="cuda", dtype=torch.bfloat16) / args.dim**0.5
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda and not (args.quick and os.environ.get("TRITON_INTERPRET") == "1"):
+        print("sweep_tiles.py times GPU kernels: run it on a CUDA machine, or with --quick and "
+              "TRITON_INTERPRET=1 (Triton's interpreter on the CPU)", file=sys.stderr)
+        return 2
+    dim, vocab = QUICK_SHAPE if args.quick else (args.dim, args.vocab)
+    timer = (partial(bk.time_cuda_ms, rep_ms=bk.QUICK_REP_MS if args.quick else bk.FULL_REP_MS)
+             if cuda else partial(bk.time_cpu_ms, rep_ms=bk.QUICK_REP_MS))
+    device = "cuda" if cuda else "cpu"
+    weight = (torch.randn(vocab, dim, generator=torch.Generator().manual_seed(1)) / dim**0.5
+              ).to(device, torch.bfloat16)
     results = []
-    for batch in [int(b) for b in args.batch_sizes.split(",")]:
-        hidden = torch.randn(batch, args.dim, device="cuda", dtype=torch.bfloat16) * 3
-        truncation = dict(top_k=20, top_p=0.95) if args.truncation else {}
-        params = flashspec.SamplingParams.create(batch, temperature=0.7, seed=0, device="cuda",
-                                                 **truncation)
-        positions = torch.zeros(batch, dtype=torch.long, device="cuda")
-        floor_ms = (args.vocab * args.dim + batch * args.dim) * 2 / bandwidth * 1e3
-        matmul_ms = triton.testing.do_bench(lambda: hidden @ weight.T, return_mode="median")
-        block_rs = ([16] if batch <= 16 else [16, 32] if batch <= 32 else [32, 64] if batch <= 64
-                    else [64, 128])
-        # Two stages leave room for two resident programs per SM, so one program's
-        # sampling epilogue can overlap another's main loop.
-        for block_v, block_r, block_d, warps, stages in itertools.product(
-                [64, 128], block_rs, [64, 128], [4, 8], [2, 3, 4]):
-            config = TileConfig(block_v=block_v, block_r=block_r, block_d=block_d,
-                                num_warps=warps, num_stages=stages)
-            try:
-                ms = triton.testing.do_bench(
-                    lambda: sample_unchecked(hidden, weight, params, positions, config=config),
-                    return_mode="median")
-            except Exception as error:  # out of shared memory etc.: skip the config
-                print(f"B={batch} {config}: {type(error).__name__}")
-                continue
-            results.append(dict(batch=batch, config=config.__dict__, ms=ms, floor_ms=floor_ms,
+    for rows in args.rows:
+        launch, hidden = make_launch(args.kernel, rows, args.drafts, weight)
+        matmul_ms = time_config(lambda _: hidden @ weight.T, None, timer, cuda)
+        configs = args.configs or default_grid(rows)
+        if args.quick:
+            configs = configs[:2]
+        timed = [(None, time_config(launch, None, timer, cuda))]
+        timed += [(config, time_config(launch, config, timer, cuda)) for config in configs]
+        default_config = default_config_of(args.kernel, rows)
+        for config, ms in timed:
+            ok = isinstance(ms, float)
+            results.append(dict(rows=rows, default=config is None,
+                                config=(config or default_config).__dict__,
+                                ms=ms if ok else None, error=None if ok else ms,
                                 matmul_ms=matmul_ms))
-        best = sorted((r for r in results if r["batch"] == batch), key=lambda r: r["ms"])[:3]
-        for r in best:
-            print(f"B={batch:4d} {r['ms']:.4f} ms  x{r['ms'] / floor_ms:.3f} floor  "
-                  f"x{r['ms'] / matmul_ms:.3f} matmul  {r['config']}")
-        default_ms = triton.testing.do_bench(
-            lambda: sample_unchecked(hidden, weight, params, positions), return_mode="median")
-        argmax_ms = triton.testing.do_bench(lambda: argmax_unchecked(hidden, weight),
-                                            return_mode="median")
-        print(f"B={batch:4d} default {default_ms:.4f} ms x{default_ms / floor_ms:.3f} floor; "
-              f"argmax {argmax_ms:.4f}; matmul {matmul_ms:.4f}; floor {floor_ms:.4f}")
+        these = [r for r in results if r["rows"] == rows]
+        fastest = sorted((r for r in these[1:] if r["ms"] is not None), key=lambda r: r["ms"])
+        for r in these[:1] + fastest[:3]:
+            ms = ("error" if r["ms"] is None
+                  else f"{r['ms']:.4f} ms x{r['ms'] / matmul_ms:.3f} matmul")
+            label = "default" if r["default"] else "       "
+            print(f"{args.kernel} R={rows:4d} {label} {ms}  {r['error'] or r['config']}",
+                  flush=True)
+    name = torch.cuda.get_device_name() if cuda else "cpu"
     with open(os.path.join(args.out, "sweep_tiles.json"), "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), bandwidth=bandwidth, dim=args.dim,
-                       vocab=args.vocab, results=results), f, indent=1)
+        json.dump(dict(device=name, kernel=args.kernel, dim=dim, vocab=vocab, drafts=args.drafts,
+                       results=results), f, indent=1)
     return 0
 
 

@@ -1,0 +1,55 @@
+"""scripts/sweep_tiles.py: the --quick run (CPU, kernels interpreted) and its refusals."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from script_module import load_script
+
+sweep = load_script("sweep_tiles")
+
+
+def _run(tmp_path, *args):
+    assert torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+    code = sweep.main(["--quick", *args, "--out", str(tmp_path)])
+    return code, json.loads((tmp_path / "sweep_tiles.json").read_text())
+
+
+@pytest.mark.parametrize("kernel, rows, drafts", [("sample", "2", "3"), ("verify-qwen", "4", "1")])
+def test_quick_run_times_default_and_given_configs(tmp_path, kernel, rows, drafts):
+    code, report = _run(tmp_path, "--kernel", kernel, "--rows", rows, "--drafts", drafts,
+                        "--configs", "64,16,16,4,2 128,16,32,4,3,2")
+    assert code == 0 and report["kernel"] == kernel
+    results = report["results"]
+    assert [r["default"] for r in results] == [True, False, False]
+    assert results[0]["config"] == sweep.default_config_of(kernel, int(rows)).__dict__
+    assert [r["config"]["block_v"] for r in results[1:]] == [64, 128]
+    assert results[2]["config"]["epilogue_parts"] == 2
+    for r in results:
+        assert r["error"] is None and r["ms"] > 0 and r["matmul_ms"] > 0 and r["rows"] == int(rows)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 64, 65, 256])
+def test_default_grid_fits_the_rows(rows):
+    grid = sweep.default_grid(rows)
+    assert len(grid) == len({repr(c) for c in grid}) > 0
+    block_rs = {c.block_r for c in grid}
+    assert max(block_rs) >= min(rows, 16) and (rows > 16 or block_rs == {16})
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--configs", "64,16"], "expected 5 or 6 integers"),
+    (["--configs", "64,16,16,4,2,3"], "epilogue_parts=3"),
+    (["--configs", "48,16,16,4,2"], "block_v=48 must be a power of two"),
+    (["--rows", "0"], "must be positive"),
+    (["--rows", "2,x"], "comma-separated positive integers"),
+    (["--kernel", "verify", "--rows", "3", "--drafts", "1"], "multiple of --drafts + 1 = 2"),
+    (["--kernel", "topk"], "invalid choice"),
+])
+def test_bad_arguments_are_refused_by_name(capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        sweep.main(["--quick", *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
