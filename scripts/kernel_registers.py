@@ -1,0 +1,124 @@
+"""Registers, spills, shared memory and programs per SM of stage 1, compiled offline.
+
+Stage 1 of the fused kernels is compiled for Hopper (sm_90a) by Triton and its ptxas for each
+tile configuration, on any machine: no GPU and no device time.
+
+Whether a configuration's epilogue fits in registers, and how many programs share an SM
+(so that one program's epilogue can overlap another's main loop), decide much of its speed
+at large B; this answers both before a device is lent:
+
+    PYTHONPATH=. python scripts/kernel_registers.py --kernel sample \
+        --configs "128,128,128,8,3,2 128,64,64,8,4"
+
+Prints one line per configuration; writes kernel_registers.json to --out. Configurations
+are "bv,br,bd,warps,stages[,parts]" as in scripts/sweep_tiles.py. Assumes bf16 inputs, V a
+multiple of the vocab tile and D of the reduction step (the shipped shapes), TMA loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sweep_tiles import parse_configs  # noqa: E402 - a sibling script, not a package
+
+from flashspec.kernels import lm_head  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+SM_SHARED_BYTES = 228 * 1024  # H100 / H200: per SM; each resident program also reserves 1 KB
+SM_REGISTERS = 65536
+SM_THREADS = 2048
+CANDIDATES = 8
+# (SAMPLE, LSE, CAND, DRAFT) of each kernel as ops._launch sets them for the benchmarks'
+# settings (T 0.7 untruncated; qwen = top-k 20 + top-p 0.95, every row with a top-k).
+KERNELS = {"argmax": (False, False, 0, False), "sample": (True, False, 0, False),
+           "qwen": (True, False, CANDIDATES, False), "verify": (True, True, 0, True),
+           "verify-qwen": (True, False, CANDIDATES, True)}
+
+
+def signature(config, cand: int, draft: bool) -> dict[str, str]:
+    if cand:  # interleaved tiles: the weight viewed as [BV / 16, NUM_VT, 16, D]
+        weight_box = f"{config.block_v // 16}, 1, 16, {config.block_d}"
+    else:
+        weight_box = f"{config.block_v}, {config.block_d}"
+    return {"hidden_ptr": "*bf16", "weight_ptr": "*bf16",
+            "hidden_desc": f"tensordesc<bf16[{config.block_r}, {config.block_d}]>",
+            "weight_desc": f"tensordesc<bf16[{weight_box}]>",
+            "do_sample_ptr": "*i1", "temperature_ptr": "*fp64", "seed_ptr": "*i64",
+            "position_ptr": "*i64", "best_ptr": "*fp32", "best_id_ptr": "*i32",
+            "best_s_ptr": "*fp32", "max_ptr": "*fp32", "sumexp_ptr": "*fp32", "bad_ptr": "*i32",
+            "cand_ptr": "*i64" if cand else "*i32", "draft_ptr": "*i64" if draft else "*i32",
+            "draft_s_ptr": "*fp32", "R": "i32", "V": "i32", "D": "i32", "stride_hidden": "i32",
+            "stride_weight": "i32", "NUM_VT": "i32", "ROWS_PER_PARAM": "i32"}
+
+
+def compile_report(kernel: str, config) -> dict:
+    """ptxas's registers and spill bytes, Triton's shared memory, and the programs per SM
+    that registers and shared memory allow, of stage 1 under `config`."""
+    sample, lse, cand, draft = KERNELS[kernel]
+    constants = dict(SAMPLE=sample, LSE=lse, CAND=cand, DRAFT=draft, IEEE_DOT=False,
+                     INTERLEAVE=cand > 0, EVEN_V=True, EVEN_D=True, TMA=True,
+                     PARTS=config.epilogue_parts, BLOCK_V=config.block_v,
+                     BLOCK_R=config.block_r, BLOCK_D=config.block_d,
+                     NUM_STAGES=config.num_stages)
+    sig = signature(config, cand, draft) | {name: "constexpr" for name in constants}
+    compiled = triton.compile(ASTSource(lm_head.lm_head_tiles_kernel, sig, constants),
+                              target=TARGET, options=dict(num_warps=config.num_warps,
+                                                          num_stages=config.num_stages))
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "stage1.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        log = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    spill_stores, spill_loads = map(int, re.search(
+        r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups())
+    shared = compiled.metadata.shared
+    threads = 32 * config.num_warps
+    per_sm = min(SM_SHARED_BYTES // (shared + 1024), SM_REGISTERS // (registers * threads),
+                 SM_THREADS // threads)
+    return dict(kernel=kernel, config=config.__dict__, registers=registers,
+                spill_store_bytes=spill_stores, spill_load_bytes=spill_loads,
+                shared_bytes=shared, programs_per_sm=per_sm)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernel", choices=tuple(KERNELS), default="sample")
+    parser.add_argument("--configs", type=parse_configs, required=True,
+                        help='"bv,br,bd,warps,stages[,parts] ..."')
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("kernel_registers.py compiles the kernels: unset TRITON_INTERPRET (interpreted "
+              "kernels cannot be compiled)", file=sys.stderr)
+        return 2
+    reports = []
+    for config in args.configs:
+        report = compile_report(args.kernel, config)
+        reports.append(report)
+        c = config
+        print(f"{args.kernel} {c.block_v}x{c.block_r} d{c.block_d} {c.num_warps}w {c.num_stages}s "
+              f"parts {c.epilogue_parts}: {report['registers']} registers, spills "
+              f"{report['spill_store_bytes']}/{report['spill_load_bytes']} B, shared "
+              f"{report['shared_bytes'] // 1024} KB, {report['programs_per_sm']} per SM",
+              flush=True)
+    with open(os.path.join(args.out, "kernel_registers.json"), "w") as f:
+        json.dump(dict(target="sm_90a", triton=triton.__version__, reports=reports), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,50 @@
+"""scripts/kernel_registers.py: stage 1 compiled for sm_90a on the CPU (Triton + ptxas)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from script_module import SCRIPTS, load_script
+
+registers = load_script("kernel_registers")
+
+
+def test_reports_registers_shared_memory_and_programs_per_sm(tmp_path):
+    # A process of its own: under TRITON_INTERPRET=1 (set by conftest) Triton's own jitted
+    # helpers are interpreted functions and nothing compiles.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS.parent), env.get("PYTHONPATH", "")])
+    subprocess.run([sys.executable, str(SCRIPTS / "kernel_registers.py"), "--kernel", "verify",
+                    "--configs", "64,16,64,4,2 128,16,128,4,3", "--out", str(tmp_path)],
+                   env=env, check=True, capture_output=True, timeout=600)
+    reports = json.loads((tmp_path / "kernel_registers.json").read_text())["reports"]
+    assert [r["config"]["block_v"] for r in reports] == [64, 128]
+    for r in reports:
+        assert 16 <= r["registers"] <= 255 and r["spill_store_bytes"] >= 0
+        threads = 32 * r["config"]["num_warps"]
+        assert r["programs_per_sm"] == min(registers.SM_SHARED_BYTES // (r["shared_bytes"] + 1024),
+                                           registers.SM_REGISTERS // (r["registers"] * threads),
+                                           registers.SM_THREADS // threads)
+    # Pipeline buffers of a 128-token by 128-deep weight tile and a 16-row hidden tile.
+    assert reports[1]["shared_bytes"] >= 2 * (128 * 128 + 16 * 128) * 2
+
+
+def test_interpreter_is_refused_by_name(capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert registers.main(["--configs", "64,16,64,4,2"]) == 2
+    assert "unset TRITON_INTERPRET" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--configs", "64,16"], "expected 5 or 6 integers"),
+    (["--configs", "64,16,64,4,2", "--kernel", "topk"], "invalid choice"),
+    ([], "--configs"),
+])
+def test_bad_arguments_are_refused_by_name(capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        registers.main(args)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
