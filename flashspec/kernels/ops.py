@@ -80,10 +80,13 @@ def default_config(num_rows: int, element_size: int = 2, truncation: bool = Fals
 
 def _bf16_config(num_rows: int) -> TileConfig:
     # From scripts/sweep_tiles.py on an H200 and scratch probes on an H100 (D=4096,
-    # V=151,936, bf16), 2026-11-21. Vocab tiles stay 128 wide: 64 ties untruncated but
-    # doubles the tile maxima truncation sorts.
+    # V=151,936, bf16), 2026-11-21. Up to 16 rows, 64-wide vocab tiles: five programs of
+    # 40 KB per SM instead of three of 72 KB (scripts/kernel_registers.py), more of them
+    # streaming while others are in their prologue or epilogue (graph-timed H100, B=16:
+    # sample 0.441 -> 0.432 ms, argmax 0.435 -> 0.430; B=1 and the H200 tie). Truncation
+    # keeps 128 (its own table).
     if num_rows <= 16:
-        return TileConfig(block_v=128, block_r=16, block_d=128, num_warps=4, num_stages=3)
+        return TileConfig(block_v=64, block_r=16, block_d=128, num_warps=4, num_stages=3)
     if num_rows <= 64:  # two stages: two programs per SM, epilogue overlaps the main loop
         return TileConfig(block_v=128, block_r=32 if num_rows <= 32 else 64, block_d=128,
                           num_warps=8, num_stages=2)
@@ -98,8 +101,8 @@ def _bf16_truncation_config(num_rows: int) -> TileConfig:
     # after candidates were extracted from the fp32 logits (no int64 sort in the
     # epilogue): 128-wide tiles win again, and halve the tile maxima stage 2 sorts.
     # 17-32 rows: 0.368 -> 0.354 ms; 33-64 rows: 0.404 -> 0.377 ms.
-    if num_rows <= 16:
-        return _bf16_config(num_rows)
+    if num_rows <= 16:  # 128-wide: half the tile maxima for stage 2 to sort
+        return TileConfig(block_v=128, block_r=16, block_d=128, num_warps=4, num_stages=3)
     if num_rows <= 32:
         return TileConfig(block_v=128, block_r=32, block_d=128, num_warps=8, num_stages=3)
     if num_rows <= 64:
