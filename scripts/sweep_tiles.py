@@ -74,7 +74,8 @@ def default_config_of(kernel: str, rows: int):
     """The tile configuration flashspec picks for `rows` bf16 rows of this kernel."""
     from flashspec.kernels import default_config
 
-    return default_config(rows, 2, truncation=kernel.endswith("qwen"))
+    return default_config(rows, 2, truncation=kernel.endswith("qwen"),
+                          verification=kernel.startswith("verify"))
 
 
 def make_launch(kernel: str, rows: int, drafts: int, weight: torch.Tensor):

@@ -224,14 +224,15 @@ def test_top_k_longer_than_the_merged_list(truncation, fast_rows):
 
 
 class StageOneSpy:
-    """Stands in for the stage-1 kernel and records each launch's LSE flag."""
+    """Stands in for the stage-1 kernel and records each launch's LSE flag and row tile."""
 
     def __init__(self, kernel):
-        self.kernel, self.lse = kernel, []
+        self.kernel, self.lse, self.block_r = kernel, [], []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.lse.append(kwargs["LSE"])
+            self.block_r.append(kwargs["BLOCK_R"])
             return self.kernel[grid](*args, **kwargs)
         return launch
 

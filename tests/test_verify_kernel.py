@@ -95,6 +95,28 @@ def test_speculation_invariance_per_truncation_mode(case):
     assert (ours.num_accepted >= 0).all()
 
 
+def test_untruncated_verification_of_65_to_128_rows_takes_64_row_tiles(monkeypatch):
+    """Verification's own default tiles (64 rows where 65-128 are verified: its epilogue
+    would leave one 128-row program per SM); results are the reference's."""
+    spy = StageOneSpy(kernels.ops.lm_head.lm_head_tiles_kernel)
+    monkeypatch.setattr(kernels.ops.lm_head, "lm_head_tiles_kernel", spy)
+    g = torch.Generator().manual_seed(11)
+    batch, num_drafts, vocab_size, dim = 17, 3, 150, 24
+    flat_hidden, weight, _ = random_problem(g, batch * (num_drafts + 1), vocab_size, dim)
+    hidden, weight = flat_hidden.view(batch, num_drafts + 1, dim).cpu(), weight.cpu()
+    positions = torch.randint(0, 1000, (batch,), generator=g)
+    params = SamplingParams.create(batch, do_sample=[True] * 16 + [False], temperature=0.8,
+                                   seed=5)
+    plain = torch.stack([reference.lm_head_sample(hidden[:, j], weight, params, positions + j)
+                         for j in range(num_drafts + 1)], dim=1)
+    drafts = random_drafts(g, plain, vocab_size)
+    ours = kernel_verify(hidden, weight, drafts, params, positions, config=None)
+    theirs = reference.lm_head_verify(hidden, weight, drafts, params, positions)
+    assert_same_verify(ours, theirs, hidden, weight, params, positions)
+    assert spy.block_r == [64]
+    assert kernels.default_config(batch * (num_drafts + 1), 2).block_r == 128  # sampling's
+
+
 @pytest.mark.parametrize("top_k, full_normaliser", [([10, 7, 150], False), ([10, 7, 300], True)])
 def test_rows_with_a_top_k_verify_without_the_full_normaliser(monkeypatch, top_k, full_normaliser):
     """Where every row has a top-k below V, stage 1 skips the log-sum-exp: p(draft) and the

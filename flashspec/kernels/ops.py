@@ -68,11 +68,17 @@ class TileConfig:
             raise ValueError(f"TileConfig.candidates={self.candidates} exceeds block_v")
 
 
-def default_config(num_rows: int, element_size: int = 2, truncation: bool = False) -> TileConfig:
+def default_config(num_rows: int, element_size: int = 2, truncation: bool = False,
+                   verification: bool = False) -> TileConfig:
     """Fixed tile table by number of rows (decode batch, or batch x (G+1) for verify) and by
-    whether candidates are kept (a heavier epilogue: other shapes win); 4-byte inputs take
-    half the reduction step to fit the same shared memory."""
-    config = _bf16_truncation_config(num_rows) if truncation else _bf16_config(num_rows)
+    epilogue: candidates kept (truncation) or drafts verified are heavier, and other shapes
+    win for them; 4-byte inputs take half the reduction step to fit the same shared memory."""
+    if truncation:
+        config = _bf16_truncation_config(num_rows)
+    elif verification:
+        config = _bf16_verification_config(num_rows)
+    else:
+        config = _bf16_config(num_rows)
     if element_size > 2:
         config = dataclasses.replace(config, block_d=max(16, config.block_d // 2))
     return config
@@ -94,6 +100,18 @@ def _bf16_config(num_rows: int) -> TileConfig:
     # needs fewer registers (H100, B=128: 0.546 -> 0.532 ms with 128-deep steps, 3 stages).
     return TileConfig(block_v=128, block_r=128, block_d=128, num_warps=8, num_stages=3,
                       epilogue_parts=2)
+
+
+def _bf16_verification_config(num_rows: int) -> TileConfig:
+    # Verification's epilogue (log-sum-exp, the draft's mask and logit) takes 209 registers
+    # on 128x128 tiles, one program per SM; 64-row tiles keep it at 128 registers, two per
+    # SM, one's epilogue beside the other's main loop (scripts/kernel_registers.py).
+    # scripts/sweep_tiles.py --kernel verify, H100, 2026-11-21, same run each: R = 96
+    # 0.645 -> 0.590 ms, R = 128 0.652 -> 0.540 (sampling gains nothing: 128 rows tie, 96
+    # and 256 rows are 12-14% slower). R = 256: -4% in one probe, not taken yet.
+    if 64 < num_rows <= 128:
+        return TileConfig(block_v=128, block_r=64, block_d=64, num_warps=8, num_stages=4)
+    return _bf16_config(num_rows)
 
 
 def _bf16_truncation_config(num_rows: int) -> TileConfig:
@@ -180,11 +198,11 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
     vocab_size = weight.shape[0]
     sample = params is not None and not params.all_greedy
     truncate = params is not None and params.any_truncation
-    config = config or default_config(num_rows, hidden.element_size(), truncate)
     device = hidden.device
     if hidden.stride(-1) != 1:
         hidden = hidden.contiguous()
     verify = drafts is not None
+    config = config or default_config(num_rows, hidden.element_size(), truncate, verify)
     # Stage 1's full log-sum-exp: for the logprobs of rows without a top-k (verification
     # always reports them) and for top-p without top-k. Rows with a top-k below V
     # normalise over their candidates in stage 2 (one `exp` per logit less).
