@@ -22,6 +22,19 @@ def kernel_verify(hidden, weight, drafts, params, positions, config=SMALL, **kwa
     return reference.VerifyOutput(*(t.to(hidden.device) for t in out))
 
 
+def verify_problem(g, batch, num_drafts, vocab_size, dim):
+    """CPU hidden ``[B, G+1, D]``, weight and positions of a random verification."""
+    flat_hidden, weight, _ = random_problem(g, batch * (num_drafts + 1), vocab_size, dim)
+    hidden = flat_hidden.view(batch, num_drafts + 1, dim).cpu()
+    return hidden, weight.cpu(), torch.randint(0, 1000, (batch,), generator=g)
+
+
+def plain_samples(hidden, weight, params, positions):
+    """The reference's plain sample at each of the G+1 positions, ``[B, G+1]``."""
+    return torch.stack([reference.lm_head_sample(hidden[:, j], weight, params, positions + j)
+                        for j in range(hidden.shape[1])], dim=1)
+
+
 def random_drafts(g, plain, vocab_size):
     """Right, wrong, random and padded drafts mixed per row, from the plain samples."""
     batch, num_drafts = plain.shape[0], plain.shape[1] - 1
@@ -101,15 +114,11 @@ def test_untruncated_verification_of_65_to_128_rows_takes_64_row_tiles(monkeypat
     spy = StageOneSpy(kernels.ops.lm_head.lm_head_tiles_kernel)
     monkeypatch.setattr(kernels.ops.lm_head, "lm_head_tiles_kernel", spy)
     g = torch.Generator().manual_seed(11)
-    batch, num_drafts, vocab_size, dim = 17, 3, 150, 24
-    flat_hidden, weight, _ = random_problem(g, batch * (num_drafts + 1), vocab_size, dim)
-    hidden, weight = flat_hidden.view(batch, num_drafts + 1, dim).cpu(), weight.cpu()
-    positions = torch.randint(0, 1000, (batch,), generator=g)
+    batch, num_drafts, vocab_size = 17, 3, 150
+    hidden, weight, positions = verify_problem(g, batch, num_drafts, vocab_size, 24)
     params = SamplingParams.create(batch, do_sample=[True] * 16 + [False], temperature=0.8,
                                    seed=5)
-    plain = torch.stack([reference.lm_head_sample(hidden[:, j], weight, params, positions + j)
-                         for j in range(num_drafts + 1)], dim=1)
-    drafts = random_drafts(g, plain, vocab_size)
+    drafts = random_drafts(g, plain_samples(hidden, weight, params, positions), vocab_size)
     ours = kernel_verify(hidden, weight, drafts, params, positions, config=None)
     theirs = reference.lm_head_verify(hidden, weight, drafts, params, positions)
     assert_same_verify(ours, theirs, hidden, weight, params, positions)
@@ -126,14 +135,11 @@ def test_rows_with_a_top_k_verify_without_the_full_normaliser(monkeypatch, top_k
     spy = StageOneSpy(kernels.ops.lm_head.lm_head_tiles_kernel)
     monkeypatch.setattr(kernels.ops.lm_head, "lm_head_tiles_kernel", spy)
     g = torch.Generator().manual_seed(8)
-    batch, num_drafts, vocab_size, dim = 3, 3, 200, 32
-    flat_hidden, weight, _ = random_problem(g, batch * (num_drafts + 1), vocab_size, dim)
-    hidden, weight = flat_hidden.view(batch, num_drafts + 1, dim).cpu(), weight.cpu()
-    positions = torch.randint(0, 1000, (batch,), generator=g)
+    batch, num_drafts, vocab_size = 3, 3, 200
+    hidden, weight, positions = verify_problem(g, batch, num_drafts, vocab_size, 32)
     params = SamplingParams.create(batch, temperature=[0.6, 1.2, 0.8], top_k=top_k,
                                    top_p=[0.95, 1.0, 0.9], seed=4)
-    plain = torch.stack([reference.lm_head_sample(hidden[:, j], weight, params, positions + j)
-                         for j in range(num_drafts + 1)], dim=1)
+    plain = plain_samples(hidden, weight, params, positions)
     kernels.reset_stats()
     for drafts in (plain[:, :-1], random_drafts(g, plain, vocab_size)):
         ours = kernel_verify(hidden, weight, drafts, params, positions)
