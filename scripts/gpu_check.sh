@@ -6,7 +6,7 @@
 # Without arguments the tests are the Triton kernels compiled for the GPU and the engine's GPU
 # tests (the rest of the suite is CPU code, which CI runs). Measured durations: H100
 # (2026-11-21, eighth session) tests 375 s (95 tests), kernels about 120 s, verify about
-# 100 s, over the device tool's 10-minute call together: run PARTS=tests, then
+# 100 s, about the device tool's 10-minute call together: run PARTS=tests, then
 # PARTS="kernels verify". H200 (seventh session): tests about 250 s, all three fit one call.
 set -uo pipefail
 cd "$(dirname "$0")/.."

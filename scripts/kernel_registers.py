@@ -13,6 +13,8 @@ at large B; this answers both before a device is lent:
 Prints one line per configuration; writes kernel_registers.json to --out. Configurations
 are "bv,br,bd,warps,stages[,parts]" as in scripts/sweep_tiles.py. Assumes bf16 inputs, V a
 multiple of the vocab tile and D of the reduction step (the shipped shapes), TMA loads.
+The runtime compile also knows which integer arguments are multiples of 16 (and may count a
+few registers differently); the shared memory and the tile's epilogue are the same.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 SM_SHARED_BYTES = 228 * 1024  # H100 / H200: per SM; each resident program also reserves 1 KB
 SM_REGISTERS = 65536
 SM_THREADS = 2048
+REGISTER_UNIT = 8  # registers are allocated per thread in multiples of 8 (256 per warp)
 CANDIDATES = 8
 # (SAMPLE, LSE, CAND, DRAFT) of each kernel as ops._launch sets them for the benchmarks'
 # settings (T 0.7 untruncated; qwen = top-k 20 + top-p 0.95, every row with a top-k).
@@ -87,7 +90,8 @@ def compile_report(kernel: str, config) -> dict:
         r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups())
     shared = compiled.metadata.shared
     threads = 32 * config.num_warps
-    per_sm = min(SM_SHARED_BYTES // (shared + 1024), SM_REGISTERS // (registers * threads),
+    allocated = -(-registers // REGISTER_UNIT) * REGISTER_UNIT
+    per_sm = min(SM_SHARED_BYTES // (shared + 1024), SM_REGISTERS // (allocated * threads),
                  SM_THREADS // threads)
     return dict(kernel=kernel, config=config.__dict__, registers=registers,
                 spill_store_bytes=spill_stores, spill_load_bytes=spill_loads,

@@ -105,18 +105,19 @@ def make_launch(kernel: str, rows: int, drafts: int, weight: torch.Tensor):
                                             config=config)), hidden
 
 
-def time_config(launch: Callable, config, timer: Callable, cuda: bool) -> float | str:
-    """Median ms of `launch(config)` timed as bench_kernels times its variants, or the error
-    (a configuration that does not fit shared memory is skipped, not fatal)."""
+def time_config(launch: Callable, config, timer: Callable, cuda: bool) -> dict:
+    """{"ms", "timing", "error"} of `launch(config)`, timed as bench_kernels times its
+    variants ("graph" replay, or "eager: <why>" where capture failed; "eager" on the CPU).
+    A configuration that fails (out of shared memory, say) gives ms None and its error."""
     try:
         fn = partial(launch, config)
         fn()  # the compile
-        timed, _ = bk.graph_replay(fn) if cuda else (fn, "eager")
-        return timer(timed)
+        timed, how = bk.graph_replay(fn) if cuda else (fn, "eager")
+        return dict(ms=timer(timed), timing=how, error=None)
     except Exception as error:  # noqa: BLE001
         if cuda:
             torch.cuda.empty_cache()
-        return bk._status_of(error)
+        return dict(ms=None, timing=None, error=bk._status_of(error))
 
 
 def parse_args(argv):
@@ -157,34 +158,33 @@ def main(argv=None) -> int:
     device = "cuda" if cuda else "cpu"
     weight = (torch.randn(vocab, dim, generator=torch.Generator().manual_seed(1)) / dim**0.5
               ).to(device, torch.bfloat16)
+    name = torch.cuda.get_device_name() if cuda else "cpu"
     results = []
     for rows in args.rows:
         launch, hidden = make_launch(args.kernel, rows, args.drafts, weight)
-        matmul_ms = time_config(lambda _: hidden @ weight.T, None, timer, cuda)
+        matmul_ms = time_config(lambda _: hidden @ weight.T, None, timer, cuda)["ms"]
         configs = args.configs or default_grid(rows)
-        if args.quick:
+        if args.quick and args.configs is None:
             configs = configs[:2]
-        timed = [(None, time_config(launch, None, timer, cuda))]
-        timed += [(config, time_config(launch, config, timer, cuda)) for config in configs]
         default_config = default_config_of(args.kernel, rows)
-        for config, ms in timed:
-            ok = isinstance(ms, float)
-            results.append(dict(rows=rows, default=config is None,
-                                config=(config or default_config).__dict__,
-                                ms=ms if ok else None, error=None if ok else ms,
-                                matmul_ms=matmul_ms))
-        these = [r for r in results if r["rows"] == rows]
+        these = []
+        for config in [None] + configs:
+            these.append(dict(rows=rows, default=config is None,
+                              config=(config or default_config).__dict__, matmul_ms=matmul_ms,
+                              **time_config(launch, config, timer, cuda)))
+        results += these
         fastest = sorted((r for r in these[1:] if r["ms"] is not None), key=lambda r: r["ms"])
         for r in these[:1] + fastest[:3]:
-            ms = ("error" if r["ms"] is None
-                  else f"{r['ms']:.4f} ms x{r['ms'] / matmul_ms:.3f} matmul")
+            ms = "error" if r["ms"] is None else f"{r['ms']:.4f} ms"
+            if r["ms"] is not None and matmul_ms is not None:
+                ms += f" x{r['ms'] / matmul_ms:.3f} matmul"
             label = "default" if r["default"] else "       "
             print(f"{args.kernel} R={rows:4d} {label} {ms}  {r['error'] or r['config']}",
                   flush=True)
-    name = torch.cuda.get_device_name() if cuda else "cpu"
-    with open(os.path.join(args.out, "sweep_tiles.json"), "w") as f:
-        json.dump(dict(device=name, kernel=args.kernel, dim=dim, vocab=vocab, drafts=args.drafts,
-                       results=results), f, indent=1)
+        # After every row count: what a run cut off by its time limit timed is kept.
+        with open(os.path.join(args.out, "sweep_tiles.json"), "w") as f:
+            json.dump(dict(device=name, kernel=args.kernel, dim=dim, vocab=vocab,
+                           drafts=args.drafts, results=results), f, indent=1)
     return 0
 
 

@@ -29,14 +29,15 @@ def test_quick_run_times_default_and_given_configs(tmp_path, kernel, rows, draft
     assert results[2]["config"]["epilogue_parts"] == 2
     for r in results:
         assert r["error"] is None and r["ms"] > 0 and r["matmul_ms"] > 0 and r["rows"] == int(rows)
+        assert r["timing"] == ("graph" if torch.cuda.is_available() else "eager")
 
 
-@pytest.mark.parametrize("rows", [1, 16, 17, 64, 65, 256])
-def test_default_grid_fits_the_rows(rows):
+@pytest.mark.parametrize("rows, block_rs", [(1, {16}), (16, {16}), (17, {16, 32}),
+                                            (64, {32, 64}), (65, {64, 128}), (256, {64, 128})])
+def test_default_grid_fits_the_rows(rows, block_rs):
     grid = sweep.default_grid(rows)
-    assert len(grid) == len({repr(c) for c in grid}) > 0
-    block_rs = {c.block_r for c in grid}
-    assert max(block_rs) >= min(rows, 16) and (rows > 16 or block_rs == {16})
+    assert len(grid) == len({repr(c) for c in grid}) == 24 * len(block_rs)
+    assert {c.block_r for c in grid} == block_rs
 
 
 @pytest.mark.parametrize("args, message", [

@@ -126,6 +126,18 @@ def test_untruncated_verification_of_65_to_128_rows_takes_64_row_tiles(monkeypat
     assert kernels.default_config(batch * (num_drafts + 1), 2).block_r == 128  # sampling's
 
 
+@pytest.mark.parametrize("rows, verification_rows", [(64, 64), (65, 64), (128, 64), (129, 128)])
+def test_verification_table_takes_64_row_tiles_for_65_to_128_rows(rows, verification_rows):
+    """Untruncated verification of 65-128 rows: 64-row tiles; elsewhere sampling's tiles;
+    truncation's own table whatever the kernel."""
+    verification = kernels.default_config(rows, 2, verification=True)
+    sampling = kernels.default_config(rows, 2)
+    assert verification.block_r == verification_rows
+    assert (verification == sampling) == (not 64 < rows <= 128)
+    assert (kernels.default_config(rows, 2, truncation=True, verification=True)
+            == kernels.default_config(rows, 2, truncation=True))
+
+
 @pytest.mark.parametrize("top_k, full_normaliser", [([10, 7, 150], False), ([10, 7, 300], True)])
 def test_rows_with_a_top_k_verify_without_the_full_normaliser(monkeypatch, top_k, full_normaliser):
     """Where every row has a top-k below V, stage 1 skips the log-sum-exp: p(draft) and the
@@ -294,18 +306,20 @@ def test_bad_verify_inputs():
 @pytest.mark.gpu
 @pytest.mark.parametrize("sampling", [dict(temperature=0.7), dict(temperature=0.6, top_k=20, top_p=0.95),
                                       dict(do_sample=False)])
-def test_full_size_verify_invariance_on_gpu(sampling):
+@pytest.mark.parametrize("batch", [8, 16])  # 48 rows; 96 (verification's 64-row tiles)
+def test_full_size_verify_invariance_on_gpu(sampling, batch):
     """D=4096, V=151,936, bf16: emitted tokens equal plain fused sampling at each position
     (speculation invariance within the fused path) for right, wrong and padded drafts."""
     g = torch.Generator().manual_seed(0)
-    batch, num_drafts, dim, vocab_size = 8, 5, 4096, 151_936
+    num_drafts, dim, vocab_size = 5, 4096, 151_936
     weight = (torch.randn(vocab_size, dim, generator=g) / dim**0.5).to("cuda", torch.bfloat16)
     hidden = (torch.randn(batch, num_drafts + 1, dim, generator=g) * 2).to("cuda", torch.bfloat16)
     params = SamplingParams.create(batch, seed=3, device="cuda", **sampling)
     positions = torch.arange(batch, device="cuda") * 100
     # One tile configuration for both: the same instructions sum each logit, so the
     # comparison is exact (across configurations bf16 sums may differ in the last bit).
-    config = kernels.default_config(batch * (num_drafts + 1), 2, params.any_truncation)
+    config = kernels.default_config(batch * (num_drafts + 1), 2, params.any_truncation,
+                                    verification=True)
     plain = torch.stack([kernels.lm_head_sample(hidden[:, j].contiguous(), weight, params,
                                                 positions + j, config=config)
                          for j in range(num_drafts + 1)], dim=1)

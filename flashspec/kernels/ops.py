@@ -71,8 +71,9 @@ class TileConfig:
 def default_config(num_rows: int, element_size: int = 2, truncation: bool = False,
                    verification: bool = False) -> TileConfig:
     """Fixed tile table by number of rows (decode batch, or batch x (G+1) for verify) and by
-    epilogue: candidates kept (truncation) or drafts verified are heavier, and other shapes
-    win for them; 4-byte inputs take half the reduction step to fit the same shared memory."""
+    epilogue: candidates kept (truncation, whether verifying or not) or drafts verified are
+    heavier, and other shapes win for them; 4-byte inputs take half the reduction step to
+    fit the same shared memory."""
     if truncation:
         config = _bf16_truncation_config(num_rows)
     elif verification:
