@@ -42,12 +42,12 @@ SM_SHARED_BYTES = 228 * 1024  # H100 / H200: per SM; each resident program also 
 SM_REGISTERS = 65536
 SM_THREADS = 2048
 REGISTER_UNIT = 8  # registers are allocated per thread in multiples of 8 (256 per warp)
-CANDIDATES = 8
-# (SAMPLE, LSE, CAND, DRAFT) of each kernel as ops._launch sets them for the benchmarks'
-# settings (T 0.7 untruncated; qwen = top-k 20 + top-p 0.95, every row with a top-k).
-KERNELS = {"argmax": (False, False, 0, False), "sample": (True, False, 0, False),
-           "qwen": (True, False, CANDIDATES, False), "verify": (True, True, 0, True),
-           "verify-qwen": (True, False, CANDIDATES, True)}
+# (SAMPLE, LSE, truncation, DRAFT) of each kernel as ops._launch sets them for the
+# benchmarks' settings (T 0.7 untruncated; qwen = top-k 20 + top-p 0.95, every row with a
+# top-k); truncation keeps the configuration's candidates per tile.
+KERNELS = {"argmax": (False, False, False, False), "sample": (True, False, False, False),
+           "qwen": (True, False, True, False), "verify": (True, True, False, True),
+           "verify-qwen": (True, False, True, True)}
 
 
 def signature(config, cand: int, draft: bool) -> dict[str, str]:
@@ -69,7 +69,8 @@ def signature(config, cand: int, draft: bool) -> dict[str, str]:
 def compile_report(kernel: str, config) -> dict:
     """ptxas's registers and spill bytes, Triton's shared memory, and the programs per SM
     that registers and shared memory allow, of stage 1 under `config`."""
-    sample, lse, cand, draft = KERNELS[kernel]
+    sample, lse, truncation, draft = KERNELS[kernel]
+    cand = config.candidates if truncation else 0
     constants = dict(SAMPLE=sample, LSE=lse, CAND=cand, DRAFT=draft, IEEE_DOT=False,
                      INTERLEAVE=cand > 0, EVEN_V=True, EVEN_D=True, TMA=True,
                      PARTS=config.epilogue_parts, BLOCK_V=config.block_v,
