@@ -40,20 +40,24 @@ QUICK_SHAPE = (32, 200)
 
 
 def parse_configs(text: str):
-    """TileConfigs from "bv,br,bd,warps,stages[,parts]" items separated by spaces or ';'."""
+    """TileConfigs from "bv,br,bd,warps,stages[,parts][,ws]" items separated by spaces or ';'
+    ("ws": the warp-specialized Gluon stage 1, Hopper only)."""
     from flashspec.kernels import TileConfig
 
     configs = []
     for item in text.replace(";", " ").split():
         try:
-            fields = [int(x) for x in item.split(",")]
+            words = item.split(",")
+            warp_specialized = words[-1] == "ws"
+            fields = [int(x) for x in words[:-1] if warp_specialized] or [int(x) for x in words]
             if len(fields) not in (5, 6):
                 raise ValueError("expected 5 or 6 integers")
             names = ("block_v", "block_r", "block_d", "num_warps", "num_stages", "epilogue_parts")
-            configs.append(TileConfig(**dict(zip(names, fields))))
+            configs.append(TileConfig(**dict(zip(names, fields)),
+                                      warp_specialized=warp_specialized))
         except (ValueError, TypeError) as error:
             raise argparse.ArgumentTypeError(
-                f"--configs item {item!r}: {error} (bv,br,bd,warps,stages[,parts])") from None
+                f"--configs item {item!r}: {error} (bv,br,bd,warps,stages[,parts][,ws])") from None
     return configs
 
 
@@ -70,12 +74,13 @@ def default_grid(rows: int):
             for bv, br, bd, w, s in grid]
 
 
-def default_config_of(kernel: str, rows: int):
-    """The tile configuration flashspec picks for `rows` bf16 rows of this kernel."""
-    from flashspec.kernels import default_config
+def default_config_of(kernel: str, rows: int, weight: torch.Tensor):
+    """The tile configuration flashspec picks for `rows` rows of this kernel and weight."""
+    from flashspec.kernels import default_config, lm_head_ws
 
     return default_config(rows, 2, truncation=kernel.endswith("qwen"),
-                          verification=kernel.startswith("verify"))
+                          verification=kernel.startswith("verify"),
+                          warp_specialized=lm_head_ws.supported(weight, weight))
 
 
 def make_launch(kernel: str, rows: int, drafts: int, weight: torch.Tensor):
@@ -129,7 +134,7 @@ def parse_args(argv):
                         help="row counts (verify: B * (G + 1))")
     parser.add_argument("--drafts", type=int, default=3, help="G, for verify kernels")
     parser.add_argument("--configs", type=parse_configs, default=None,
-                        help='"bv,br,bd,warps,stages[,parts] ..." (default: a grid per row count)')
+                        help='"bv,br,bd,warps,stages[,parts][,ws] ..." (default: a grid per row count)')
     parser.add_argument("--quick", action="store_true", help="tiny shape, CPU interpreter too")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
@@ -166,7 +171,7 @@ def main(argv=None) -> int:
         configs = args.configs or default_grid(rows)
         if args.quick and args.configs is None:
             configs = configs[:2]
-        default_config = default_config_of(args.kernel, rows)
+        default_config = default_config_of(args.kernel, rows, weight)
         these = []
         for config in [None] + configs:
             these.append(dict(rows=rows, default=config is None,

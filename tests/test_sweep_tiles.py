@@ -24,12 +24,19 @@ def test_quick_run_times_default_and_given_configs(tmp_path, kernel, rows, draft
     assert code == 0 and report["kernel"] == kernel
     results = report["results"]
     assert [r["default"] for r in results] == [True, False, False]
-    assert results[0]["config"] == sweep.default_config_of(kernel, int(rows)).__dict__
+    weight = torch.empty(8, 8, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu")
+    assert results[0]["config"] == sweep.default_config_of(kernel, int(rows), weight).__dict__
     assert [r["config"]["block_v"] for r in results[1:]] == [64, 128]
     assert results[2]["config"]["epilogue_parts"] == 2
     for r in results:
         assert r["error"] is None and r["ms"] > 0 and r["matmul_ms"] > 0 and r["rows"] == int(rows)
         assert r["timing"] == ("graph" if torch.cuda.is_available() else "eager")
+
+
+def test_ws_suffix_asks_for_the_warp_specialized_kernel():
+    config, = sweep.parse_configs("128,128,64,4,4,ws")
+    assert config.warp_specialized and config.block_d == 64
+    assert not sweep.parse_configs("128,128,64,4,4")[0].warp_specialized
 
 
 @pytest.mark.parametrize("rows, block_rs", [(1, {16}), (16, {16}), (17, {16, 32}),
@@ -43,6 +50,7 @@ def test_default_grid_fits_the_rows(rows, block_rs):
 @pytest.mark.parametrize("args, message", [
     (["--configs", "64,16"], "expected 5 or 6 integers"),
     (["--configs", "64,16,16,4,2,3"], "epilogue_parts=3"),
+    (["--configs", "128,32,64,4,4,ws"], "block_r a multiple of 64"),
     (["--configs", "48,16,16,4,2"], "block_v=48 must be a power of two"),
     (["--rows", "0"], "must be positive"),
     (["--rows", "2,x"], "comma-separated positive integers"),

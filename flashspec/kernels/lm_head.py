@@ -124,42 +124,107 @@ def _token_tile(tokens, NUM_VT, BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr)
 
 
 @triton.jit
-def _tile_summary(acc, first_column, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
-                  BLOCK_R: tl.constexpr, PART_V: tl.constexpr, BLOCK_V: tl.constexpr,
-                  INTERLEAVE: tl.constexpr, EVEN_V: tl.constexpr,
-                  SAMPLE: tl.constexpr, LSE: tl.constexpr, DRAFT: tl.constexpr):
-    """Per-row summaries of logits ``acc[BLOCK_R, PART_V]``, columns first_column +
-    [0, PART_V) of vocab tile `pid_v`: best score and its id (with DRAFT, token `draft` of
-    each row is left out), the sum of s (non-finite check), and, with LSE, max and sum of
-    exp of s and the s of the best token."""
-    columns = first_column + tl.arange(0, PART_V)
-    offs_v = _column_tokens(columns, pid_v, NUM_VT, BLOCK_V, INTERLEAVE)
+def _argmax_combine(value, token, other_value, other_token):
+    first = (value > other_value) | ((value == other_value) & (token < other_token))
+    return tl.where(first, value, other_value), tl.where(first, token, other_token)
+
+
+@triton.jit
+def _row_argmax(score, tokens):
+    """Each row's largest score and the lowest token id that has it (argmax's preference):
+    `tokens` ``[N]`` holds the token id of each column."""
+    return tl.reduce((score, tl.broadcast_to(tokens[None, :], score.shape)), 1, _argmax_combine)
+
+
+@triton.jit
+def _tile_summary(acc, tokens, noise, V, inv_t, sampled, draft,
+                  EVEN_V: tl.constexpr, SAMPLE: tl.constexpr, LSE: tl.constexpr,
+                  DRAFT: tl.constexpr):
+    """Per-row summaries of logits ``acc[rows, N]`` whose columns hold token ids `tokens`
+    ``[N]``: best score and its id (with DRAFT, token `draft` of each row is left out), the
+    sum of s (non-finite check), and, with LSE, max and sum of exp of s and the s of the best
+    token. `noise` is the Gumbel noise of the columns (`gumbel_noise_tile`; unused without
+    SAMPLE). Nothing here creates an index tensor, so the Gluon kernel (lm_head_ws.py), which
+    needs explicit layouts for those, runs the same code."""
     s = acc * inv_t[:, None]
     row_sum = tl.sum(s, axis=1)  # masked columns hold 0 here
     if not EVEN_V:
-        s = tl.where((offs_v < V)[None, :], s, float("-inf"))
+        s = tl.where((tokens < V)[None, :], s, float("-inf"))
     score = s
     if SAMPLE:
-        groups = _column_tokens(first_column + tl.arange(0, PART_V // 16) * 16, pid_v, NUM_VT,
-                                BLOCK_V, INTERLEAVE) // 16
-        noise = gumbel_noise_tile(seed[:, None], position[:, None], groups, BLOCK_R, PART_V)
         score = s + tl.where(sampled[:, None], noise, 0.0)
     draft_s = row_sum
     if DRAFT:
-        is_draft = offs_v[None, :] == draft[:, None]
+        is_draft = tokens[None, :] == draft[:, None]
         draft_s = tl.sum(tl.where(is_draft, s, 0.0), axis=1)
         score = tl.where(is_draft, float("-inf"), score)
-    best = tl.max(score, axis=1)
-    best_id = _column_tokens(first_column + tl.argmax(score, axis=1, tie_break_left=True), pid_v,
-                             NUM_VT, BLOCK_V, INTERLEAVE)
+    best, best_id = _row_argmax(score, tokens)
     tile_max = best
     sumexp = best
     best_s = best
     if LSE:
         tile_max = tl.max(s, axis=1)
         sumexp = tl.sum(tl.exp(s - tile_max[:, None]), axis=1)
-        best_s = tl.sum(tl.where(offs_v[None, :] == best_id[:, None], s, 0.0), axis=1)
+        best_s = tl.sum(tl.where(tokens[None, :] == best_id[:, None], s, 0.0), axis=1)
     return best, best_id, row_sum, tile_max, sumexp, best_s, draft_s
+
+
+@triton.jit
+def _part_summary(acc, first_column, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
+                  BLOCK_R: tl.constexpr, PART_V: tl.constexpr, BLOCK_V: tl.constexpr,
+                  INTERLEAVE: tl.constexpr, EVEN_V: tl.constexpr,
+                  SAMPLE: tl.constexpr, LSE: tl.constexpr, DRAFT: tl.constexpr):
+    """`_tile_summary` of columns first_column + [0, PART_V) of vocab tile `pid_v`."""
+    tokens = _column_tokens(first_column + tl.arange(0, PART_V), pid_v, NUM_VT, BLOCK_V,
+                            INTERLEAVE)
+    noise = acc
+    if SAMPLE:
+        groups = _column_tokens(first_column + tl.arange(0, PART_V // 16) * 16, pid_v, NUM_VT,
+                                BLOCK_V, INTERLEAVE) // 16
+        blocks = (groups[:, None] * 4 + tl.arange(0, 4)[None, :])[None, :, :]
+        noise = gumbel_noise_tile(seed[:, None, None], position[:, None, None], blocks,
+                                  BLOCK_R, PART_V)
+    return _tile_summary(acc, tokens, noise, V, inv_t, sampled, draft, EVEN_V, SAMPLE, LSE,
+                         DRAFT)
+
+
+@triton.jit
+def _store_summary(summary, offs_r, r_ok, draft, pid_v, NUM_VT,
+                   best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, draft_s_ptr,
+                   BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr, LSE: tl.constexpr,
+                   DRAFT: tl.constexpr):
+    """Writes a vocab tile's summaries of rows `offs_r` (``[R, NUM_VT]`` arrays)."""
+    best, best_id, row_sum, tile_max, sumexp, best_s, draft_s = summary
+    if DRAFT:
+        in_tile = r_ok & (draft >= 0) & (_token_tile(draft, NUM_VT, BLOCK_V, INTERLEAVE) == pid_v)
+        tl.store(draft_s_ptr + offs_r, draft_s, mask=in_tile)
+    out = offs_r * NUM_VT + pid_v
+    # NaN/inf anywhere in a row makes its sum non-finite; a finite row could only
+    # overflow the sum with |s| > 1e36, which is reported too.
+    tl.store(bad_ptr + out, (~(tl.abs(row_sum) < float("inf"))).to(tl.int32), mask=r_ok)
+    tl.store(best_ptr + out, best, mask=r_ok)
+    tl.store(best_id_ptr + out, best_id, mask=r_ok)
+    if LSE:
+        tl.store(max_ptr + out, tile_max, mask=r_ok)
+        tl.store(sumexp_ptr + out, sumexp, mask=r_ok)
+        tl.store(best_s_ptr + out, best_s, mask=r_ok)
+
+
+@triton.jit
+def _store_candidates(acc, tokens, V, cand_row, r_ok, CAND: tl.constexpr, EVEN_V: tl.constexpr):
+    """The tile's top CAND raw logits of each row as packed keys, in descending order, at
+    ``cand_row[r] + [0, CAND)``."""
+    logits = acc
+    if not EVEN_V:
+        logits = tl.where((tokens < V)[None, :], acc, float("-inf"))
+    # CAND rounds of (max, lowest id at the max, mask it out) on the fp32 logits: the
+    # keys in descending order, as a sort of packed int64 keys gives them, for fewer
+    # instructions and registers (H200, B=1: stage 1 300 -> 289 us).
+    for c in tl.static_range(CAND):
+        top = tl.max(logits, axis=1)
+        top_id = tl.min(tl.where(logits == top[:, None], tokens[None, :], 0x7FFFFFFF), axis=1)
+        tl.store(cand_row + c, pack_candidates(top, top_id), mask=r_ok)
+        logits = tl.where(tokens[None, :] == top_id[:, None], float("-inf"), logits)
 
 
 @triton.jit
@@ -252,62 +317,39 @@ def lm_head_tiles_kernel(
     # The tile is summarised in PARTS vocab parts one after the other: fewer values live
     # at once, so large tiles (what the main loop wants at large B) need fewer registers.
     if PARTS == 1:
-        summary = _tile_summary(acc, 0, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
+        summary = _part_summary(acc, 0, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
                                 BLOCK_R, BLOCK_V, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT)
     else:
         lo, hi = _halves(acc, BLOCK_R, BLOCK_V)
         if PARTS == 2:
             half: tl.constexpr = BLOCK_V // 2
-            summary = _tile_summary(lo, 0, pid_v, NUM_VT, V, inv_t, sampled, seed, position,
+            summary = _part_summary(lo, 0, pid_v, NUM_VT, V, inv_t, sampled, seed, position,
                                     draft, BLOCK_R, half, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE,
                                     LSE, DRAFT)
-            summary = _merge_summaries(summary, _tile_summary(
+            summary = _merge_summaries(summary, _part_summary(
                 hi, half, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
                 BLOCK_R, half, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT), LSE)
         else:
             quarter: tl.constexpr = BLOCK_V // 4
             q0, q1 = _halves(lo, BLOCK_R, BLOCK_V // 2)
             q2, q3 = _halves(hi, BLOCK_R, BLOCK_V // 2)
-            summary = _tile_summary(q0, 0, pid_v, NUM_VT, V, inv_t, sampled, seed, position,
+            summary = _part_summary(q0, 0, pid_v, NUM_VT, V, inv_t, sampled, seed, position,
                                     draft, BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE,
                                     LSE, DRAFT)
-            summary = _merge_summaries(summary, _tile_summary(
+            summary = _merge_summaries(summary, _part_summary(
                 q1, quarter, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
                 BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT), LSE)
-            summary = _merge_summaries(summary, _tile_summary(
+            summary = _merge_summaries(summary, _part_summary(
                 q2, 2 * quarter, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
                 BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT), LSE)
-            summary = _merge_summaries(summary, _tile_summary(
+            summary = _merge_summaries(summary, _part_summary(
                 q3, 3 * quarter, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
                 BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT), LSE)
-    best, best_id, row_sum, tile_max, sumexp, best_s, draft_s = summary
-    if DRAFT:
-        in_tile = r_ok & (draft >= 0) & (_token_tile(draft, NUM_VT, BLOCK_V, INTERLEAVE) == pid_v)
-        tl.store(draft_s_ptr + offs_r, draft_s, mask=in_tile)
-
-    out = offs_r * NUM_VT + pid_v
-    # NaN/inf anywhere in a row makes its sum non-finite; a finite row could only
-    # overflow the sum with |s| > 1e36, which is reported too.
-    tl.store(bad_ptr + out, (~(tl.abs(row_sum) < float("inf"))).to(tl.int32), mask=r_ok)
-    tl.store(best_ptr + out, best, mask=r_ok)
-    tl.store(best_id_ptr + out, best_id, mask=r_ok)
-    if LSE:
-        tl.store(max_ptr + out, tile_max, mask=r_ok)
-        tl.store(sumexp_ptr + out, sumexp, mask=r_ok)
-        tl.store(best_s_ptr + out, best_s, mask=r_ok)
+    _store_summary(summary, offs_r, r_ok, draft, pid_v, NUM_VT, best_ptr, best_id_ptr, best_s_ptr,
+                   max_ptr, sumexp_ptr, bad_ptr, draft_s_ptr, BLOCK_V, INTERLEAVE, LSE, DRAFT)
     if CAND > 0:
-        logits = acc
-        if not EVEN_V:
-            logits = tl.where(v_ok[None, :], acc, float("-inf"))
-        # CAND rounds of (max, lowest id at the max, mask it out) on the fp32 logits: the
-        # keys in descending order, as a sort of packed int64 keys gives them, for fewer
-        # instructions and registers (H200, B=1: stage 1 300 -> 289 us).
-        cand_row = cand_ptr + (offs_r * NUM_VT + pid_v) * CAND
-        for c in tl.static_range(CAND):
-            top = tl.max(logits, axis=1)
-            top_id = tl.min(tl.where(logits == top[:, None], offs_v[None, :], 0x7FFFFFFF), axis=1)
-            tl.store(cand_row + c, pack_candidates(top, top_id), mask=r_ok)
-            logits = tl.where(offs_v[None, :] == top_id[:, None], float("-inf"), logits)
+        _store_candidates(acc, offs_v, V, cand_ptr + (offs_r * NUM_VT + pid_v) * CAND, r_ok,
+                          CAND, EVEN_V)
 
 
 @triton.jit

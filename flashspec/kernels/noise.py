@@ -49,21 +49,21 @@ def gumbel_noise(seed, position, token_ids):
 
 
 @triton.jit
-def gumbel_noise_tile(seed, position, groups, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
-    """float32 Gumbel noise ``[BLOCK_R, BLOCK_V]`` for the tokens of `groups`
-    (``[BLOCK_V // 16]`` indices of 16-token groups: column 16 j + i is token
-    16 groups[j] + i).
+def gumbel_noise_tile(seed, position, blocks, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    """float32 Gumbel noise ``[BLOCK_R, BLOCK_V]`` of the tokens of ``BLOCK_V // 16`` groups of
+    16 (column 16 j + i is token 16 groups[j] + i).
 
-    `seed` and `position` are ``[BLOCK_R, 1]``. Token ``16a + 8h + 2m + l`` is word
-    ``2h + l`` of Philox block ``4a + m`` (see `flashspec.rng`): the four words of one call
-    land in the registers of the one thread that holds those columns of a tensor-core
-    accumulator, so no data moves between threads.
+    `seed` and `position` are ``[BLOCK_R, 1, 1]``; `blocks` is ``[1, BLOCK_V // 16, 4]``, the
+    Philox blocks ``4 * groups[j] + m``. Token ``16a + 8h + 2m + l`` is word ``2h + l`` of
+    Philox block ``4a + m`` (see `flashspec.rng`): the four words of one call land in the
+    registers of the one thread that holds those columns of a tensor-core accumulator, so no
+    data moves between threads. The caller builds the index tensors (the Gluon kernel needs
+    them in explicit layouts).
     """
-    blocks = groups[:, None] * 4 + tl.arange(0, 4)[None, :]  # [BLOCK_V // 16, 4]: (a, m)
-    c0 = (blocks[None, :, :] + position[:, :, None] * 0).to(tl.uint32)
-    c1 = (position[:, :, None] + blocks[None, :, :] * 0).to(tl.uint32)
+    c0 = (blocks + position * 0).to(tl.uint32)
+    c1 = (position + blocks * 0).to(tl.uint32)
     zero = c0 * 0
-    w0, w1, w2, w3 = tl.philox(seed[:, :, None], c0, c1, zero + GUMBEL_STREAM, zero)
+    w0, w1, w2, w3 = tl.philox(seed, c0, c1, zero + GUMBEL_STREAM, zero)
     bits = tl.join(tl.join(w0, w1), tl.join(w2, w3))  # [r, a, m, l, h] = word 2h + l
     bits = tl.reshape(tl.permute(bits, (0, 1, 4, 2, 3)), (BLOCK_R, BLOCK_V))
     return -tl.log(exponential_from_bits(bits))

@@ -27,7 +27,7 @@ from .. import reference
 from ..checks import (NonFiniteLogitsError, check_draft_tokens, check_lm_head,
                       check_sampling_inputs)
 from ..params import SamplingParams
-from . import lm_head
+from . import lm_head, lm_head_ws
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +39,9 @@ class TileConfig:
     (row, vocab tile); max_support: largest truncated support handled without completion;
     merge_warps: warps of the per-row stage 2 (its sorts are the cost of truncation);
     epilogue_parts: summarise the tile in 1, 2 or 4 vocab parts one after the other
-    (fewer live registers).
+    (fewer live registers); warp_specialized: stage 1 through the Gluon kernel of
+    `lm_head_ws` (Hopper, untruncated): a load warp, an MMA warpgroup and num_warps epilogue
+    warps on different tiles at once, num_stages deep.
     """
 
     block_v: int = 128
@@ -53,6 +55,7 @@ class TileConfig:
     max_support: int = 64
     merge_warps: int = 16
     epilogue_parts: int = 1
+    warp_specialized: bool = False
 
     def __post_init__(self):
         for name in ("block_v", "block_r", "block_d", "candidates", "max_support"):
@@ -66,14 +69,26 @@ class TileConfig:
                              f"and leave parts of >= 16 columns (block_v={self.block_v})")
         if self.candidates > self.block_v:
             raise ValueError(f"TileConfig.candidates={self.candidates} exceeds block_v")
+        if self.warp_specialized and not (
+                self.block_r % 64 == 0 and self.block_r * self.block_v <= 128 * 128
+                and self.num_warps in lm_head_ws.EPILOGUE_WARPS and self.epilogue_parts == 1):
+            raise ValueError(
+                f"TileConfig(warp_specialized=True) needs block_r a multiple of 64 (wgmma), "
+                f"block_r * block_v <= 16384 (the MMA warpgroup's accumulator), num_warps in "
+                f"{lm_head_ws.EPILOGUE_WARPS} and epilogue_parts=1; got block_r={self.block_r}, "
+                f"block_v={self.block_v}, num_warps={self.num_warps}, "
+                f"epilogue_parts={self.epilogue_parts}")
 
 
 def default_config(num_rows: int, element_size: int = 2, truncation: bool = False,
-                   verification: bool = False) -> TileConfig:
+                   verification: bool = False, warp_specialized: bool = False) -> TileConfig:
     """Fixed tile table by number of rows (decode batch, or batch x (G+1) for verify) and by
     epilogue: candidates kept (truncation, whether verifying or not) or drafts verified are
     heavier, and other shapes win for them; 4-byte inputs take half the reduction step to
-    fit the same shared memory."""
+    fit the same shared memory. `warp_specialized`: the Gluon stage 1 can run (see
+    `lm_head_ws.supported`); it takes untruncated launches of more than 64 rows."""
+    if warp_specialized and not truncation and num_rows > 64:
+        return WARP_SPECIALIZED
     if truncation:
         config = _bf16_truncation_config(num_rows)
     elif verification:
@@ -83,6 +98,12 @@ def default_config(num_rows: int, element_size: int = 2, truncation: bool = Fals
     if element_size > 2:
         config = dataclasses.replace(config, block_d=max(16, config.block_d // 2))
     return config
+
+
+# Above 64 untruncated rows on Hopper: 128x128 tiles, 64-deep steps, 4 stages (192 KB of
+# shared memory with the handed-over tile), the epilogue beside the MMA (lm_head_ws.py).
+WARP_SPECIALIZED = TileConfig(block_v=128, block_r=128, block_d=64, num_warps=4, num_stages=4,
+                              warp_specialized=True)
 
 
 def _bf16_config(num_rows: int) -> TileConfig:
@@ -203,7 +224,13 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
     if hidden.stride(-1) != 1:
         hidden = hidden.contiguous()
     verify = drafts is not None
-    config = config or default_config(num_rows, hidden.element_size(), truncate, verify)
+    warp_specialized = not truncate and lm_head_ws.supported(hidden, weight)
+    config = config or default_config(num_rows, hidden.element_size(), truncate, verify,
+                                      warp_specialized)
+    if config.warp_specialized and not warp_specialized:
+        raise ValueError("TileConfig(warp_specialized=True) needs a Hopper GPU with Gluon, bf16 "
+                         "or fp16 operands with 16-byte aligned rows, and no truncation (top-k, "
+                         "top-p, min-p); use another TileConfig")
     # Stage 1's full log-sum-exp: for the logprobs of rows without a top-k (verification
     # always reports them) and for top-p without top-k. Rows with a top-k below V
     # normalise over their candidates in stage 2 (one `exp` per logit less).
@@ -232,24 +259,13 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
                   if cand else best_id)
     draft_s = torch.empty(num_rows, **f32) if verify else best
     drafts = drafts if verify else best_id
-    grid = (num_vt * triton.cdiv(num_rows, config.block_r),)
-    # Truncation keeps candidates per tile: interleaved tiles spread a support of
-    # neighbouring token ids over many tiles (see lm_head._column_tokens).
-    interleave = cand > 0
-    descriptors = tma_descriptors(hidden, weight, config, interleave)
-    tma = descriptors is not None
-    hidden_desc, weight_desc = descriptors if tma else (hidden, weight)
-    lm_head.lm_head_tiles_kernel[grid](
-        hidden, weight, hidden_desc, weight_desc, row["do_sample"], row["temperature"], row["seed"], row["position"],
-        best, best_id, best_s, tile_max, tile_sum, bad, candidates, drafts, draft_s,
-        num_rows, vocab_size, dim, hidden.stride(0), weight.stride(0), num_vt, rows_per_param,
-        SAMPLE=sample, LSE=need_lse, CAND=cand, DRAFT=verify,
-        IEEE_DOT=hidden.dtype == torch.float32, INTERLEAVE=interleave,
-        EVEN_V=vocab_size % config.block_v == 0, EVEN_D=dim % config.block_d == 0, TMA=tma,
-        PARTS=config.epilogue_parts,
-        BLOCK_V=config.block_v, BLOCK_R=config.block_r, BLOCK_D=config.block_d,
-        NUM_STAGES=config.num_stages, num_warps=config.num_warps,
-    )
+    summaries = (best, best_id, best_s, tile_max, tile_sum, bad)
+    if config.warp_specialized:
+        lm_head_ws.launch(hidden, weight, row, summaries, drafts, draft_s, num_vt, rows_per_param,
+                          config, sample, need_lse, verify)
+    else:
+        _launch_tiles(hidden, weight, row, summaries, candidates, drafts, draft_s, num_vt,
+                      rows_per_param, config, sample, need_lse, cand, verify)
     out = _Rows(torch.empty(num_rows, dtype=torch.int64, device=device), torch.empty(num_rows, **f32),
                 torch.empty(num_rows, **f32), torch.empty(num_rows, dtype=torch.int32, device=device),
                 *((torch.empty(num_rows, dtype=torch.int64, device=device),
@@ -271,6 +287,32 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
         PAD=lm_head.PAD_KEY, num_warps=config.merge_warps if cand else 4,
     )
     return out
+
+
+def _launch_tiles(hidden, weight, row, summaries, candidates, drafts, draft_s, num_vt,
+                  rows_per_param, config, sample, need_lse, cand, verify):
+    """Stage 1 through the Triton kernel (`lm_head.lm_head_tiles_kernel`): the per-(row, vocab
+    tile) `summaries` (best, best_id, best_s, tile_max, tile_sum, bad) and `candidates`."""
+    num_rows, dim = hidden.shape
+    vocab_size = weight.shape[0]
+    grid = (num_vt * triton.cdiv(num_rows, config.block_r),)
+    # Truncation keeps candidates per tile: interleaved tiles spread a support of
+    # neighbouring token ids over many tiles (see lm_head._column_tokens).
+    interleave = cand > 0
+    descriptors = tma_descriptors(hidden, weight, config, interleave)
+    tma = descriptors is not None
+    hidden_desc, weight_desc = descriptors if tma else (hidden, weight)
+    lm_head.lm_head_tiles_kernel[grid](
+        hidden, weight, hidden_desc, weight_desc, row["do_sample"], row["temperature"], row["seed"], row["position"],
+        *summaries, candidates, drafts, draft_s,
+        num_rows, vocab_size, dim, hidden.stride(0), weight.stride(0), num_vt, rows_per_param,
+        SAMPLE=sample, LSE=need_lse, CAND=cand, DRAFT=verify,
+        IEEE_DOT=hidden.dtype == torch.float32, INTERLEAVE=interleave,
+        EVEN_V=vocab_size % config.block_v == 0, EVEN_D=dim % config.block_d == 0, TMA=tma,
+        PARTS=config.epilogue_parts,
+        BLOCK_V=config.block_v, BLOCK_R=config.block_r, BLOCK_D=config.block_d,
+        NUM_STAGES=config.num_stages, num_warps=config.num_warps,
+    )
 
 
 class VerifyKernelOutput(NamedTuple):

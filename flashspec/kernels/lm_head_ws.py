@@ -1,0 +1,267 @@
+"""Stage 1 for many rows on Hopper: a warp-specialized Gluon kernel whose summaries equal
+`lm_head.lm_head_tiles_kernel`'s.
+
+Why: with 128x128 tiles the Triton kernel's sampling epilogue needs 209-255 registers, so one
+program runs per SM and the MMA stands idle while the epilogue runs (BENCHMARKS.md, "Why
+large B misses"): at B = 256 on an H100 sampling took 1.53x the cuBLAS matmul. Here each
+SM runs one persistent program of three partitions that work on different tiles at once:
+
+* a load warp streams hidden and weight tiles through a ring of shared-memory stages (TMA);
+* an MMA warpgroup multiplies them (wgmma) into a ``[BR, BV]`` fp32 accumulator in
+  registers and hands each finished tile to the epilogue through shared memory;
+* the epilogue warps (the default partition) summarise the handed-over tile in chunks of
+  rows while the MMA warpgroup already accumulates the next one.
+
+The epilogue is the Triton kernel's own code (`lm_head._tile_summary`,
+`lm_head._store_summary`, `noise.gumbel_noise_tile`): only the index tensors, which Gluon
+needs in explicit layouts, are built here. Its chunks hold the tile in the layout of a
+tensor-core accumulator (two neighbouring columns per thread, repeated every 8), so the
+four words of one Philox call land in one thread as in the Triton kernel.
+
+Covers untruncated launches (argmax, sampling, verification) of bf16/fp16 inputs whose rows
+are TMA-aligned, on Hopper GPUs; `supported` says where. Truncation (candidates, interleaved
+tiles) stays on the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+from . import lm_head
+from .noise import gumbel_noise_tile
+
+try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel covers every launch.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    gluon = None
+
+# Registers per thread: the launch gives every warp the same share of the SM's 65,536 (the
+# load warp's warpgroup, the MMA warpgroup and the epilogue's 4 or 8 warps); then the load
+# warp gives most of its share back, the MMA warpgroup takes what its 128-register
+# accumulator needs, and the epilogue warps get the rest.
+LOAD_REGISTERS = triton.language.constexpr(24)
+MMA_REGISTERS = triton.language.constexpr(168)
+EPILOGUE_WARPS = (4, 8)
+
+
+def max_registers(epilogue_warps: int) -> int:
+    """Registers per thread at launch: 65,536 over the kernel's warps, in multiples of 8."""
+    return 65536 // (32 * (epilogue_warps + 8)) // 8 * 8
+
+
+def supported(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the warp-specialized stage 1 can run these operands (Hopper, Gluon, 16-bit
+    TMA-aligned rows, not Triton's interpreter)."""
+    if gluon is None or not hidden.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if torch.version.hip or torch.cuda.get_device_capability(hidden.device)[0] != 9:
+        return False
+    if hidden.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != hidden.dtype:
+        return False
+    return all(m.stride(-1) == 1 and m.data_ptr() % 16 == 0
+               and (m.stride(0) * m.element_size()) % 16 == 0 for m in (hidden, weight))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _load_partition(h_desc, w_desc, h_bufs, w_bufs, ready, empty, acc_smem, acc_ready,
+                        acc_empty, D, num_tiles, num_rt):
+        """One warp: hidden [BR, BD] and weight [BV, BD] tiles into the ring of stages."""
+        BR: gl.constexpr = h_desc.block_type.shape[0]
+        BD: gl.constexpr = h_desc.block_type.shape[1]
+        BV: gl.constexpr = w_desc.block_type.shape[0]
+        STAGES: gl.constexpr = h_bufs.type.shape[0]
+        nbytes: gl.constexpr = h_desc.block_type.nbytes + w_desc.block_type.nbytes
+        step = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            # Row tiles of one vocab tile run side by side on neighbouring programs: the
+            # weight tile comes from HBM once and from L2 for the others.
+            pid_r = tile % num_rt
+            pid_v = tile // num_rt
+            for k in range(0, D, BD):
+                stage = step % STAGES
+                # A fresh barrier counts as having completed the phase before 0.
+                mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(stage), nbytes)
+                tma.async_copy_global_to_shared(h_desc, [pid_r * BR, k], ready.index(stage),
+                                                h_bufs.index(stage))
+                tma.async_copy_global_to_shared(w_desc, [pid_v * BV, k], ready.index(stage),
+                                                w_bufs.index(stage))
+                step += 1
+
+    @gluon.jit
+    def _mma_partition(h_desc, w_desc, h_bufs, w_bufs, ready, empty, acc_smem, acc_ready,
+                       acc_empty, D, num_tiles, num_rt):
+        """One warpgroup: acc[BR, BV] = hidden @ weight.T over the stages, fp32, then the
+        tile to shared memory for the epilogue."""
+        BR: gl.constexpr = h_desc.block_type.shape[0]
+        BD: gl.constexpr = h_desc.block_type.shape[1]
+        BV: gl.constexpr = w_desc.block_type.shape[0]
+        STAGES: gl.constexpr = h_bufs.type.shape[0]
+        layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 16])
+        step = 0
+        tile_count = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            acc = gl.zeros([BR, BV], gl.float32, layout)
+            for k in range(0, D, BD):
+                stage = step % STAGES
+                mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+                acc = warpgroup_mma(h_bufs.index(stage), w_bufs.index(stage).permute((1, 0)), acc,
+                                    is_async=True)
+                # At most this step's MMA in flight: the previous step's stage is free.
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)
+                step += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
+            mbarrier.wait(acc_empty, (tile_count & 1) ^ 1)
+            acc_smem.store(acc)
+            mbarrier.arrive(acc_ready)
+            tile_count += 1
+
+    @gluon.jit
+    def _noise(seed, position, pid_v, CR: gl.constexpr, BV: gl.constexpr, layout: gl.constexpr):
+        """`gumbel_noise_tile` of rows (seed, position) and vocab tile pid_v, in `layout`."""
+        probe = gl.zeros([CR, BV], gl.float32, layout)
+        # The layout gumbel_noise_tile's join / permute / reshape maps back onto `layout`.
+        split: gl.constexpr = gl.permute(gl.reshape(probe, [CR, BV // 16, 2, 4, 2]),
+                                         [0, 1, 3, 4, 2]).type.layout
+        calls: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, split))
+        groups = pid_v * (BV // 16) + gl.arange(0, BV // 16,
+                                                layout=gl.SliceLayout(1, gl.SliceLayout(0, calls)))
+        quads = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, calls)))
+        blocks = (groups[:, None] * 4 + quads[None, :])[None, :, :]
+        rows: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, calls))
+        seed = gl.convert_layout(seed, rows)[:, None, None]
+        position = gl.convert_layout(position, rows)[:, None, None]
+        return gl.convert_layout(gumbel_noise_tile(seed, position, blocks, CR, BV), layout)
+
+    @gluon.jit
+    def _epilogue_partition(acc_smem, acc_ready, acc_empty,
+                            do_sample_ptr, temperature_ptr, seed_ptr, position_ptr,
+                            best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr,
+                            draft_ptr, draft_s_ptr, R, V, NUM_VT, ROWS_PER_PARAM, num_tiles, num_rt,
+                            SAMPLE: gl.constexpr, LSE: gl.constexpr, DRAFT: gl.constexpr,
+                            EVEN_V: gl.constexpr, CR: gl.constexpr):
+        """The default partition: each handed-over tile, CR rows at a time, through the
+        Triton kernel's epilogue."""
+        BR: gl.constexpr = acc_smem.type.shape[0]
+        BV: gl.constexpr = acc_smem.type.shape[1]
+        NUM_CHUNKS: gl.constexpr = BR // CR
+        layout: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [gl.num_warps(), 1], [1, 0])
+        # The same bytes as NUM_CHUNKS consecutive [CR, BV] tiles, one indexed per step.
+        chunks = acc_smem._reinterpret(gl.float32, [NUM_CHUNKS, CR, BV], acc_smem.type.layout)
+        tile_count = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            pid_r = tile % num_rt
+            pid_v = tile // num_rt
+            tokens = pid_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, layout))
+            mbarrier.wait(acc_ready, tile_count & 1)
+            for chunk in range(NUM_CHUNKS):
+                acc = chunks.index(chunk).load(layout)
+                offs_r = pid_r * BR + chunk * CR + gl.arange(0, CR, layout=gl.SliceLayout(1, layout))
+                r_ok = offs_r < R
+                safe_rows = gl.where(r_ok, offs_r, 0)
+                sampled, temperature = lm_head._row_params(do_sample_ptr, temperature_ptr,
+                                                           safe_rows, ROWS_PER_PARAM)
+                inv_t = 1.0 / temperature
+                seed, position = lm_head._row_noise_keys(seed_ptr, position_ptr, safe_rows,
+                                                         ROWS_PER_PARAM)
+                draft = offs_r  # unused without DRAFT
+                if DRAFT:
+                    draft = lm_head._row_drafts(draft_ptr, safe_rows, r_ok, ROWS_PER_PARAM)
+                noise = acc  # unused without SAMPLE
+                if SAMPLE:
+                    noise = _noise(seed, position, pid_v, CR, BV, layout)
+                summary = lm_head._tile_summary(acc, tokens, noise, V, inv_t, sampled, draft,
+                                                EVEN_V, SAMPLE, LSE, DRAFT)
+                lm_head._store_summary(summary, offs_r, r_ok, draft, pid_v, NUM_VT, best_ptr,
+                                       best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr,
+                                       draft_s_ptr, BV, False, LSE, DRAFT)
+            mbarrier.arrive(acc_empty)
+            tile_count += 1
+
+    @gluon.jit
+    def lm_head_tiles_ws_kernel(
+        h_desc, w_desc, do_sample_ptr, temperature_ptr, seed_ptr, position_ptr,
+        best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, draft_ptr, draft_s_ptr,
+        R, V, D, NUM_VT, ROWS_PER_PARAM,
+        SAMPLE: gl.constexpr, LSE: gl.constexpr, DRAFT: gl.constexpr, EVEN_V: gl.constexpr,
+        NUM_STAGES: gl.constexpr, CHUNK_R: gl.constexpr,
+    ):
+        BR: gl.constexpr = h_desc.block_type.shape[0]
+        BD: gl.constexpr = h_desc.block_type.shape[1]
+        BV: gl.constexpr = w_desc.block_type.shape[0]
+        h_bufs = gl.allocate_shared_memory(h_desc.dtype, [NUM_STAGES, BR, BD], h_desc.layout)
+        w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES, BV, BD], w_desc.layout)
+        # The finished tile, handed from the MMA warpgroup to the epilogue (row-major).
+        acc_smem = gl.allocate_shared_memory(gl.float32, [BR, BV],
+                                             gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        acc_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        acc_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(acc_ready, count=1)
+        mbarrier.init(acc_empty, count=1)
+
+        num_rt = gl.cdiv(R, BR)
+        num_tiles = num_rt * NUM_VT
+        worker_args = (h_desc, w_desc, h_bufs, w_bufs, ready, empty, acc_smem, acc_ready,
+                       acc_empty, D, num_tiles, num_rt)
+        gl.warp_specialize([
+            (_epilogue_partition, (acc_smem, acc_ready, acc_empty, do_sample_ptr, temperature_ptr,
+                                   seed_ptr, position_ptr, best_ptr, best_id_ptr, best_s_ptr,
+                                   max_ptr, sumexp_ptr, bad_ptr, draft_ptr, draft_s_ptr, R, V,
+                                   NUM_VT, ROWS_PER_PARAM, num_tiles, num_rt,
+                                   SAMPLE, LSE, DRAFT, EVEN_V, CHUNK_R)),
+            (_load_partition, worker_args),
+            (_mma_partition, worker_args),
+        ], [1, 4], [LOAD_REGISTERS, MMA_REGISTERS])
+
+
+def descriptors(hidden: torch.Tensor, weight: torch.Tensor, block_r: int, block_v: int,
+                block_d: int):
+    """Gluon TMA descriptors of the hidden [block_r, block_d] and weight [block_v, block_d]
+    tiles (zero-filled past the edges: padded rows and columns add nothing)."""
+    dtype = gl.bfloat16 if hidden.dtype == torch.bfloat16 else gl.float16
+    return (TensorDescriptor.from_tensor(
+                hidden, [block_r, block_d], gl.NVMMASharedLayout.get_default_for([block_r, block_d], dtype)),
+            TensorDescriptor.from_tensor(
+                weight, [block_v, block_d], gl.NVMMASharedLayout.get_default_for([block_v, block_d], dtype)))
+
+
+def launch(hidden, weight, row, summaries, drafts, draft_s, num_vt, rows_per_param, config,
+           sample, need_lse, verify) -> None:
+    """Stage 1 through the warp-specialized kernel, writing what `ops._launch_tiles` writes:
+    `summaries` (best, best_id, best_s, tile_max, tile_sum, bad) and, verifying, `draft_s`."""
+    num_rows, dim = hidden.shape
+    vocab_size = weight.shape[0]
+    h_desc, w_desc = descriptors(hidden, weight, config.block_r, config.block_v, config.block_d)
+    num_tiles = num_vt * triton.cdiv(num_rows, config.block_r)
+    grid = (min(num_tiles, _num_sms(hidden.device.index or 0)),)
+    lm_head_tiles_ws_kernel[grid](
+        h_desc, w_desc, row["do_sample"], row["temperature"], row["seed"], row["position"],
+        *summaries, drafts, draft_s,
+        num_rows, vocab_size, dim, num_vt, rows_per_param,
+        SAMPLE=sample, LSE=need_lse, DRAFT=verify, EVEN_V=vocab_size % config.block_v == 0,
+        NUM_STAGES=config.num_stages, CHUNK_R=8 * config.num_warps,  # rows its layout covers
+        num_warps=config.num_warps, maxnreg=max_registers(config.num_warps),
+    )

@@ -1,0 +1,114 @@
+"""The warp-specialized stage 1 (`flashspec/kernels/lm_head_ws.py`, Gluon, Hopper only).
+
+Its epilogue is the Triton kernel's own code (`lm_head._tile_summary`, `_store_summary`,
+`noise.gumbel_noise_tile`), which the interpreter runs on the CPU in test_kernels.py and
+test_verify_kernel.py: that is this kernel's CPU twin. What only a Hopper GPU can check is
+the pipeline around that code (TMA ring, wgmma, the hand-over of each tile through shared
+memory, persistent tiles, ragged edges): the GPU tests below compare every output with the
+Triton kernel's and the tokens with the float64 reference.
+"""
+
+import pytest
+import torch
+
+from flashspec import SamplingParams, kernels, reference
+from flashspec.kernels import lm_head_ws
+
+from test_kernels import assert_same_tokens
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="the warp-specialized kernel needs a Hopper GPU")
+WS = kernels.ops.WARP_SPECIALIZED
+# The Triton kernel with the same tiles and 64-deep steps: the same wgmma instructions sum
+# each logit in the same order, so the tokens must be equal; the sums behind log-sum-exp and
+# logprobs run in another order (the Triton kernel's two epilogue parts), equal to rounding.
+TRITON = kernels.TileConfig(block_v=128, block_r=128, block_d=64, num_warps=8, num_stages=3,
+                            epilogue_parts=2)
+
+
+def assert_rounding_close(ours, theirs):
+    assert torch.allclose(ours, theirs, rtol=1e-6, atol=1e-5), (ours - theirs).abs().max()
+
+
+def test_default_table_takes_it_only_where_it_runs():
+    assert kernels.default_config(65, warp_specialized=True) is WS
+    assert kernels.default_config(512, verification=True, warp_specialized=True) is WS
+    assert not kernels.default_config(64, warp_specialized=True).warp_specialized
+    assert not kernels.default_config(256, truncation=True, warp_specialized=True).warp_specialized
+    assert not kernels.default_config(256).warp_specialized
+
+
+def test_cpu_tensors_are_not_supported_and_an_explicit_config_is_refused():
+    hidden = torch.randn(4, 64, dtype=torch.bfloat16)
+    weight = torch.randn(100, 64, dtype=torch.bfloat16)
+    assert not lm_head_ws.supported(hidden, weight)
+    with pytest.raises(ValueError, match="warp_specialized=True"):
+        kernels.argmax_unchecked(hidden, weight, config=WS)
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(block_r=32), "block_r a multiple of 64"),
+    (dict(block_r=128, block_v=256), "block_r \\* block_v <= 16384"),
+    (dict(num_warps=2), "num_warps in \\(4, 8\\)"),
+    (dict(epilogue_parts=2), "epilogue_parts=1"),
+])
+def test_config_limits_are_named(fields, match):
+    base = dict(block_v=128, block_r=128, block_d=64, num_warps=4, num_stages=4,
+                warp_specialized=True)
+    with pytest.raises(ValueError, match=match):
+        kernels.TileConfig(**(base | fields))
+
+
+def _problem(rows, vocab, dim, seed):
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(vocab, dim, generator=g) / dim**0.5).to("cuda", torch.bfloat16)
+    hidden = (torch.randn(rows, dim, generator=g) * 3).to("cuda", torch.bfloat16)
+    # Greedy and sampled rows, several temperatures; no truncation (the Triton kernel's).
+    pick = torch.randint(0, 4, (rows,), generator=g)
+    params = SamplingParams.create(
+        rows, do_sample=(pick != 0).tolist(), temperature=[(0.6, 0.7, 1.0, 1.5)[int(i)] for i in pick],
+        seed=seed, device="cuda")
+    positions = torch.randint(0, 10_000, (rows,), generator=g).cuda()
+    return hidden, weight, params, positions
+
+
+# Rows past one tile and ragged ones, vocabularies that do not fill the last tile, a hidden
+# size that does not fill the last 64-deep step (zero-filled by TMA).
+SHAPES = [(65, 151_936, 4096), (256, 151_936, 4096), (200, 32_003, 520), (130, 1_000, 64)]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("rows, vocab, dim", SHAPES)
+def test_sample_and_argmax_equal_the_triton_kernel(rows, vocab, dim):
+    hidden, weight, params, positions = _problem(rows, vocab, dim, rows + vocab)
+    ws = kernels.sample_unchecked(hidden, weight, params, positions, want_lse=True, config=WS)
+    tr = kernels.sample_unchecked(hidden, weight, params, positions, want_lse=True, config=TRITON)
+    assert (ws.status == 0).all() and (tr.status == 0).all()
+    assert torch.equal(ws.tokens, tr.tokens)
+    assert_rounding_close(ws.lse, tr.lse)
+    assert_rounding_close(ws.logprobs, tr.logprobs)
+    theirs = reference.lm_head_sample(hidden, weight, params, positions)
+    assert_same_tokens(ws.tokens, theirs, hidden, weight, params, positions, f"R={rows}")
+    greedy = kernels.argmax_unchecked(hidden, weight, config=WS)
+    assert torch.equal(greedy, kernels.argmax_unchecked(hidden, weight, config=TRITON))
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("batch, drafts, vocab, dim", [(16, 5, 151_936, 4096), (64, 3, 32_003, 520)])
+def test_verification_equals_the_triton_kernel(batch, drafts, vocab, dim):
+    rows = batch * (drafts + 1)
+    hidden, weight, _, _ = _problem(rows, vocab, dim, rows)
+    params = SamplingParams.create(batch, temperature=0.7, seed=1, device="cuda")
+    positions = torch.arange(batch, device="cuda") * 7
+    g = torch.Generator().manual_seed(2)
+    draft_tokens = torch.randint(0, vocab, (batch, drafts), generator=g).cuda()
+    draft_tokens[::3, drafts // 2:] = -1  # padded drafts
+    hidden = hidden.view(batch, drafts + 1, dim)
+    ws = kernels.verify_unchecked(hidden, weight, draft_tokens, params, positions, config=WS)
+    tr = kernels.verify_unchecked(hidden, weight, draft_tokens, params, positions, config=TRITON)
+    for name in ("num_accepted", "tokens", "status"):
+        assert torch.equal(getattr(ws, name), getattr(tr, name)), name
+    assert_rounding_close(ws.accept_probs, tr.accept_probs)
+    assert_rounding_close(ws.logprobs, tr.logprobs)
