@@ -306,8 +306,10 @@ def test_bad_verify_inputs():
 @pytest.mark.gpu
 @pytest.mark.parametrize("sampling", [dict(temperature=0.7), dict(temperature=0.6, top_k=20, top_p=0.95),
                                       dict(do_sample=False)])
-@pytest.mark.parametrize("batch", [8, 16])  # 48 rows; 96 (verification's 64-row tiles)
-def test_full_size_verify_invariance_on_gpu(sampling, batch):
+@pytest.mark.parametrize("batch, warp_specialized", [
+    (8, False), (16, False),  # 48 rows; 96 (verification's 64-row tiles)
+    (16, True), (48, True)])  # 96 and 288 rows through the Gluon stage 1 (Hopper)
+def test_full_size_verify_invariance_on_gpu(sampling, batch, warp_specialized):
     """D=4096, V=151,936, bf16: emitted tokens equal plain fused sampling at each position
     (speculation invariance within the fused path) for right, wrong and padded drafts."""
     g = torch.Generator().manual_seed(0)
@@ -318,8 +320,10 @@ def test_full_size_verify_invariance_on_gpu(sampling, batch):
     positions = torch.arange(batch, device="cuda") * 100
     # One tile configuration for both: the same instructions sum each logit, so the
     # comparison is exact (across configurations bf16 sums may differ in the last bit).
+    if warp_specialized and not kernels.lm_head_ws.supported(hidden, weight):
+        pytest.skip("the warp-specialized stage 1 needs a Hopper GPU")
     config = kernels.default_config(batch * (num_drafts + 1), 2, params.any_truncation,
-                                    verification=True)
+                                    verification=True, warp_specialized=warp_specialized)
     plain = torch.stack([kernels.lm_head_sample(hidden[:, j].contiguous(), weight, params,
                                                 positions + j, config=config)
                          for j in range(num_drafts + 1)], dim=1)

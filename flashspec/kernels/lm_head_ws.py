@@ -134,6 +134,13 @@ if gluon is not None:
             mbarrier.arrive(acc_ready)
             tile_count += 1
 
+    @gluon.constexpr_function
+    def _chunk_layout(rows, cols):
+        """Row-major fp32 rows padded by 8 words: the MMA layout's stores (8 rows x 4 threads
+        x 2 words per instruction) and the epilogue's loads then meet each bank at most twice,
+        the least for 256 bytes, instead of 8 times (rows 512 bytes apart share banks)."""
+        return gl.PaddedSharedLayout.with_identity_for([[cols, 8]], [rows, cols], [1, 0])
+
     @gluon.jit
     def _noise(seed, position, pid_v, CR: gl.constexpr, BV: gl.constexpr, layout: gl.constexpr):
         """`gumbel_noise_tile` of rows (seed, position) and vocab tile pid_v, in `layout`."""
@@ -152,6 +159,24 @@ if gluon is not None:
         return gl.convert_layout(gumbel_noise_tile(seed, position, blocks, CR, BV), layout)
 
     @gluon.jit
+    def _chunk_rows(tile, chunk, num_rt, R, ROWS_PER_PARAM, do_sample_ptr, temperature_ptr,
+                    seed_ptr, position_ptr, draft_ptr, BR: gl.constexpr, CR: gl.constexpr,
+                    layout: gl.constexpr, DRAFT: gl.constexpr):
+        """Rows of chunk `chunk` of `tile` and their parameters (global loads, issued a chunk
+        ahead of their use so that their latency hides behind the previous chunk)."""
+        offs_r = (tile % num_rt) * BR + chunk * CR + gl.arange(0, CR, layout=gl.SliceLayout(1, layout))
+        r_ok = offs_r < R
+        safe_rows = gl.where(r_ok, offs_r, 0)
+        sampled, temperature = lm_head._row_params(do_sample_ptr, temperature_ptr, safe_rows,
+                                                   ROWS_PER_PARAM)
+        seed, position = lm_head._row_noise_keys(seed_ptr, position_ptr, safe_rows,
+                                                 ROWS_PER_PARAM)
+        draft = offs_r  # unused without DRAFT
+        if DRAFT:
+            draft = lm_head._row_drafts(draft_ptr, safe_rows, r_ok, ROWS_PER_PARAM)
+        return offs_r, r_ok, sampled, temperature, seed, position, draft
+
+    @gluon.jit
     def _epilogue_partition(acc_smem, acc_ready, acc_empty,
                             do_sample_ptr, temperature_ptr, seed_ptr, position_ptr,
                             best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr,
@@ -165,36 +190,38 @@ if gluon is not None:
         NUM_CHUNKS: gl.constexpr = BR // CR
         layout: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [gl.num_warps(), 1], [1, 0])
         # The same bytes as NUM_CHUNKS consecutive [CR, BV] tiles, one indexed per step.
-        chunks = acc_smem._reinterpret(gl.float32, [NUM_CHUNKS, CR, BV], acc_smem.type.layout)
-        tile_count = 0
-        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            pid_r = tile % num_rt
+        chunks = acc_smem._reinterpret(gl.float32, [NUM_CHUNKS, CR, BV], _chunk_layout(CR, BV))
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        num_steps = gl.cdiv(num_tiles - pid, nprog) * NUM_CHUNKS
+        rows = _chunk_rows(pid, 0, num_rt, R, ROWS_PER_PARAM, do_sample_ptr, temperature_ptr,
+                           seed_ptr, position_ptr, draft_ptr, BR, CR, layout, DRAFT)
+        for step in range(num_steps):
+            tile = pid + (step // NUM_CHUNKS) * nprog
+            chunk = step % NUM_CHUNKS
             pid_v = tile // num_rt
+            # The next chunk's rows (past the last tile: in-bounds rows, never used).
+            next_rows = _chunk_rows(pid + ((step + 1) // NUM_CHUNKS) * nprog,
+                                    (step + 1) % NUM_CHUNKS, num_rt, R, ROWS_PER_PARAM,
+                                    do_sample_ptr, temperature_ptr, seed_ptr, position_ptr,
+                                    draft_ptr, BR, CR, layout, DRAFT)
+            if chunk == 0:
+                mbarrier.wait(acc_ready, (step // NUM_CHUNKS) & 1)
+            acc = chunks.index(chunk).load(layout)
+            if chunk == NUM_CHUNKS - 1:  # the whole tile is in registers or done: free it
+                mbarrier.arrive(acc_empty)
+            offs_r, r_ok, sampled, temperature, seed, position, draft = rows
+            inv_t = 1.0 / temperature
             tokens = pid_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, layout))
-            mbarrier.wait(acc_ready, tile_count & 1)
-            for chunk in range(NUM_CHUNKS):
-                acc = chunks.index(chunk).load(layout)
-                offs_r = pid_r * BR + chunk * CR + gl.arange(0, CR, layout=gl.SliceLayout(1, layout))
-                r_ok = offs_r < R
-                safe_rows = gl.where(r_ok, offs_r, 0)
-                sampled, temperature = lm_head._row_params(do_sample_ptr, temperature_ptr,
-                                                           safe_rows, ROWS_PER_PARAM)
-                inv_t = 1.0 / temperature
-                seed, position = lm_head._row_noise_keys(seed_ptr, position_ptr, safe_rows,
-                                                         ROWS_PER_PARAM)
-                draft = offs_r  # unused without DRAFT
-                if DRAFT:
-                    draft = lm_head._row_drafts(draft_ptr, safe_rows, r_ok, ROWS_PER_PARAM)
-                noise = acc  # unused without SAMPLE
-                if SAMPLE:
-                    noise = _noise(seed, position, pid_v, CR, BV, layout)
-                summary = lm_head._tile_summary(acc, tokens, noise, V, inv_t, sampled, draft,
-                                                EVEN_V, SAMPLE, LSE, DRAFT)
-                lm_head._store_summary(summary, offs_r, r_ok, draft, pid_v, NUM_VT, best_ptr,
-                                       best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr,
-                                       draft_s_ptr, BV, False, LSE, DRAFT)
-            mbarrier.arrive(acc_empty)
-            tile_count += 1
+            noise = acc  # unused without SAMPLE
+            if SAMPLE:
+                noise = _noise(seed, position, pid_v, CR, BV, layout)
+            summary = lm_head._tile_summary(acc, tokens, noise, V, inv_t, sampled, draft,
+                                            EVEN_V, SAMPLE, LSE, DRAFT)
+            lm_head._store_summary(summary, offs_r, r_ok, draft, pid_v, NUM_VT, best_ptr,
+                                   best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr,
+                                   draft_s_ptr, BV, False, LSE, DRAFT)
+            rows = next_rows
 
     @gluon.jit
     def lm_head_tiles_ws_kernel(
@@ -209,9 +236,8 @@ if gluon is not None:
         BV: gl.constexpr = w_desc.block_type.shape[0]
         h_bufs = gl.allocate_shared_memory(h_desc.dtype, [NUM_STAGES, BR, BD], h_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES, BV, BD], w_desc.layout)
-        # The finished tile, handed from the MMA warpgroup to the epilogue (row-major).
-        acc_smem = gl.allocate_shared_memory(gl.float32, [BR, BV],
-                                             gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        # The finished tile, handed from the MMA warpgroup to the epilogue.
+        acc_smem = gl.allocate_shared_memory(gl.float32, [BR, BV], _chunk_layout(BR, BV))
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         acc_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())

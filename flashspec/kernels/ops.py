@@ -88,7 +88,7 @@ def default_config(num_rows: int, element_size: int = 2, truncation: bool = Fals
     fit the same shared memory. `warp_specialized`: the Gluon stage 1 can run (see
     `lm_head_ws.supported`); it takes untruncated launches of more than 64 rows."""
     if warp_specialized and not truncation and num_rows > 64:
-        return WARP_SPECIALIZED
+        return _warp_specialized_config(num_rows)
     if truncation:
         config = _bf16_truncation_config(num_rows)
     elif verification:
@@ -100,10 +100,14 @@ def default_config(num_rows: int, element_size: int = 2, truncation: bool = Fals
     return config
 
 
-# Above 64 untruncated rows on Hopper: 128x128 tiles, 64-deep steps, 4 stages (192 KB of
-# shared memory with the handed-over tile), the epilogue beside the MMA (lm_head_ws.py).
-WARP_SPECIALIZED = TileConfig(block_v=128, block_r=128, block_d=64, num_warps=4, num_stages=4,
-                              warp_specialized=True)
+def _warp_specialized_config(num_rows: int) -> TileConfig:
+    # Above 64 untruncated rows on Hopper: 128x128 tiles, 64-deep steps, 4 stages (196 KB of
+    # shared memory with the handed-over tile), the epilogue beside the MMA (lm_head_ws.py).
+    # scripts/sweep_tiles.py, H100, 2026-11-23: the epilogue bounds the time from 256 rows
+    # on, where 8 epilogue warps beat 4 (verify R = 256 0.78 -> 0.70 ms, R = 512 1.47-1.54 ->
+    # 1.36; sample B = 256 0.72 -> 0.70); at 128 rows 4 warps win (sample 0.474 vs 0.495).
+    return TileConfig(block_v=128, block_r=128, block_d=64, num_warps=4 if num_rows <= 128 else 8,
+                      num_stages=4, warp_specialized=True)
 
 
 def _bf16_config(num_rows: int) -> TileConfig:
