@@ -3,11 +3,14 @@
 # and JSON go to $OUT (default ./gpu_out); the benchmarks' tables are printed last.
 #   bash scripts/gpu_check.sh [pytest args...]
 #   PARTS="kernels verify" bash scripts/gpu_check.sh     # a subset: tests, kernels, verify
-# Without arguments the tests are the Triton kernels compiled for the GPU and the engine's GPU
-# tests (the rest of the suite is CPU code, which CI runs). Measured durations: H100
-# (2026-11-21, eighth session) tests 375 s (95 tests), kernels about 120 s, verify about
-# 100 s, about the device tool's 10-minute call together: run PARTS=tests, then
-# PARTS="kernels verify". H200 (seventh session): tests about 250 s, all three fit one call.
+# Without arguments the tests are the kernels compiled for the GPU (Triton, and the Gluon
+# stage 1 on Hopper) and the engine's GPU tests (the rest of the suite is CPU code, which CI
+# runs). Measured durations, H100 (2026-11-23): the kernel tests 453 s (122 tests:
+# test_kernels_ws, test_kernels, test_verify_kernel, test_rng), the engine's about 130 s,
+# kernels about 120 s, verify about 100 s: more than the device tool's 10-minute call, so run
+#   PARTS=tests bash scripts/gpu_check.sh tests/test_kernels_ws.py tests/test_kernels.py \
+#       tests/test_verify_kernel.py tests/test_rng.py
+#   bash scripts/gpu_check.sh tests/test_generate_gpu.py       # engine tests + both benchmarks
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -23,7 +26,8 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 if [ $# -eq 0 ]; then
-    set -- tests/test_kernels.py tests/test_verify_kernel.py tests/test_generate_gpu.py
+    set -- tests/test_kernels_ws.py tests/test_kernels.py tests/test_verify_kernel.py \
+        tests/test_generate_gpu.py
 fi
 for part in $PARTS; do
     case $part in
