@@ -124,48 +124,66 @@ def _token_tile(tokens, NUM_VT, BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr)
 
 
 @triton.jit
-def _argmax_combine(value, token, other_value, other_token):
-    first = (value > other_value) | ((value == other_value) & (token < other_token))
-    return tl.where(first, value, other_value), tl.where(first, token, other_token)
+def _argmax_combine(value, column, other_value, other_column):
+    first = (value > other_value) | ((value == other_value) & (column < other_column))
+    return tl.where(first, value, other_value), tl.where(first, column, other_column)
 
 
 @triton.jit
-def _row_argmax(score, tokens):
-    """Each row's largest score and the lowest token id that has it (argmax's preference):
-    `tokens` ``[N]`` holds the token id of each column."""
-    return tl.reduce((score, tl.broadcast_to(tokens[None, :], score.shape)), 1, _argmax_combine)
+def _row_argmax(score, columns):
+    """Each row's largest score and the first column that has it (argmax's preference):
+    `tl.argmax` with the column positions passed in (Gluon needs them in an explicit
+    layout). Positions known when compiling (an arange) cost no registers; token ids
+    computed per column would (verification's epilogue on 128x64 tiles: 128 -> 167
+    registers, one program per SM instead of two)."""
+    return tl.reduce((score, tl.broadcast_to(columns[None, :], score.shape)), 1, _argmax_combine)
 
 
 @triton.jit
-def _tile_summary(acc, tokens, noise, V, inv_t, sampled, draft,
-                  EVEN_V: tl.constexpr, SAMPLE: tl.constexpr, LSE: tl.constexpr,
-                  DRAFT: tl.constexpr):
-    """Per-row summaries of logits ``acc[rows, N]`` whose columns hold token ids `tokens`
-    ``[N]``: best score and its id (with DRAFT, token `draft` of each row is left out), the
-    sum of s (non-finite check), and, with LSE, max and sum of exp of s and the s of the best
-    token. `noise` is the Gumbel noise of the columns (`gumbel_noise_tile`; unused without
-    SAMPLE). Nothing here creates an index tensor, so the Gluon kernel (lm_head_ws.py), which
-    needs explicit layouts for those, runs the same code."""
+def _scaled_logits(acc, columns, pid_v, NUM_VT, V, inv_t, BLOCK_V: tl.constexpr,
+                   INTERLEAVE: tl.constexpr, EVEN_V: tl.constexpr):
+    """s = logits / temperature of columns `columns` ``[N]`` of vocab tile `pid_v` (-inf past
+    V), the rows' sums of s (the non-finite check) and the columns' token ids."""
+    offs_v = _column_tokens(columns, pid_v, NUM_VT, BLOCK_V, INTERLEAVE)
     s = acc * inv_t[:, None]
     row_sum = tl.sum(s, axis=1)  # masked columns hold 0 here
     if not EVEN_V:
-        s = tl.where((tokens < V)[None, :], s, float("-inf"))
+        s = tl.where((offs_v < V)[None, :], s, float("-inf"))
+    return s, row_sum, offs_v
+
+
+@triton.jit
+def _tile_summary(s, row_sum, offs_v, columns, noise, pid_v, NUM_VT, sampled, draft,
+                  BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr,
+                  SAMPLE: tl.constexpr, LSE: tl.constexpr, DRAFT: tl.constexpr):
+    """Per-row summaries of `_scaled_logits` (s, row_sum, offs_v) of `columns`: best score and
+    its id (with DRAFT, token `draft` of each row is left out), the sum of s, and, with LSE,
+    max and sum of exp of s and the s of the best token. `noise` is the Gumbel noise of the
+    columns (`gumbel_noise_tile`; unused without SAMPLE), computed by the caller after
+    `_scaled_logits` (before it, verification's epilogue on 128x64 tiles takes 161 registers
+    instead of 128: one program per SM instead of two). Nothing here or there creates an
+    index tensor, so the Gluon kernel (lm_head_ws.py), which needs explicit layouts for
+    those, runs the same code."""
     score = s
     if SAMPLE:
         score = s + tl.where(sampled[:, None], noise, 0.0)
     draft_s = row_sum
     if DRAFT:
-        is_draft = tokens[None, :] == draft[:, None]
+        is_draft = offs_v[None, :] == draft[:, None]
         draft_s = tl.sum(tl.where(is_draft, s, 0.0), axis=1)
         score = tl.where(is_draft, float("-inf"), score)
-    best, best_id = _row_argmax(score, tokens)
+    # The max on its own, as tl.argmax's callers had it: with the pair's value instead,
+    # verification's epilogue on 128x64 tiles takes 133 registers, not 128.
+    best = tl.max(score, axis=1)
+    _, best_column = _row_argmax(score, columns)
+    best_id = _column_tokens(best_column, pid_v, NUM_VT, BLOCK_V, INTERLEAVE)
     tile_max = best
     sumexp = best
     best_s = best
     if LSE:
         tile_max = tl.max(s, axis=1)
         sumexp = tl.sum(tl.exp(s - tile_max[:, None]), axis=1)
-        best_s = tl.sum(tl.where(tokens[None, :] == best_id[:, None], s, 0.0), axis=1)
+        best_s = tl.sum(tl.where(offs_v[None, :] == best_id[:, None], s, 0.0), axis=1)
     return best, best_id, row_sum, tile_max, sumexp, best_s, draft_s
 
 
@@ -175,17 +193,18 @@ def _part_summary(acc, first_column, pid_v, NUM_VT, V, inv_t, sampled, seed, pos
                   INTERLEAVE: tl.constexpr, EVEN_V: tl.constexpr,
                   SAMPLE: tl.constexpr, LSE: tl.constexpr, DRAFT: tl.constexpr):
     """`_tile_summary` of columns first_column + [0, PART_V) of vocab tile `pid_v`."""
-    tokens = _column_tokens(first_column + tl.arange(0, PART_V), pid_v, NUM_VT, BLOCK_V,
-                            INTERLEAVE)
-    noise = acc
+    columns = first_column + tl.arange(0, PART_V)
+    s, row_sum, offs_v = _scaled_logits(acc, columns, pid_v, NUM_VT, V, inv_t, BLOCK_V,
+                                        INTERLEAVE, EVEN_V)
+    noise = s
     if SAMPLE:
         groups = _column_tokens(first_column + tl.arange(0, PART_V // 16) * 16, pid_v, NUM_VT,
                                 BLOCK_V, INTERLEAVE) // 16
         blocks = (groups[:, None] * 4 + tl.arange(0, 4)[None, :])[None, :, :]
         noise = gumbel_noise_tile(seed[:, None, None], position[:, None, None], blocks,
                                   BLOCK_R, PART_V)
-    return _tile_summary(acc, tokens, noise, V, inv_t, sampled, draft, EVEN_V, SAMPLE, LSE,
-                         DRAFT)
+    return _tile_summary(s, row_sum, offs_v, columns, noise, pid_v, NUM_VT, sampled, draft,
+                         BLOCK_V, INTERLEAVE, SAMPLE, LSE, DRAFT)
 
 
 @triton.jit

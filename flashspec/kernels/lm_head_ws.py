@@ -212,12 +212,14 @@ if gluon is not None:
                 mbarrier.arrive(acc_empty)
             offs_r, r_ok, sampled, temperature, seed, position, draft = rows
             inv_t = 1.0 / temperature
-            tokens = pid_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, layout))
-            noise = acc  # unused without SAMPLE
+            columns = gl.arange(0, BV, layout=gl.SliceLayout(0, layout))
+            s, row_sum, offs_v = lm_head._scaled_logits(acc, columns, pid_v, NUM_VT, V, inv_t, BV,
+                                                        False, EVEN_V)
+            noise = s  # unused without SAMPLE
             if SAMPLE:
                 noise = _noise(seed, position, pid_v, CR, BV, layout)
-            summary = lm_head._tile_summary(acc, tokens, noise, V, inv_t, sampled, draft,
-                                            EVEN_V, SAMPLE, LSE, DRAFT)
+            summary = lm_head._tile_summary(s, row_sum, offs_v, columns, noise, pid_v, NUM_VT,
+                                            sampled, draft, BV, False, SAMPLE, LSE, DRAFT)
             lm_head._store_summary(summary, offs_r, r_ok, draft, pid_v, NUM_VT, best_ptr,
                                    best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr,
                                    draft_s_ptr, BV, False, LSE, DRAFT)
