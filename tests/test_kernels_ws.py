@@ -35,8 +35,9 @@ def test_default_table_takes_it_only_where_it_runs():
     assert kernels.default_config(65, warp_specialized=True) == WS
     assert WS.warp_specialized and WS.num_warps == 4 and WS8.num_warps == 8
     assert kernels.default_config(512, verification=True, warp_specialized=True) == WS8
+    assert kernels.default_config(256, truncation=True, warp_specialized=True) == WS8
+    assert WS8.candidates == kernels.default_config(256, truncation=True).candidates
     assert not kernels.default_config(64, warp_specialized=True).warp_specialized
-    assert not kernels.default_config(256, truncation=True, warp_specialized=True).warp_specialized
     assert not kernels.default_config(256).warp_specialized
 
 
@@ -61,15 +62,18 @@ def test_config_limits_are_named(fields, match):
         kernels.TileConfig(**(base | fields))
 
 
-def _problem(rows, vocab, dim, seed):
+def _problem(rows, vocab, dim, seed, truncation=False):
     g = torch.Generator().manual_seed(seed)
     weight = (torch.randn(vocab, dim, generator=g) / dim**0.5).to("cuda", torch.bfloat16)
     hidden = (torch.randn(rows, dim, generator=g) * 3).to("cuda", torch.bfloat16)
-    # Greedy and sampled rows, several temperatures; no truncation (the Triton kernel's).
+    # Greedy and sampled rows, several temperatures; with `truncation`, every truncation mode.
     pick = torch.randint(0, 4, (rows,), generator=g)
+    cut = lambda options: [options[int(i)] for i in torch.randint(len(options), (rows,), generator=g)]  # noqa
+    truncated = dict(top_k=cut([0, 20, 50, 5]), top_p=cut([1.0, 0.95, 0.9]),
+                     min_p=cut([0.0, 0.0, 0.05])) if truncation else {}
     params = SamplingParams.create(
         rows, do_sample=(pick != 0).tolist(), temperature=[(0.6, 0.7, 1.0, 1.5)[int(i)] for i in pick],
-        seed=seed, device="cuda")
+        seed=seed, device="cuda", **truncated)
     positions = torch.randint(0, 10_000, (rows,), generator=g).cuda()
     return hidden, weight, params, positions
 
@@ -120,3 +124,44 @@ def test_verification_equals_the_triton_kernel(batch, drafts, vocab, dim, config
         # Again with each row's first draft the target's own sample: accepted, then judged.
         draft_tokens[:, 0] = tr.tokens[:, 0]
     assert (ws.num_accepted >= 1).all()
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("rows, vocab, dim", [(256, 151_936, 4096), (200, 32_003, 520)])
+def test_truncated_sampling_equals_the_triton_kernel(rows, vocab, dim):
+    """Interleaved tiles loaded as 16-row boxes and their candidates: the same tiles in the
+    Triton kernel give the same candidates, hence the same tokens and the same rows flagged
+    for exact completion; the checked entry point (which completes them) agrees with the
+    float64 reference."""
+    hidden, weight, params, positions = _problem(rows, vocab, dim, rows + 1, truncation=True)
+    ws = kernels.sample_unchecked(hidden, weight, params, positions, want_lse=True, config=WS8)
+    tr = kernels.sample_unchecked(hidden, weight, params, positions, want_lse=True, config=TRITON)
+    assert torch.equal(ws.status, tr.status) and torch.equal(ws.tokens, tr.tokens)
+    assert_rounding_close(ws.lse, tr.lse)
+    assert_rounding_close(ws.logprobs, tr.logprobs)
+    ours = kernels.lm_head_sample(hidden, weight, params, positions)  # default: Gluon, completed
+    theirs = reference.lm_head_sample(hidden, weight, params, positions)
+    assert_same_tokens(ours, theirs, hidden, weight, params, positions, f"R={rows} truncated")
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_truncated_verification_equals_the_triton_kernel():
+    batch, drafts, vocab, dim = 64, 3, 151_936, 4096
+    hidden, weight, _, _ = _problem(batch * (drafts + 1), vocab, dim, 5)
+    params = SamplingParams.create(batch, temperature=0.6, top_k=20, top_p=0.95, seed=4,
+                                   device="cuda")
+    positions = torch.arange(batch, device="cuda") * 3
+    draft_tokens = torch.randint(0, vocab, (batch, drafts),
+                                 generator=torch.Generator().manual_seed(6)).cuda()
+    hidden = hidden.view(batch, drafts + 1, dim)
+    for attempt in range(2):
+        ws = kernels.verify_unchecked(hidden, weight, draft_tokens, params, positions, config=WS8)
+        tr = kernels.verify_unchecked(hidden, weight, draft_tokens, params, positions, config=TRITON)
+        for name in ("num_accepted", "tokens", "status"):
+            assert torch.equal(getattr(ws, name), getattr(tr, name)), name
+        assert_rounding_close(ws.accept_probs, tr.accept_probs)
+        assert_rounding_close(ws.logprobs, tr.logprobs)
+        draft_tokens[:, 0] = torch.where(tr.tokens[:, 0] >= 0, tr.tokens[:, 0], draft_tokens[:, 0])
+    assert (ws.num_accepted >= 1).sum() >= batch // 2

@@ -18,9 +18,9 @@ needs in explicit layouts, are built here. Its chunks hold the tile in the layou
 tensor-core accumulator (two neighbouring columns per thread, repeated every 8), so the
 four words of one Philox call land in one thread as in the Triton kernel.
 
-Covers untruncated launches (argmax, sampling, verification) of bf16/fp16 inputs whose rows
-are TMA-aligned, on Hopper GPUs; `supported` says where. Truncation (candidates, interleaved
-tiles) stays on the Triton kernel.
+Covers every launch (argmax, sampling, verification, with or without truncation: candidates
+from interleaved tiles, loaded as one 16-row box per group) of bf16/fp16 inputs whose rows are
+TMA-aligned, on Hopper GPUs; `supported` says where.
 """
 
 from __future__ import annotations
@@ -79,13 +79,14 @@ if gluon is not None:
 
     @gluon.jit
     def _load_partition(h_desc, w_desc, h_bufs, w_bufs, ready, empty, acc_smem, acc_ready,
-                        acc_empty, D, num_tiles, num_rt):
-        """One warp: hidden [BR, BD] and weight [BV, BD] tiles into the ring of stages."""
+                        acc_empty, D, NUM_VT, num_tiles, num_rt, INTERLEAVE: gl.constexpr):
+        """One warp: hidden [BR, BD] and weight [BV, BD] tiles into the ring of stages. An
+        interleaved weight tile (`lm_head._column_tokens`) is BV / 16 boxes of 16 rows."""
         BR: gl.constexpr = h_desc.block_type.shape[0]
         BD: gl.constexpr = h_desc.block_type.shape[1]
-        BV: gl.constexpr = w_desc.block_type.shape[0]
+        BV: gl.constexpr = w_bufs.type.shape[1]
         STAGES: gl.constexpr = h_bufs.type.shape[0]
-        nbytes: gl.constexpr = h_desc.block_type.nbytes + w_desc.block_type.nbytes
+        nbytes: gl.constexpr = h_desc.block_type.nbytes + BV * BD * w_desc.dtype.primitive_bitwidth // 8
         step = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             # Row tiles of one vocab tile run side by side on neighbouring programs: the
@@ -99,18 +100,24 @@ if gluon is not None:
                 mbarrier.expect(ready.index(stage), nbytes)
                 tma.async_copy_global_to_shared(h_desc, [pid_r * BR, k], ready.index(stage),
                                                 h_bufs.index(stage))
-                tma.async_copy_global_to_shared(w_desc, [pid_v * BV, k], ready.index(stage),
-                                                w_bufs.index(stage))
+                if INTERLEAVE:
+                    for group in gl.static_range(BV // 16):
+                        tma.async_copy_global_to_shared(
+                            w_desc, [(group * NUM_VT + pid_v) * 16, k], ready.index(stage),
+                            w_bufs.index(stage).slice(group * 16, 16))
+                else:
+                    tma.async_copy_global_to_shared(w_desc, [pid_v * BV, k], ready.index(stage),
+                                                    w_bufs.index(stage))
                 step += 1
 
     @gluon.jit
     def _mma_partition(h_desc, w_desc, h_bufs, w_bufs, ready, empty, acc_smem, acc_ready,
-                       acc_empty, D, num_tiles, num_rt):
+                       acc_empty, D, NUM_VT, num_tiles, num_rt, INTERLEAVE: gl.constexpr):
         """One warpgroup: acc[BR, BV] = hidden @ weight.T over the stages, fp32, then the
         tile to shared memory for the epilogue."""
         BR: gl.constexpr = h_desc.block_type.shape[0]
         BD: gl.constexpr = h_desc.block_type.shape[1]
-        BV: gl.constexpr = w_desc.block_type.shape[0]
+        BV: gl.constexpr = w_bufs.type.shape[1]
         STAGES: gl.constexpr = h_bufs.type.shape[0]
         layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 16])
@@ -142,15 +149,16 @@ if gluon is not None:
         return gl.PaddedSharedLayout.with_identity_for([[cols, 8]], [rows, cols], [1, 0])
 
     @gluon.jit
-    def _noise(seed, position, pid_v, CR: gl.constexpr, BV: gl.constexpr, layout: gl.constexpr):
+    def _noise(seed, position, pid_v, NUM_VT, CR: gl.constexpr, BV: gl.constexpr,
+               INTERLEAVE: gl.constexpr, layout: gl.constexpr):
         """`gumbel_noise_tile` of rows (seed, position) and vocab tile pid_v, in `layout`."""
         probe = gl.zeros([CR, BV], gl.float32, layout)
         # The layout gumbel_noise_tile's join / permute / reshape maps back onto `layout`.
         split: gl.constexpr = gl.permute(gl.reshape(probe, [CR, BV // 16, 2, 4, 2]),
                                          [0, 1, 3, 4, 2]).type.layout
         calls: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, split))
-        groups = pid_v * (BV // 16) + gl.arange(0, BV // 16,
-                                                layout=gl.SliceLayout(1, gl.SliceLayout(0, calls)))
+        first_columns = gl.arange(0, BV // 16, layout=gl.SliceLayout(1, gl.SliceLayout(0, calls))) * 16
+        groups = lm_head._column_tokens(first_columns, pid_v, NUM_VT, BV, INTERLEAVE) // 16
         quads = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, calls)))
         blocks = (groups[:, None] * 4 + quads[None, :])[None, :, :]
         rows: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, calls))
@@ -180,8 +188,9 @@ if gluon is not None:
     def _epilogue_partition(acc_smem, acc_ready, acc_empty,
                             do_sample_ptr, temperature_ptr, seed_ptr, position_ptr,
                             best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr,
-                            draft_ptr, draft_s_ptr, R, V, NUM_VT, ROWS_PER_PARAM, num_tiles, num_rt,
-                            SAMPLE: gl.constexpr, LSE: gl.constexpr, DRAFT: gl.constexpr,
+                            draft_ptr, draft_s_ptr, cand_ptr, R, V, NUM_VT, ROWS_PER_PARAM,
+                            num_tiles, num_rt, SAMPLE: gl.constexpr, LSE: gl.constexpr,
+                            DRAFT: gl.constexpr, CAND: gl.constexpr, INTERLEAVE: gl.constexpr,
                             EVEN_V: gl.constexpr, CR: gl.constexpr):
         """The default partition: each handed-over tile, CR rows at a time, through the
         Triton kernel's epilogue."""
@@ -214,30 +223,35 @@ if gluon is not None:
             inv_t = 1.0 / temperature
             columns = gl.arange(0, BV, layout=gl.SliceLayout(0, layout))
             s, row_sum, offs_v = lm_head._scaled_logits(acc, columns, pid_v, NUM_VT, V, inv_t, BV,
-                                                        False, EVEN_V)
+                                                        INTERLEAVE, EVEN_V)
             noise = s  # unused without SAMPLE
             if SAMPLE:
-                noise = _noise(seed, position, pid_v, CR, BV, layout)
+                noise = _noise(seed, position, pid_v, NUM_VT, CR, BV, INTERLEAVE, layout)
             summary = lm_head._tile_summary(s, row_sum, offs_v, columns, noise, pid_v, NUM_VT,
-                                            sampled, draft, BV, False, SAMPLE, LSE, DRAFT)
+                                            sampled, draft, BV, INTERLEAVE, SAMPLE, LSE, DRAFT)
             lm_head._store_summary(summary, offs_r, r_ok, draft, pid_v, NUM_VT, best_ptr,
                                    best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr,
-                                   draft_s_ptr, BV, False, LSE, DRAFT)
+                                   draft_s_ptr, BV, INTERLEAVE, LSE, DRAFT)
+            if CAND > 0:
+                lm_head._store_candidates(acc, offs_v, V, cand_ptr + (offs_r * NUM_VT + pid_v) * CAND,
+                                          r_ok, CAND, EVEN_V)
             rows = next_rows
 
     @gluon.jit
     def lm_head_tiles_ws_kernel(
         h_desc, w_desc, do_sample_ptr, temperature_ptr, seed_ptr, position_ptr,
         best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, draft_ptr, draft_s_ptr,
-        R, V, D, NUM_VT, ROWS_PER_PARAM,
-        SAMPLE: gl.constexpr, LSE: gl.constexpr, DRAFT: gl.constexpr, EVEN_V: gl.constexpr,
+        cand_ptr, R, V, D, NUM_VT, ROWS_PER_PARAM,
+        SAMPLE: gl.constexpr, LSE: gl.constexpr, DRAFT: gl.constexpr, CAND: gl.constexpr,
+        INTERLEAVE: gl.constexpr, EVEN_V: gl.constexpr, BLOCK_V: gl.constexpr,
         NUM_STAGES: gl.constexpr, CHUNK_R: gl.constexpr,
     ):
         BR: gl.constexpr = h_desc.block_type.shape[0]
         BD: gl.constexpr = h_desc.block_type.shape[1]
-        BV: gl.constexpr = w_desc.block_type.shape[0]
+        BV: gl.constexpr = BLOCK_V  # an interleaved tile loads as boxes of 16 weight rows
         h_bufs = gl.allocate_shared_memory(h_desc.dtype, [NUM_STAGES, BR, BD], h_desc.layout)
-        w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES, BV, BD], w_desc.layout)
+        w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES, BV, BD],
+                                           gl.NVMMASharedLayout.get_default_for([BV, BD], w_desc.dtype))
         # The finished tile, handed from the MMA warpgroup to the epilogue.
         acc_smem = gl.allocate_shared_memory(gl.float32, [BR, BV], _chunk_layout(BR, BV))
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -253,43 +267,49 @@ if gluon is not None:
         num_rt = gl.cdiv(R, BR)
         num_tiles = num_rt * NUM_VT
         worker_args = (h_desc, w_desc, h_bufs, w_bufs, ready, empty, acc_smem, acc_ready,
-                       acc_empty, D, num_tiles, num_rt)
+                       acc_empty, D, NUM_VT, num_tiles, num_rt, INTERLEAVE)
         gl.warp_specialize([
             (_epilogue_partition, (acc_smem, acc_ready, acc_empty, do_sample_ptr, temperature_ptr,
                                    seed_ptr, position_ptr, best_ptr, best_id_ptr, best_s_ptr,
-                                   max_ptr, sumexp_ptr, bad_ptr, draft_ptr, draft_s_ptr, R, V,
-                                   NUM_VT, ROWS_PER_PARAM, num_tiles, num_rt,
-                                   SAMPLE, LSE, DRAFT, EVEN_V, CHUNK_R)),
+                                   max_ptr, sumexp_ptr, bad_ptr, draft_ptr, draft_s_ptr, cand_ptr,
+                                   R, V, NUM_VT, ROWS_PER_PARAM, num_tiles, num_rt,
+                                   SAMPLE, LSE, DRAFT, CAND, INTERLEAVE, EVEN_V, CHUNK_R)),
             (_load_partition, worker_args),
             (_mma_partition, worker_args),
         ], [1, 4], [LOAD_REGISTERS, MMA_REGISTERS])
 
 
 def descriptors(hidden: torch.Tensor, weight: torch.Tensor, block_r: int, block_v: int,
-                block_d: int):
+                block_d: int, interleave: bool):
     """Gluon TMA descriptors of the hidden [block_r, block_d] and weight [block_v, block_d]
-    tiles (zero-filled past the edges: padded rows and columns add nothing)."""
+    tiles, or weight [16, block_d] groups for interleaved tiles (zero-filled past the
+    edges: padded rows and columns add nothing)."""
     dtype = gl.bfloat16 if hidden.dtype == torch.bfloat16 else gl.float16
+    weight_box = [16 if interleave else block_v, block_d]
     return (TensorDescriptor.from_tensor(
                 hidden, [block_r, block_d], gl.NVMMASharedLayout.get_default_for([block_r, block_d], dtype)),
             TensorDescriptor.from_tensor(
-                weight, [block_v, block_d], gl.NVMMASharedLayout.get_default_for([block_v, block_d], dtype)))
+                weight, weight_box, gl.NVMMASharedLayout.get_default_for(weight_box, dtype)))
 
 
-def launch(hidden, weight, row, summaries, drafts, draft_s, num_vt, rows_per_param, config,
-           sample, need_lse, verify) -> None:
+def launch(hidden, weight, row, summaries, candidates, drafts, draft_s, num_vt, rows_per_param,
+           config, sample, need_lse, cand, verify) -> None:
     """Stage 1 through the warp-specialized kernel, writing what `ops._launch_tiles` writes:
-    `summaries` (best, best_id, best_s, tile_max, tile_sum, bad) and, verifying, `draft_s`."""
+    `summaries` (best, best_id, best_s, tile_max, tile_sum, bad), with `cand` > 0 the
+    `candidates` of interleaved tiles, and, verifying, `draft_s`."""
     num_rows, dim = hidden.shape
     vocab_size = weight.shape[0]
-    h_desc, w_desc = descriptors(hidden, weight, config.block_r, config.block_v, config.block_d)
+    interleave = cand > 0
+    h_desc, w_desc = descriptors(hidden, weight, config.block_r, config.block_v, config.block_d,
+                                 interleave)
     num_tiles = num_vt * triton.cdiv(num_rows, config.block_r)
     grid = (min(num_tiles, _num_sms(hidden.device.index or 0)),)
     lm_head_tiles_ws_kernel[grid](
         h_desc, w_desc, row["do_sample"], row["temperature"], row["seed"], row["position"],
-        *summaries, drafts, draft_s,
+        *summaries, drafts, draft_s, candidates,
         num_rows, vocab_size, dim, num_vt, rows_per_param,
-        SAMPLE=sample, LSE=need_lse, DRAFT=verify, EVEN_V=vocab_size % config.block_v == 0,
+        SAMPLE=sample, LSE=need_lse, DRAFT=verify, CAND=cand, INTERLEAVE=interleave,
+        EVEN_V=vocab_size % config.block_v == 0, BLOCK_V=config.block_v,
         NUM_STAGES=config.num_stages, CHUNK_R=8 * config.num_warps,  # rows its layout covers
         num_warps=config.num_warps, maxnreg=max_registers(config.num_warps),
     )

@@ -86,8 +86,8 @@ def default_config(num_rows: int, element_size: int = 2, truncation: bool = Fals
     epilogue: candidates kept (truncation, whether verifying or not) or drafts verified are
     heavier, and other shapes win for them; 4-byte inputs take half the reduction step to
     fit the same shared memory. `warp_specialized`: the Gluon stage 1 can run (see
-    `lm_head_ws.supported`); it takes untruncated launches of more than 64 rows."""
-    if warp_specialized and not truncation and num_rows > 64:
+    `lm_head_ws.supported`); it takes launches of more than 64 rows."""
+    if warp_specialized and num_rows > 64:
         return _warp_specialized_config(num_rows)
     if truncation:
         config = _bf16_truncation_config(num_rows)
@@ -228,13 +228,12 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
     if hidden.stride(-1) != 1:
         hidden = hidden.contiguous()
     verify = drafts is not None
-    warp_specialized = not truncate and lm_head_ws.supported(hidden, weight)
+    warp_specialized = lm_head_ws.supported(hidden, weight)
     config = config or default_config(num_rows, hidden.element_size(), truncate, verify,
                                       warp_specialized)
     if config.warp_specialized and not warp_specialized:
-        raise ValueError("TileConfig(warp_specialized=True) needs a Hopper GPU with Gluon, bf16 "
-                         "or fp16 operands with 16-byte aligned rows, and no truncation (top-k, "
-                         "top-p, min-p); use another TileConfig")
+        raise ValueError("TileConfig(warp_specialized=True) needs a Hopper GPU with Gluon and "
+                         "bf16 or fp16 operands with 16-byte aligned rows; use another TileConfig")
     # Stage 1's full log-sum-exp: for the logprobs of rows without a top-k (verification
     # always reports them) and for top-p without top-k. Rows with a top-k below V
     # normalise over their candidates in stage 2 (one `exp` per logit less).
@@ -265,8 +264,8 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
     drafts = drafts if verify else best_id
     summaries = (best, best_id, best_s, tile_max, tile_sum, bad)
     if config.warp_specialized:
-        lm_head_ws.launch(hidden, weight, row, summaries, drafts, draft_s, num_vt, rows_per_param,
-                          config, sample, need_lse, verify)
+        lm_head_ws.launch(hidden, weight, row, summaries, candidates, drafts, draft_s, num_vt,
+                          rows_per_param, config, sample, need_lse, cand, verify)
     else:
         _launch_tiles(hidden, weight, row, summaries, candidates, drafts, draft_s, num_vt,
                       rows_per_param, config, sample, need_lse, cand, verify)
