@@ -11,8 +11,12 @@ at large B; this answers both before a device is lent:
         --configs "128,128,128,8,3,2 128,64,64,8,4"
 
 Prints one line per configuration; writes kernel_registers.json to --out. Configurations
-are "bv,br,bd,warps,stages[,parts]" as in scripts/sweep_tiles.py. Assumes bf16 inputs, V a
-multiple of the vocab tile and D of the reduction step (the shipped shapes), TMA loads.
+are "bv,br,bd,warps,stages[,parts][,ws]" as in scripts/sweep_tiles.py; "ws" compiles the
+warp-specialized Gluon stage 1 (`flashspec/kernels/lm_head_ws.py`) and also reports the
+setmaxnreg values in its PTX (what the load warp, the MMA warpgroup and the epilogue warps set
+for themselves, with the steps in between: 24, 168 and 256 or 160 for the default table).
+Assumes bf16 inputs, V a multiple of the vocab tile and D of the reduction step (the shipped
+shapes), TMA loads.
 The runtime compile also knows which integer arguments are multiples of 16 (and may count a
 few registers differently); the shared memory and the tile's epilogue are the same.
 """
@@ -35,7 +39,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sweep_tiles import parse_configs  # noqa: E402 - a sibling script, not a package
 
-from flashspec.kernels import lm_head  # noqa: E402
+from flashspec.kernels import lm_head, lm_head_ws  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 SM_SHARED_BYTES = 228 * 1024  # H100 / H200: per SM; each resident program also reserves 1 KB
@@ -77,18 +81,12 @@ def compile_report(kernel: str, config) -> dict:
                      BLOCK_R=config.block_r, BLOCK_D=config.block_d,
                      NUM_STAGES=config.num_stages)
     sig = signature(config, cand, draft) | {name: "constexpr" for name in constants}
+    if config.warp_specialized:
+        return _warp_specialized_report(kernel, config, sample, lse, cand, draft)
     compiled = triton.compile(ASTSource(lm_head.lm_head_tiles_kernel, sig, constants),
                               target=TARGET, options=dict(num_warps=config.num_warps,
                                                           num_stages=config.num_stages))
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp) / "stage1.ptx"
-        ptx.write_text(compiled.asm["ptx"])
-        log = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull],
-                             capture_output=True, text=True, check=True).stderr
-    registers = int(re.search(r"Used (\d+) registers", log).group(1))
-    spill_stores, spill_loads = map(int, re.search(
-        r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups())
+    registers, spill_stores, spill_loads = _ptxas_report(compiled)
     shared = compiled.metadata.shared
     threads = 32 * config.num_warps
     allocated = -(-registers // REGISTER_UNIT) * REGISTER_UNIT
@@ -99,11 +97,60 @@ def compile_report(kernel: str, config) -> dict:
                 shared_bytes=shared, programs_per_sm=per_sm)
 
 
+def _warp_specialized_report(kernel: str, config, sample: bool, lse: bool, cand: int,
+                             draft: bool) -> dict:
+    """The Gluon stage 1 under `config`: registers at launch (every warp's share), the
+    setmaxnreg values of its partitions, spills, shared memory; one program per SM."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    weight_box = [16 if cand else config.block_v, config.block_d]
+    layouts = [gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)
+               for box in ([config.block_r, config.block_d], weight_box)]
+    sig = {"h_desc": f"tensordesc<bf16[{config.block_r}, {config.block_d}],{layouts[0]!r}>",
+           "w_desc": f"tensordesc<bf16[{weight_box[0]}, {weight_box[1]}],{layouts[1]!r}>",
+           "do_sample_ptr": "*i1", "temperature_ptr": "*fp64", "seed_ptr": "*i64",
+           "position_ptr": "*i64", "best_ptr": "*fp32", "best_id_ptr": "*i32",
+           "best_s_ptr": "*fp32", "max_ptr": "*fp32", "sumexp_ptr": "*fp32", "bad_ptr": "*i32",
+           "draft_ptr": "*i64" if draft else "*i32", "draft_s_ptr": "*fp32",
+           "cand_ptr": "*i64" if cand else "*i32", "R": "i32", "V": "i32", "D": "i32",
+           "NUM_VT": "i32", "ROWS_PER_PARAM": "i32"}
+    constants = dict(SAMPLE=sample, LSE=lse, DRAFT=draft, CAND=cand, INTERLEAVE=cand > 0,
+                     EVEN_V=True, BLOCK_V=config.block_v, NUM_STAGES=config.num_stages,
+                     CHUNK_R=8 * config.num_warps)
+    sig |= {name: "constexpr" for name in constants}
+    compiled = triton.compile(
+        GluonASTSource(lm_head_ws.lm_head_tiles_ws_kernel, sig, constants), target=TARGET,
+        options=dict(num_warps=config.num_warps,
+                     maxnreg=lm_head_ws.max_registers(config.num_warps)))
+    registers, spill_stores, spill_loads = _ptxas_report(compiled)
+    partitions = sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
+                                                    compiled.asm["ptx"])})
+    return dict(kernel=kernel, config=config.__dict__, registers=registers,
+                partition_registers=partitions, spill_store_bytes=spill_stores,
+                spill_load_bytes=spill_loads, shared_bytes=compiled.metadata.shared,
+                programs_per_sm=1)
+
+
+def _ptxas_report(compiled) -> tuple[int, int, int]:
+    """ptxas's registers per thread and spill store and load bytes of a compiled kernel."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "stage1.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        log = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    spill_stores, spill_loads = map(int, re.search(
+        r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups())
+    return registers, spill_stores, spill_loads
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernel", choices=tuple(KERNELS), default="sample")
     parser.add_argument("--configs", type=parse_configs, required=True,
-                        help='"bv,br,bd,warps,stages[,parts] ..."')
+                        help='"bv,br,bd,warps,stages[,parts][,ws] ..."')
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -115,8 +162,10 @@ def main(argv=None) -> int:
         report = compile_report(args.kernel, config)
         reports.append(report)
         c = config
+        kind = (f"ws, partitions {report['partition_registers']}" if c.warp_specialized
+                else f"parts {c.epilogue_parts}")
         print(f"{args.kernel} {c.block_v}x{c.block_r} d{c.block_d} {c.num_warps}w {c.num_stages}s "
-              f"parts {c.epilogue_parts}: {report['registers']} registers, spills "
+              f"{kind}: {report['registers']} registers, spills "
               f"{report['spill_store_bytes']}/{report['spill_load_bytes']} B, shared "
               f"{report['shared_bytes'] // 1024} KB, {report['programs_per_sm']} per SM",
               flush=True)

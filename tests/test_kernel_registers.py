@@ -36,6 +36,22 @@ def test_reports_registers_shared_memory_and_programs_per_sm(tmp_path):
     assert reports[1]["shared_bytes"] >= 2 * (128 * 128 + 16 * 128) * 2
 
 
+def test_reports_the_warp_specialized_kernel(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS.parent), env.get("PYTHONPATH", "")])
+    subprocess.run([sys.executable, str(SCRIPTS / "kernel_registers.py"), "--kernel", "qwen",
+                    "--configs", "128,128,64,8,4,ws", "--out", str(tmp_path)],
+                   env=env, check=True, capture_output=True, timeout=300)
+    report, = json.loads((tmp_path / "kernel_registers.json").read_text())["reports"]
+    assert report["config"]["warp_specialized"] and report["programs_per_sm"] == 1
+    # Every warp's share at launch: 65,536 over 16 warps; the load warp gives back to 24,
+    # the MMA warpgroup takes 168 for its 128-register accumulator.
+    assert report["registers"] == 128
+    assert {24, 168} <= set(report["partition_registers"])
+    # Four stages of 128x64 hidden and weight tiles and the 128x128 fp32 hand-over tile.
+    assert report["shared_bytes"] >= 4 * 2 * 128 * 64 * 2 + 128 * 128 * 4
+
+
 def test_interpreter_is_refused_by_name(capsys, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert registers.main(["--configs", "64,16,64,4,2"]) == 2
