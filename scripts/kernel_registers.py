@@ -75,14 +75,14 @@ def compile_report(kernel: str, config) -> dict:
     that registers and shared memory allow, of stage 1 under `config`."""
     sample, lse, truncation, draft = KERNELS[kernel]
     cand = config.candidates if truncation else 0
+    if config.warp_specialized:
+        return _warp_specialized_report(kernel, config, sample, lse, cand, draft)
     constants = dict(SAMPLE=sample, LSE=lse, CAND=cand, DRAFT=draft, IEEE_DOT=False,
                      INTERLEAVE=cand > 0, EVEN_V=True, EVEN_D=True, TMA=True,
                      PARTS=config.epilogue_parts, BLOCK_V=config.block_v,
                      BLOCK_R=config.block_r, BLOCK_D=config.block_d,
                      NUM_STAGES=config.num_stages)
     sig = signature(config, cand, draft) | {name: "constexpr" for name in constants}
-    if config.warp_specialized:
-        return _warp_specialized_report(kernel, config, sample, lse, cand, draft)
     compiled = triton.compile(ASTSource(lm_head.lm_head_tiles_kernel, sig, constants),
                               target=TARGET, options=dict(num_warps=config.num_warps,
                                                           num_stages=config.num_stages))

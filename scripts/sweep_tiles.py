@@ -49,7 +49,9 @@ def parse_configs(text: str):
         try:
             words = item.split(",")
             warp_specialized = words[-1] == "ws"
-            fields = [int(x) for x in words[:-1] if warp_specialized] or [int(x) for x in words]
+            if warp_specialized:
+                words = words[:-1]
+            fields = [int(x) for x in words]
             if len(fields) not in (5, 6):
                 raise ValueError("expected 5 or 6 integers")
             names = ("block_v", "block_r", "block_d", "num_warps", "num_stages", "epilogue_parts")
@@ -74,13 +76,15 @@ def default_grid(rows: int):
             for bv, br, bd, w, s in grid]
 
 
-def default_config_of(kernel: str, rows: int, weight: torch.Tensor):
-    """The tile configuration flashspec picks for `rows` rows of this kernel and weight."""
-    from flashspec.kernels import default_config, lm_head_ws
+def default_config_of(kernel: str, rows: int, hidden: torch.Tensor, weight: torch.Tensor):
+    """The tile configuration flashspec picks for `rows` rows of this kernel and operands."""
+    from flashspec.kernels import default_config, lm_head_ws, ops
 
+    warp_specialized = (lm_head_ws.supported(hidden, weight) and ops.tma_ready(hidden)
+                        and ops.tma_ready(weight))
     return default_config(rows, 2, truncation=kernel.endswith("qwen"),
                           verification=kernel.startswith("verify"),
-                          warp_specialized=lm_head_ws.supported(weight, weight))
+                          warp_specialized=warp_specialized)
 
 
 def make_launch(kernel: str, rows: int, drafts: int, weight: torch.Tensor):
@@ -171,7 +175,7 @@ def main(argv=None) -> int:
         configs = args.configs or default_grid(rows)
         if args.quick and args.configs is None:
             configs = configs[:2]
-        default_config = default_config_of(args.kernel, rows, weight)
+        default_config = default_config_of(args.kernel, rows, hidden, weight)
         these = []
         for config in [None] + configs:
             these.append(dict(rows=rows, default=config is None,

@@ -36,7 +36,9 @@ def test_default_table_takes_it_only_where_it_runs():
     assert WS.warp_specialized and WS.num_warps == 4 and WS8.num_warps == 8
     assert kernels.default_config(512, verification=True, warp_specialized=True) == WS8
     assert kernels.default_config(256, truncation=True, warp_specialized=True) == WS8
-    assert WS8.candidates == kernels.default_config(256, truncation=True).candidates
+    # Truncation keeps the candidate budget per token of the table's 128-wide tiles below.
+    small = kernels.default_config(64, truncation=True)
+    assert (WS8.block_v, WS8.candidates) == (small.block_v, small.candidates) == (128, 8)
     assert not kernels.default_config(64, warp_specialized=True).warp_specialized
     assert not kernels.default_config(256).warp_specialized
 
@@ -45,7 +47,7 @@ def test_cpu_tensors_are_not_supported_and_an_explicit_config_is_refused():
     hidden = torch.randn(4, 64, dtype=torch.bfloat16)
     weight = torch.randn(100, 64, dtype=torch.bfloat16)
     assert not lm_head_ws.supported(hidden, weight)
-    with pytest.raises(ValueError, match="warp_specialized=True"):
+    with pytest.raises(ValueError, match="warp_specialized=True\\) needs CUDA tensors on a Hopper"):
         kernels.argmax_unchecked(hidden, weight, config=WS)
 
 
@@ -54,6 +56,7 @@ def test_cpu_tensors_are_not_supported_and_an_explicit_config_is_refused():
     (dict(block_r=128, block_v=256), "block_r \\* block_v <= 16384"),
     (dict(num_warps=2), "num_warps in \\(4, 8\\)"),
     (dict(epilogue_parts=2), "epilogue_parts=1"),
+    (dict(num_stages=1), "num_stages >= 2"),  # one stage would deadlock the pipeline
 ])
 def test_config_limits_are_named(fields, match):
     base = dict(block_v=128, block_r=128, block_d=64, num_warps=4, num_stages=4,
@@ -114,7 +117,7 @@ def test_verification_equals_the_triton_kernel(batch, drafts, vocab, dim, config
     draft_tokens = torch.randint(0, vocab, (batch, drafts), generator=g).cuda()
     draft_tokens[::3, drafts // 2:] = -1  # padded drafts
     hidden = hidden.view(batch, drafts + 1, dim)
-    for attempt in range(2):
+    for _ in range(2):
         ws = kernels.verify_unchecked(hidden, weight, draft_tokens, params, positions, config=config)
         tr = kernels.verify_unchecked(hidden, weight, draft_tokens, params, positions, config=TRITON)
         for name in ("num_accepted", "tokens", "status"):
@@ -156,7 +159,7 @@ def test_truncated_verification_equals_the_triton_kernel():
     draft_tokens = torch.randint(0, vocab, (batch, drafts),
                                  generator=torch.Generator().manual_seed(6)).cuda()
     hidden = hidden.view(batch, drafts + 1, dim)
-    for attempt in range(2):
+    for _ in range(2):
         ws = kernels.verify_unchecked(hidden, weight, draft_tokens, params, positions, config=WS8)
         tr = kernels.verify_unchecked(hidden, weight, draft_tokens, params, positions, config=TRITON)
         for name in ("num_accepted", "tokens", "status"):
@@ -164,4 +167,4 @@ def test_truncated_verification_equals_the_triton_kernel():
         assert_rounding_close(ws.accept_probs, tr.accept_probs)
         assert_rounding_close(ws.logprobs, tr.logprobs)
         draft_tokens[:, 0] = torch.where(tr.tokens[:, 0] >= 0, tr.tokens[:, 0], draft_tokens[:, 0])
-    assert (ws.num_accepted >= 1).sum() >= batch // 2
+    assert (ws.num_accepted[ws.status == 0] >= 1).all() and (ws.status == 0).sum() > batch // 2

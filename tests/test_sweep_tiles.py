@@ -25,7 +25,7 @@ def test_quick_run_times_default_and_given_configs(tmp_path, kernel, rows, draft
     results = report["results"]
     assert [r["default"] for r in results] == [True, False, False]
     weight = torch.empty(8, 8, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu")
-    assert results[0]["config"] == sweep.default_config_of(kernel, int(rows), weight).__dict__
+    assert results[0]["config"] == sweep.default_config_of(kernel, int(rows), weight, weight).__dict__
     assert [r["config"]["block_v"] for r in results[1:]] == [64, 128]
     assert results[2]["config"]["epilogue_parts"] == 2
     for r in results:

@@ -12,6 +12,11 @@ or, when truncating, BV / 16 interleaved groups of 16: `_column_tokens`), then p
 * optionally the tile's top ``CAND`` raw logits as packed int64 keys (truncation);
 * the count of non-finite ``s`` (NaN/inf is reported, never sampled).
 
+Above 64 rows on Hopper, stage 1 is `lm_head_ws.lm_head_tiles_ws_kernel` instead, a
+warp-specialized Gluon kernel running the same epilogue helpers (`_scaled_logits`,
+`_tile_summary`, `_store_summary`, `_store_candidates`), which therefore create no index
+tensors of their own.
+
 Stage 2 (`lm_head_rows_kernel`), one program per row, merges the tiles on the GPU: the
 row's token, logprob, log-sum-exp and a status (0 ok, 1 needs exact completion, 2
 non-finite). Truncated rows (top-k / top-p / min-p) merge the candidate keys, apply HF's
@@ -35,7 +40,7 @@ larger key means a larger logit, then a lower id (the preference order of argmax
 import triton
 import triton.language as tl
 
-from .noise import ACCEPT_STREAM, gumbel_noise, gumbel_noise_tile, philox_bits
+from .noise import ACCEPT_STREAM, gumbel_noise, gumbel_noise_tile, philox_bits, philox_blocks
 
 STATUS_OK = 0
 STATUS_NEEDS_COMPLETION = 1
@@ -200,9 +205,8 @@ def _part_summary(acc, first_column, pid_v, NUM_VT, V, inv_t, sampled, seed, pos
     if SAMPLE:
         groups = _column_tokens(first_column + tl.arange(0, PART_V // 16) * 16, pid_v, NUM_VT,
                                 BLOCK_V, INTERLEAVE) // 16
-        blocks = (groups[:, None] * 4 + tl.arange(0, 4)[None, :])[None, :, :]
-        noise = gumbel_noise_tile(seed[:, None, None], position[:, None, None], blocks,
-                                  BLOCK_R, PART_V)
+        noise = gumbel_noise_tile(seed[:, None, None], position[:, None, None],
+                                  philox_blocks(groups, tl.arange(0, 4)), BLOCK_R, PART_V)
     return _tile_summary(s, row_sum, offs_v, columns, noise, pid_v, NUM_VT, sampled, draft,
                          BLOCK_V, INTERLEAVE, SAMPLE, LSE, DRAFT)
 

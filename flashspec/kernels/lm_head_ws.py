@@ -12,11 +12,14 @@ SM runs one persistent program of three partitions that work on different tiles 
 * the epilogue warps (the default partition) summarise the handed-over tile in chunks of
   rows while the MMA warpgroup already accumulates the next one.
 
-The epilogue is the Triton kernel's own code (`lm_head._tile_summary`,
-`lm_head._store_summary`, `noise.gumbel_noise_tile`): only the index tensors, which Gluon
-needs in explicit layouts, are built here. Its chunks hold the tile in the layout of a
-tensor-core accumulator (two neighbouring columns per thread, repeated every 8), so the
-four words of one Philox call land in one thread as in the Triton kernel.
+The epilogue is the Triton kernel's own code (`lm_head._scaled_logits`, `_tile_summary`,
+`_store_summary`, `_store_candidates`, `noise.gumbel_noise_tile`), which the interpreter
+tests run on the CPU; only the index tensors, which Gluon needs in explicit layouts, are
+built here. Its chunks hold the tile in the layout of a tensor-core accumulator (two
+neighbouring columns per thread, repeated every 8), so the four words of one Philox call
+land in one thread as in the Triton kernel. What only runs on a Hopper GPU (the pipeline,
+the layouts of those index tensors, the chunks' addresses) is checked there against the
+Triton kernel, output by output (tests/test_kernels_ws.py).
 
 Covers every launch (argmax, sampling, verification, with or without truncation: candidates
 from interleaved tiles, loaded as one 16-row box per group) of bf16/fp16 inputs whose rows are
@@ -32,15 +35,20 @@ import torch
 import triton
 
 from . import lm_head
-from .noise import gumbel_noise_tile
+from .noise import gumbel_noise_tile, philox_blocks
 
-try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel covers every launch.
+# Gluon is experimental and changes between Triton releases: the kernel is used with the
+# release it was written and tested for, and the Triton kernel covers every launch otherwise.
+TESTED_TRITON = "3.6."
+try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # pragma: no cover - depends on the installed Triton
+    gluon = None
+if not triton.__version__.startswith(TESTED_TRITON):  # pragma: no cover
     gluon = None
 
 # Registers per thread: the launch gives every warp the same share of the SM's 65,536 (the
@@ -58,16 +66,14 @@ def max_registers(epilogue_warps: int) -> int:
 
 
 def supported(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the warp-specialized stage 1 can run these operands (Hopper, Gluon, 16-bit
-    TMA-aligned rows, not Triton's interpreter)."""
+    """Whether the warp-specialized stage 1 can run these operands: a Hopper GPU, the Triton
+    release it was tested with, 16-bit inputs, not Triton's interpreter. (Its TMA loads also
+    need 16-byte aligned rows: `ops.tma_ready`.)"""
     if gluon is None or not hidden.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     if torch.version.hip or torch.cuda.get_device_capability(hidden.device)[0] != 9:
         return False
-    if hidden.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != hidden.dtype:
-        return False
-    return all(m.stride(-1) == 1 and m.data_ptr() % 16 == 0
-               and (m.stride(0) * m.element_size()) % 16 == 0 for m in (hidden, weight))
+    return hidden.dtype in (torch.bfloat16, torch.float16) and weight.dtype == hidden.dtype
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,7 +87,8 @@ if gluon is not None:
     def _load_partition(h_desc, w_desc, h_bufs, w_bufs, ready, empty, acc_smem, acc_ready,
                         acc_empty, D, NUM_VT, num_tiles, num_rt, INTERLEAVE: gl.constexpr):
         """One warp: hidden [BR, BD] and weight [BV, BD] tiles into the ring of stages. An
-        interleaved weight tile (`lm_head._column_tokens`) is BV / 16 boxes of 16 rows."""
+        interleaved weight tile (`lm_head._column_tokens`) is BV / 16 boxes of 16 rows.
+        (Worker partitions share one argument list: the hand-over tile's is unused here.)"""
         BR: gl.constexpr = h_desc.block_type.shape[0]
         BD: gl.constexpr = h_desc.block_type.shape[1]
         BV: gl.constexpr = w_bufs.type.shape[1]
@@ -145,7 +152,8 @@ if gluon is not None:
     def _chunk_layout(rows, cols):
         """Row-major fp32 rows padded by 8 words: the MMA layout's stores (8 rows x 4 threads
         x 2 words per instruction) and the epilogue's loads then meet each bank at most twice,
-        the least for 256 bytes, instead of 8 times (rows 512 bytes apart share banks)."""
+        the least for 256 bytes, instead of 8 times (unpadded rows a multiple of 128 bytes
+        apart, as 128-token rows are, start on the same bank)."""
         return gl.PaddedSharedLayout.with_identity_for([[cols, 8]], [rows, cols], [1, 0])
 
     @gluon.jit
@@ -160,7 +168,7 @@ if gluon is not None:
         first_columns = gl.arange(0, BV // 16, layout=gl.SliceLayout(1, gl.SliceLayout(0, calls))) * 16
         groups = lm_head._column_tokens(first_columns, pid_v, NUM_VT, BV, INTERLEAVE) // 16
         quads = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, calls)))
-        blocks = (groups[:, None] * 4 + quads[None, :])[None, :, :]
+        blocks = philox_blocks(groups, quads)
         rows: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, calls))
         seed = gl.convert_layout(seed, rows)[:, None, None]
         position = gl.convert_layout(position, rows)[:, None, None]
@@ -303,7 +311,7 @@ def launch(hidden, weight, row, summaries, candidates, drafts, draft_s, num_vt, 
     h_desc, w_desc = descriptors(hidden, weight, config.block_r, config.block_v, config.block_d,
                                  interleave)
     num_tiles = num_vt * triton.cdiv(num_rows, config.block_r)
-    grid = (min(num_tiles, _num_sms(hidden.device.index or 0)),)
+    grid = (min(num_tiles, _num_sms(hidden.device.index)),)
     lm_head_tiles_ws_kernel[grid](
         h_desc, w_desc, row["do_sample"], row["temperature"], row["seed"], row["position"],
         *summaries, drafts, draft_s, candidates,

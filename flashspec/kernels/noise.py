@@ -49,6 +49,13 @@ def gumbel_noise(seed, position, token_ids):
 
 
 @triton.jit
+def philox_blocks(groups, quads):
+    """``[1, len(groups), 4]`` Philox blocks ``4 * groups[j] + m`` of 16-token groups (`quads`
+    is ``arange(0, 4)``), as `gumbel_noise_tile` takes them."""
+    return (groups[:, None] * 4 + quads[None, :])[None, :, :]
+
+
+@triton.jit
 def gumbel_noise_tile(seed, position, blocks, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
     """float32 Gumbel noise ``[BLOCK_R, BLOCK_V]`` of the tokens of ``BLOCK_V // 16`` groups of
     16 (column 16 j + i is token 16 groups[j] + i).
@@ -57,8 +64,8 @@ def gumbel_noise_tile(seed, position, blocks, BLOCK_R: tl.constexpr, BLOCK_V: tl
     Philox blocks ``4 * groups[j] + m``. Token ``16a + 8h + 2m + l`` is word ``2h + l`` of
     Philox block ``4a + m`` (see `flashspec.rng`): the four words of one call land in the
     registers of the one thread that holds those columns of a tensor-core accumulator, so no
-    data moves between threads. The caller builds the index tensors (the Gluon kernel needs
-    them in explicit layouts).
+    data moves between threads. The caller builds the index tensors (`philox_blocks`; the
+    Gluon kernel needs them in explicit layouts).
     """
     c0 = (blocks + position * 0).to(tl.uint32)
     c1 = (position + blocks * 0).to(tl.uint32)

@@ -40,8 +40,8 @@ class TileConfig:
     merge_warps: warps of the per-row stage 2 (its sorts are the cost of truncation);
     epilogue_parts: summarise the tile in 1, 2 or 4 vocab parts one after the other
     (fewer live registers); warp_specialized: stage 1 through the Gluon kernel of
-    `lm_head_ws` (Hopper, untruncated): a load warp, an MMA warpgroup and num_warps epilogue
-    warps on different tiles at once, num_stages deep.
+    `lm_head_ws` (Hopper): a load warp, an MMA warpgroup and num_warps epilogue warps on
+    different tiles at once, num_stages (>= 2) deep.
     """
 
     block_v: int = 128
@@ -71,13 +71,16 @@ class TileConfig:
             raise ValueError(f"TileConfig.candidates={self.candidates} exceeds block_v")
         if self.warp_specialized and not (
                 self.block_r % 64 == 0 and self.block_r * self.block_v <= 128 * 128
-                and self.num_warps in lm_head_ws.EPILOGUE_WARPS and self.epilogue_parts == 1):
+                and self.num_warps in lm_head_ws.EPILOGUE_WARPS and self.epilogue_parts == 1
+                and self.num_stages >= 2):
+            # One stage would deadlock: the MMA frees a step's stage only after the next
+            # step's data has arrived in another one.
             raise ValueError(
                 f"TileConfig(warp_specialized=True) needs block_r a multiple of 64 (wgmma), "
                 f"block_r * block_v <= 16384 (the MMA warpgroup's accumulator), num_warps in "
-                f"{lm_head_ws.EPILOGUE_WARPS} and epilogue_parts=1; got block_r={self.block_r}, "
-                f"block_v={self.block_v}, num_warps={self.num_warps}, "
-                f"epilogue_parts={self.epilogue_parts}")
+                f"{lm_head_ws.EPILOGUE_WARPS}, epilogue_parts=1 and num_stages >= 2; got "
+                f"block_r={self.block_r}, block_v={self.block_v}, num_warps={self.num_warps}, "
+                f"epilogue_parts={self.epilogue_parts}, num_stages={self.num_stages}")
 
 
 def default_config(num_rows: int, element_size: int = 2, truncation: bool = False,
@@ -101,8 +104,11 @@ def default_config(num_rows: int, element_size: int = 2, truncation: bool = Fals
 
 
 def _warp_specialized_config(num_rows: int) -> TileConfig:
-    # Above 64 untruncated rows on Hopper: 128x128 tiles, 64-deep steps, 4 stages (196 KB of
-    # shared memory with the handed-over tile), the epilogue beside the MMA (lm_head_ws.py).
+    # Above 64 rows on Hopper: 128x128 tiles, 64-deep steps, 4 stages (196 KB of shared
+    # memory with the handed-over tile), the epilogue beside the MMA (lm_head_ws.py). With
+    # truncation the tiles are 128 tokens wide with 8 candidates, the budget per token of
+    # the truncation table up to 64 rows (the Triton table's 64-wide tiles above it had
+    # twice that; exact either way, completions counted in `stats()`).
     # scripts/sweep_tiles.py, H100, 2026-11-23: the epilogue bounds the time from 256 rows
     # on, where 8 epilogue warps beat 4 (verify R = 256 0.78 -> 0.70 ms, R = 512 1.47-1.54 ->
     # 1.36; sample B = 256 0.72 -> 0.70); at 128 rows 4 warps win (sample 0.474 vs 0.495).
@@ -228,12 +234,15 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
     if hidden.stride(-1) != 1:
         hidden = hidden.contiguous()
     verify = drafts is not None
-    warp_specialized = lm_head_ws.supported(hidden, weight)
+    warp_specialized = (lm_head_ws.supported(hidden, weight) and tma_ready(hidden)
+                        and tma_ready(weight))
     config = config or default_config(num_rows, hidden.element_size(), truncate, verify,
                                       warp_specialized)
     if config.warp_specialized and not warp_specialized:
-        raise ValueError("TileConfig(warp_specialized=True) needs a Hopper GPU with Gluon and "
-                         "bf16 or fp16 operands with 16-byte aligned rows; use another TileConfig")
+        raise ValueError("TileConfig(warp_specialized=True) needs CUDA tensors on a Hopper GPU "
+                         "(not Triton's interpreter), Triton " + lm_head_ws.TESTED_TRITON + "x "
+                         "with Gluon, and bf16 or fp16 operands with 16-byte aligned rows; use "
+                         "another TileConfig")
     # Stage 1's full log-sum-exp: for the logprobs of rows without a top-k (verification
     # always reports them) and for top-p without top-k. Rows with a top-k below V
     # normalise over their candidates in stage 2 (one `exp` per logit less).
@@ -416,7 +425,7 @@ def _flagged_rows(status: torch.Tensor, check_finite: bool) -> tuple[torch.Tenso
     return non_finite, flagged[flagged_status == lm_head.STATUS_NEEDS_COMPLETION]
 
 
-def _tma_ready(matrix: torch.Tensor) -> bool:
+def tma_ready(matrix: torch.Tensor) -> bool:
     """TMA needs 16-byte aligned base and row stride (any real LM head: D % 8 == 0 in bf16)."""
     row_bytes = matrix.stride(0) * matrix.element_size()
     return matrix.data_ptr() % 16 == 0 and row_bytes % 16 == 0
@@ -429,7 +438,7 @@ def tma_descriptors(hidden: torch.Tensor, weight: torch.Tensor, config: TileConf
     tile (groups pid_v, pid_v + NUM_VT, ... of 16 tokens) is one box of the weight viewed
     as ``[BLOCK_V / 16, NUM_VT, 16, D]``, which exists when V is a multiple of BLOCK_V (both
     Qwen's 151,936 and Llama's 128,256 are, at 64 and 128)."""
-    if not (_tma_ready(hidden) and _tma_ready(weight)):
+    if not (tma_ready(hidden) and tma_ready(weight)):
         return None
     vocab_size, dim = weight.shape
     hidden_desc = TensorDescriptor.from_tensor(hidden, [config.block_r, config.block_d])
