@@ -12,15 +12,20 @@ from script_module import SCRIPTS, load_script
 registers = load_script("kernel_registers")
 
 
-def test_reports_registers_shared_memory_and_programs_per_sm(tmp_path):
-    # A process of its own: under TRITON_INTERPRET=1 (set by conftest) Triton's own jitted
-    # helpers are interpreted functions and nothing compiles.
+def _reports(tmp_path, kernel: str, configs: str) -> list[dict]:
+    """kernel_registers.py's reports, run in a process of its own: under TRITON_INTERPRET=1
+    (set by conftest) Triton's own jitted helpers are interpreted functions and nothing
+    compiles."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS.parent), env.get("PYTHONPATH", "")])
-    subprocess.run([sys.executable, str(SCRIPTS / "kernel_registers.py"), "--kernel", "verify",
-                    "--configs", "64,16,64,4,2 128,16,128,4,3", "--out", str(tmp_path)],
+    subprocess.run([sys.executable, str(SCRIPTS / "kernel_registers.py"), "--kernel", kernel,
+                    "--configs", configs, "--out", str(tmp_path)],
                    env=env, check=True, capture_output=True, timeout=300)
-    reports = json.loads((tmp_path / "kernel_registers.json").read_text())["reports"]
+    return json.loads((tmp_path / "kernel_registers.json").read_text())["reports"]
+
+
+def test_reports_registers_shared_memory_and_programs_per_sm(tmp_path):
+    reports = _reports(tmp_path, "verify", "64,16,64,4,2 128,16,128,4,3")
     assert [r["config"]["block_v"] for r in reports] == [64, 128]
     for r in reports:
         assert 16 <= r["registers"] <= 255 and r["spill_store_bytes"] >= 0
@@ -37,12 +42,7 @@ def test_reports_registers_shared_memory_and_programs_per_sm(tmp_path):
 
 
 def test_reports_the_warp_specialized_kernel(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS.parent), env.get("PYTHONPATH", "")])
-    subprocess.run([sys.executable, str(SCRIPTS / "kernel_registers.py"), "--kernel", "qwen",
-                    "--configs", "128,128,64,8,4,ws", "--out", str(tmp_path)],
-                   env=env, check=True, capture_output=True, timeout=300)
-    report, = json.loads((tmp_path / "kernel_registers.json").read_text())["reports"]
+    report, = _reports(tmp_path, "qwen", "128,128,64,8,4,ws")
     assert report["config"]["warp_specialized"] and report["programs_per_sm"] == 1
     # Every warp's share at launch: 65,536 over 16 warps; the load warp gives back to 24,
     # the MMA warpgroup takes 168 for its 128-register accumulator.

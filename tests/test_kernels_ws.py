@@ -104,6 +104,22 @@ def test_sample_and_argmax_equal_the_triton_kernel(rows, vocab, dim, config):
     assert torch.equal(greedy, kernels.argmax_unchecked(hidden, weight, config=TRITON))
 
 
+def _verify_like_triton(hidden, weight, draft_tokens, params, positions, config):
+    """Verification under `config` equals the Triton kernel's with the same tiles, first with
+    `draft_tokens`, then with each row's first draft replaced by the target's own sample
+    (accepted, so the next position is judged too); returns the second output."""
+    for _ in range(2):
+        ws = kernels.verify_unchecked(hidden, weight, draft_tokens, params, positions, config=config)
+        tr = kernels.verify_unchecked(hidden, weight, draft_tokens, params, positions, config=TRITON)
+        for name in ("num_accepted", "tokens", "status"):
+            assert torch.equal(getattr(ws, name), getattr(tr, name)), name
+        assert_rounding_close(ws.accept_probs, tr.accept_probs)
+        assert_rounding_close(ws.logprobs, tr.logprobs)
+        # Rows flagged for exact completion hold -1: they keep their draft.
+        draft_tokens[:, 0] = torch.where(tr.tokens[:, 0] >= 0, tr.tokens[:, 0], draft_tokens[:, 0])
+    return ws
+
+
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("batch, drafts, vocab, dim", [(16, 5, 151_936, 4096), (64, 3, 32_003, 520)])
@@ -116,16 +132,8 @@ def test_verification_equals_the_triton_kernel(batch, drafts, vocab, dim, config
     g = torch.Generator().manual_seed(2)
     draft_tokens = torch.randint(0, vocab, (batch, drafts), generator=g).cuda()
     draft_tokens[::3, drafts // 2:] = -1  # padded drafts
-    hidden = hidden.view(batch, drafts + 1, dim)
-    for _ in range(2):
-        ws = kernels.verify_unchecked(hidden, weight, draft_tokens, params, positions, config=config)
-        tr = kernels.verify_unchecked(hidden, weight, draft_tokens, params, positions, config=TRITON)
-        for name in ("num_accepted", "tokens", "status"):
-            assert torch.equal(getattr(ws, name), getattr(tr, name)), name
-        assert_rounding_close(ws.accept_probs, tr.accept_probs)
-        assert_rounding_close(ws.logprobs, tr.logprobs)
-        # Again with each row's first draft the target's own sample: accepted, then judged.
-        draft_tokens[:, 0] = tr.tokens[:, 0]
+    ws = _verify_like_triton(hidden.view(batch, drafts + 1, dim), weight, draft_tokens, params,
+                             positions, config)
     assert (ws.num_accepted >= 1).all()
 
 
@@ -158,13 +166,6 @@ def test_truncated_verification_equals_the_triton_kernel():
     positions = torch.arange(batch, device="cuda") * 3
     draft_tokens = torch.randint(0, vocab, (batch, drafts),
                                  generator=torch.Generator().manual_seed(6)).cuda()
-    hidden = hidden.view(batch, drafts + 1, dim)
-    for _ in range(2):
-        ws = kernels.verify_unchecked(hidden, weight, draft_tokens, params, positions, config=WS8)
-        tr = kernels.verify_unchecked(hidden, weight, draft_tokens, params, positions, config=TRITON)
-        for name in ("num_accepted", "tokens", "status"):
-            assert torch.equal(getattr(ws, name), getattr(tr, name)), name
-        assert_rounding_close(ws.accept_probs, tr.accept_probs)
-        assert_rounding_close(ws.logprobs, tr.logprobs)
-        draft_tokens[:, 0] = torch.where(tr.tokens[:, 0] >= 0, tr.tokens[:, 0], draft_tokens[:, 0])
+    ws = _verify_like_triton(hidden.view(batch, drafts + 1, dim), weight, draft_tokens, params,
+                             positions, WS8)
     assert (ws.num_accepted[ws.status == 0] >= 1).all() and (ws.status == 0).sum() > batch // 2
