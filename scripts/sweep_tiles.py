@@ -39,27 +39,32 @@ SETTINGS = {"sample": dict(temperature=0.7), "qwen": dict(temperature=0.6, top_k
 QUICK_SHAPE = (32, 200)
 
 
+FLAGS = ("ws", "screen")
+
+
 def parse_configs(text: str):
-    """TileConfigs from "bv,br,bd,warps,stages[,parts][,ws]" items separated by spaces or ';'
-    ("ws": the warp-specialized Gluon stage 1, Hopper only)."""
+    """TileConfigs from "bv,br,bd,warps,stages[,parts][,ws][,screen]" items separated by spaces
+    or ';' ("ws": the warp-specialized Gluon stage 1, Hopper only; "screen": the noise screen,
+    TileConfig.screen)."""
     from flashspec.kernels import TileConfig
 
     configs = []
     for item in text.replace(";", " ").split():
         try:
             words = item.split(",")
-            warp_specialized = words[-1] == "ws"
-            if warp_specialized:
-                words = words[:-1]
+            flags = set()
+            while words and words[-1] in FLAGS:
+                flags.add(words.pop())
             fields = [int(x) for x in words]
             if len(fields) not in (5, 6):
                 raise ValueError("expected 5 or 6 integers")
             names = ("block_v", "block_r", "block_d", "num_warps", "num_stages", "epilogue_parts")
-            configs.append(TileConfig(**dict(zip(names, fields)),
-                                      warp_specialized=warp_specialized))
+            configs.append(TileConfig(**dict(zip(names, fields)), warp_specialized="ws" in flags,
+                                      screen="screen" in flags))
         except (ValueError, TypeError) as error:
             raise argparse.ArgumentTypeError(
-                f"--configs item {item!r}: {error} (bv,br,bd,warps,stages[,parts][,ws])") from None
+                f"--configs item {item!r}: {error} (bv,br,bd,warps,stages[,parts][,ws][,screen])"
+            ) from None
     return configs
 
 
@@ -191,6 +196,7 @@ def main(argv=None) -> int:
             print(f"{args.kernel} R={rows:4d} {label} {ms}  {r['error'] or r['config']}",
                   flush=True)
         # After every row count: what a run cut off by its time limit timed is kept.
+        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "sweep_tiles.json"), "w") as f:
             json.dump(dict(device=name, kernel=args.kernel, dim=dim, vocab=vocab,
                            drafts=args.drafts, results=results), f, indent=1)

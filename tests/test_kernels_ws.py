@@ -1,8 +1,8 @@
 """The warp-specialized stage 1 (`flashspec/kernels/lm_head_ws.py`, Gluon, Hopper only).
 
-Its epilogue is the Triton kernel's own code (`lm_head._tile_summary`, `_store_summary`,
-`noise.gumbel_noise_tile`), which the interpreter runs on the CPU in test_kernels.py and
-test_verify_kernel.py: that is this kernel's CPU twin. What only a Hopper GPU can check is
+Its epilogue is the Triton kernel's own code (`lm_head._screen`, `_exact_best`,
+`_tile_summary`, `_store_summary`, `noise.philox_tile_bits`), which the interpreter runs on
+the CPU in test_kernels.py and test_verify_kernel.py: that is this kernel's CPU twin. What only a Hopper GPU can check is
 the pipeline around that code (TMA ring, wgmma, the hand-over of each tile through shared
 memory, persistent tiles, ragged edges): the GPU tests below compare every output with the
 Triton kernel's and the tokens with the float64 reference.
@@ -18,8 +18,9 @@ from test_kernels import assert_same_tokens
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="the warp-specialized kernel needs a Hopper GPU")
-WS = kernels.default_config(128, warp_specialized=True)  # 4 epilogue warps
-WS8 = kernels.default_config(256, warp_specialized=True)  # 8 epilogue warps
+WS = kernels.default_config(128, warp_specialized=True)  # 4 epilogue warps, noise screen
+WS8 = kernels.default_config(512, warp_specialized=True)  # 8 epilogue warps, noise screen
+WS_TRUNCATION = kernels.default_config(256, truncation=True, warp_specialized=True)  # 8, exact
 # The Triton kernel with the same tiles and 64-deep steps: the same wgmma instructions sum
 # each logit in the same order, so the tokens must be equal; the sums behind log-sum-exp and
 # logprobs run in another order (the Triton kernel's two epilogue parts), equal to rounding.
@@ -33,12 +34,16 @@ def assert_rounding_close(ours, theirs):
 
 def test_default_table_takes_it_only_where_it_runs():
     assert kernels.default_config(65, warp_specialized=True) == WS
+    assert kernels.default_config(256, verification=True, warp_specialized=True) == WS
     assert WS.warp_specialized and WS.num_warps == 4 and WS8.num_warps == 8
+    assert WS.screen and WS8.screen and not WS_TRUNCATION.screen
     assert kernels.default_config(512, verification=True, warp_specialized=True) == WS8
-    assert kernels.default_config(256, truncation=True, warp_specialized=True) == WS8
+    assert kernels.default_config(65, truncation=True, warp_specialized=True) == WS_TRUNCATION
+    assert WS_TRUNCATION.num_warps == 8
     # Truncation keeps the candidate budget per token of the table's 128-wide tiles below.
     small = kernels.default_config(64, truncation=True)
-    assert (WS8.block_v, WS8.candidates) == (small.block_v, small.candidates) == (128, 8)
+    assert (WS_TRUNCATION.block_v, WS_TRUNCATION.candidates) == (small.block_v, small.candidates) \
+        == (128, 8)
     assert not kernels.default_config(64, warp_specialized=True).warp_specialized
     assert not kernels.default_config(256).warp_specialized
 
@@ -139,14 +144,16 @@ def test_verification_equals_the_triton_kernel(batch, drafts, vocab, dim, config
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("rows, vocab, dim", [(256, 151_936, 4096), (200, 32_003, 520)])
-def test_truncated_sampling_equals_the_triton_kernel(rows, vocab, dim):
+@pytest.mark.parametrize("rows, vocab, dim, config", [
+    (256, 151_936, 4096, WS_TRUNCATION), (200, 32_003, 520, WS_TRUNCATION),
+    (200, 32_003, 520, WS8)], ids=["exact epilogue", "exact, ragged", "screen, ragged"])
+def test_truncated_sampling_equals_the_triton_kernel(rows, vocab, dim, config):
     """Interleaved tiles loaded as 16-row boxes and their candidates: the same tiles in the
     Triton kernel give the same candidates, hence the same tokens and the same rows flagged
     for exact completion; the checked entry point (which completes them) agrees with the
     float64 reference."""
     hidden, weight, params, positions = _problem(rows, vocab, dim, rows + 1, truncation=True)
-    ws = kernels.sample_unchecked(hidden, weight, params, positions, want_lse=True, config=WS8)
+    ws = kernels.sample_unchecked(hidden, weight, params, positions, want_lse=True, config=config)
     tr = kernels.sample_unchecked(hidden, weight, params, positions, want_lse=True, config=TRITON)
     assert torch.equal(ws.status, tr.status) and torch.equal(ws.tokens, tr.tokens)
     assert_rounding_close(ws.lse, tr.lse)
@@ -167,5 +174,5 @@ def test_truncated_verification_equals_the_triton_kernel():
     draft_tokens = torch.randint(0, vocab, (batch, drafts),
                                  generator=torch.Generator().manual_seed(6)).cuda()
     ws = _verify_like_triton(hidden.view(batch, drafts + 1, dim), weight, draft_tokens, params,
-                             positions, WS8)
+                             positions, WS_TRUNCATION)
     assert (ws.num_accepted[ws.status == 0] >= 1).all() and (ws.status == 0).sum() > batch // 2

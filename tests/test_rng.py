@@ -145,7 +145,7 @@ def _noise_tile_probe_kernel(seed_ptr, pos_ptr, out_ptr, FIRST: tl.constexpr,
     seed = tl.load(seed_ptr + rows)[:, None, None]
     pos = tl.load(pos_ptr + rows)[:, None, None]
     blocks = noise.philox_blocks(FIRST // 16 + tl.arange(0, COLS // 16), tl.arange(0, 4))
-    tile = noise.gumbel_noise_tile(seed, pos, blocks, ROWS, COLS)
+    tile = noise.gumbel_from_bits(noise.philox_tile_bits(seed, pos, blocks, ROWS, COLS))
     tl.store(out_ptr + rows[:, None] * COLS + tl.arange(0, COLS)[None, :], tile)
 
 

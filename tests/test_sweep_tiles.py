@@ -1,5 +1,6 @@
 """scripts/sweep_tiles.py: the --quick run (CPU, kernels interpreted) and its refusals."""
 
+import argparse
 import json
 import os
 
@@ -33,10 +34,16 @@ def test_quick_run_times_default_and_given_configs(tmp_path, kernel, rows, draft
         assert r["timing"] == ("graph" if torch.cuda.is_available() else "eager")
 
 
-def test_ws_suffix_asks_for_the_warp_specialized_kernel():
+def test_suffixes_ask_for_the_warp_specialized_kernel_and_the_screen():
     config, = sweep.parse_configs("128,128,64,4,4,ws")
-    assert config.warp_specialized and config.block_d == 64
-    assert not sweep.parse_configs("128,128,64,4,4")[0].warp_specialized
+    assert config.warp_specialized and config.block_d == 64 and not config.screen
+    plain, = sweep.parse_configs("128,128,64,4,4")
+    assert not plain.warp_specialized and not plain.screen
+    both, = sweep.parse_configs("128,128,64,4,4,ws,screen")
+    assert both.warp_specialized and both.screen
+    assert sweep.parse_configs("64,16,128,4,3,screen")[0].screen
+    with pytest.raises(argparse.ArgumentTypeError, match="ws"):
+        sweep.parse_configs("128,128,64,4,4,fast")
 
 
 @pytest.mark.parametrize("rows, block_rs", [(1, {16}), (16, {16}), (17, {16, 32}),

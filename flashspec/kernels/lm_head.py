@@ -7,6 +7,8 @@ or, when truncating, BV / 16 interleaved groups of 16: `_column_tokens`), then p
 
 * the best score and its id: argmax of ``s + g`` for sampled rows (``s`` = logits /
   temperature, ``g`` = Gumbel noise of `flashspec.rng`), of the raw logits for greedy rows;
+  with ``TileConfig.screen`` found through a cheap approximation of ``g`` that certifies
+  the winner, whose exact score alone is computed (`_screen`; the same results);
 * optionally the tile's max of ``s`` and sum of ``exp(s - max)`` (log-sum-exp), and the
   ``s`` of the best token (for its logprob);
 * optionally the tile's top ``CAND`` raw logits as packed int64 keys (truncation);
@@ -14,8 +16,8 @@ or, when truncating, BV / 16 interleaved groups of 16: `_column_tokens`), then p
 
 Above 64 rows on Hopper, stage 1 is `lm_head_ws.lm_head_tiles_ws_kernel` instead, a
 warp-specialized Gluon kernel running the same epilogue helpers (`_scaled_logits`,
-`_tile_summary`, `_store_summary`, `_store_candidates`), which therefore create no index
-tensors of their own.
+`_screen`, `_exact_best`, `_tile_summary`, `_store_summary`, `_store_candidates`), which
+therefore create no index tensors of their own.
 
 Stage 2 (`lm_head_rows_kernel`), one program per row, merges the tiles on the GPU: the
 row's token, logprob, log-sum-exp and a status (0 ok, 1 needs exact completion, 2
@@ -40,7 +42,8 @@ larger key means a larger logit, then a lower id (the preference order of argmax
 import triton
 import triton.language as tl
 
-from .noise import ACCEPT_STREAM, gumbel_noise, gumbel_noise_tile, philox_bits, philox_blocks
+from .noise import (_SCREEN_ERROR, ACCEPT_STREAM, gumbel_from_bits, gumbel_noise,
+                    gumbel_screen_log2, opaque, philox_bits, philox_blocks, philox_tile_bits)
 
 STATUS_OK = 0
 STATUS_NEEDS_COMPLETION = 1
@@ -158,17 +161,11 @@ def _scaled_logits(acc, columns, pid_v, NUM_VT, V, inv_t, BLOCK_V: tl.constexpr,
 
 
 @triton.jit
-def _tile_summary(s, row_sum, offs_v, columns, noise, pid_v, NUM_VT, sampled, draft,
-                  BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr,
-                  SAMPLE: tl.constexpr, LSE: tl.constexpr, DRAFT: tl.constexpr):
-    """Per-row summaries of `_scaled_logits` (s, row_sum, offs_v) of `columns`: best score and
-    its id (with DRAFT, token `draft` of each row is left out), the sum of s, and, with LSE,
-    max and sum of exp of s and the s of the best token. `noise` is the Gumbel noise of the
-    columns (`gumbel_noise_tile`; unused without SAMPLE), computed by the caller after
-    `_scaled_logits` (before it, verification's epilogue on 128x64 tiles takes 161 registers
-    instead of 128: one program per SM instead of two). Nothing here or there creates an
-    index tensor, so the Gluon kernel (lm_head_ws.py), which needs explicit layouts for
-    those, runs the same code."""
+def _exact_best(s, row_sum, offs_v, columns, noise, sampled, draft, SAMPLE: tl.constexpr,
+                DRAFT: tl.constexpr):
+    """Each row's best score ``s + g`` (``s`` for greedy rows; with DRAFT the row's drafted token
+    `draft` left out) and the first column that has it, from the exact Gumbel noise `noise` of
+    every column; and the sum of s over the draft's column (`row_sum` without DRAFT)."""
     score = s
     if SAMPLE:
         score = s + tl.where(sampled[:, None], noise, 0.0)
@@ -181,6 +178,62 @@ def _tile_summary(s, row_sum, offs_v, columns, noise, pid_v, NUM_VT, sampled, dr
     # verification's epilogue on 128x64 tiles takes 133 registers, not 128.
     best = tl.max(score, axis=1)
     _, best_column = _row_argmax(score, columns)
+    return best, best_column, draft_s
+
+
+@triton.jit
+def _screen(s, row_sum, offs_v, columns, bits, sampled, draft, BLOCK_V: tl.constexpr,
+            DRAFT: tl.constexpr):
+    """The tile's leaders under `noise.gumbel_screen`'s noise, within SCREEN_ERROR of the exact
+    noise of the Philox words `bits`: a column that leads every other by more than twice that
+    (plus the scores' rounding) also leads them under the exact noise, and only its exact
+    score is needed (`_screened_best`). Returns whether some row has no such leader (a
+    near-tie, about one sampled row in 10**4 per tile, or a non-finite score: then the
+    caller computes every column's exact noise, `_exact_best`), and per row the screen's
+    max, its first column and that column's s (greedy rows: the max of s, margin 0), and
+    `_exact_best`'s draft_s.
+    Either way the summaries are those of the exact noise, bit for bit; the screen saves the
+    two precise logs and the division per column that dominate the epilogue at large B."""
+    # s + gumbel_screen - SCREEN_BIAS, one FMA per column: the bias, the same for every
+    # column of a row, changes no comparison.
+    screen = s + gumbel_screen_log2(bits) * tl.where(sampled, -0.6931471805599453, 0.0)[:, None]
+    draft_s = row_sum
+    if DRAFT:
+        is_draft = offs_v[None, :] == draft[:, None]
+        draft_s = tl.sum(tl.where(is_draft, s, 0.0), axis=1)
+        screen = tl.where(is_draft, float("-inf"), screen)
+    top = tl.max(screen, axis=1)
+    # Score and screen of a column differ by at most SCREEN_ERROR and the rounding of each,
+    # an ulp of |screen| + 1 at most: 2**-21 (|top| + 1) covers every column that could come
+    # close (tests/test_kernels.py, the screening tests).
+    margin = tl.where(sampled, 2.0 * (_SCREEN_ERROR + (tl.abs(top) + 1.0) * 4.76837158203125e-07),
+                      0.0)
+    near_top = screen >= (top - margin)[:, None]
+    num_near = tl.sum(near_top.to(tl.int32), axis=1)
+    leader = tl.min(tl.where(near_top, columns[None, :], BLOCK_V), axis=1)
+    leader_s = tl.sum(tl.where(near_top, s, 0.0), axis=1)
+    unsure = (sampled & (num_near != 1)) | ~(tl.abs(row_sum) < float("inf"))
+    return tl.max(unsure.to(tl.int32), axis=0) > 0, top, leader, leader_s, draft_s
+
+
+@triton.jit
+def _screened_best(top, leader, leader_s, sampled, seed, position, pid_v, NUM_VT,
+                   BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """`_exact_best` of a tile whose every sampled row has a certified leader (`_screen`): its
+    exact score from its own noise; greedy rows' max is max(s + 0.0), as `_exact_best`'s."""
+    token = _column_tokens(leader, pid_v, NUM_VT, BLOCK_V, INTERLEAVE).to(tl.int64)
+    return tl.where(sampled, leader_s + gumbel_noise(seed, position, token), top + 0.0), leader
+
+
+@triton.jit
+def _tile_summary(s, row_sum, offs_v, best, best_column, draft_s, pid_v, NUM_VT,
+                  BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr, LSE: tl.constexpr):
+    """Per-row summaries of `_scaled_logits` (s, row_sum, offs_v) given each row's best score
+    and column and the draft's s (`_exact_best`, or `_screen` and `_screened_best`): best
+    score and its id, the sum of s, the draft's s, and, with LSE, max and sum of exp of s and
+    the s of the best token.
+    Nothing here or in the helpers above creates an index tensor, so the Gluon kernel
+    (lm_head_ws.py), which needs explicit layouts for those, runs the same code."""
     best_id = _column_tokens(best_column, pid_v, NUM_VT, BLOCK_V, INTERLEAVE)
     tile_max = best
     sumexp = best
@@ -196,19 +249,45 @@ def _tile_summary(s, row_sum, offs_v, columns, noise, pid_v, NUM_VT, sampled, dr
 def _part_summary(acc, first_column, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
                   BLOCK_R: tl.constexpr, PART_V: tl.constexpr, BLOCK_V: tl.constexpr,
                   INTERLEAVE: tl.constexpr, EVEN_V: tl.constexpr,
-                  SAMPLE: tl.constexpr, LSE: tl.constexpr, DRAFT: tl.constexpr):
-    """`_tile_summary` of columns first_column + [0, PART_V) of vocab tile `pid_v`."""
+                  SAMPLE: tl.constexpr, LSE: tl.constexpr, DRAFT: tl.constexpr,
+                  SCREEN: tl.constexpr):
+    """`_tile_summary` of columns first_column + [0, PART_V) of vocab tile `pid_v`; with SCREEN
+    sampled rows through `_screen` (fewer instructions, more registers: for tiles where the
+    epilogue, not the weight's stream, bounds the time)."""
     columns = first_column + tl.arange(0, PART_V)
     s, row_sum, offs_v = _scaled_logits(acc, columns, pid_v, NUM_VT, V, inv_t, BLOCK_V,
                                         INTERLEAVE, EVEN_V)
-    noise = s
     if SAMPLE:
+        # Philox words after `_scaled_logits` (before it, verification's epilogue on 128x64
+        # tiles takes 161 registers instead of 128: one program per SM instead of two).
         groups = _column_tokens(first_column + tl.arange(0, PART_V // 16) * 16, pid_v, NUM_VT,
                                 BLOCK_V, INTERLEAVE) // 16
-        noise = gumbel_noise_tile(seed[:, None, None], position[:, None, None],
-                                  philox_blocks(groups, tl.arange(0, 4)), BLOCK_R, PART_V)
-    return _tile_summary(s, row_sum, offs_v, columns, noise, pid_v, NUM_VT, sampled, draft,
-                         BLOCK_V, INTERLEAVE, SAMPLE, LSE, DRAFT)
+        blocks = philox_blocks(groups, tl.arange(0, 4))
+        bits = philox_tile_bits(seed[:, None, None], position[:, None, None], blocks, BLOCK_R,
+                                PART_V)
+        if SCREEN:
+            unsure, top, leader, leader_s, draft_s = _screen(s, row_sum, offs_v, columns, bits,
+                                                             sampled, draft, BLOCK_V, DRAFT)
+            if unsure:
+                # The words anew (`opaque`: not merged with the screen's): kept, they would
+                # stay live through the screen (64x128 tiles: 116 -> 195 registers).
+                bits = philox_tile_bits(opaque(seed)[:, None, None], position[:, None, None],
+                                        blocks, BLOCK_R, PART_V)
+                best, best_column, draft_s = _exact_best(s, row_sum, offs_v, columns,
+                                                         gumbel_from_bits(bits), sampled, draft,
+                                                         SAMPLE, DRAFT)
+            else:
+                best, best_column = _screened_best(top, leader, leader_s, sampled, seed,
+                                                   position, pid_v, NUM_VT, BLOCK_V, INTERLEAVE)
+        else:
+            best, best_column, draft_s = _exact_best(s, row_sum, offs_v, columns,
+                                                     gumbel_from_bits(bits), sampled, draft,
+                                                     SAMPLE, DRAFT)
+    else:
+        best, best_column, draft_s = _exact_best(s, row_sum, offs_v, columns, s, sampled, draft,
+                                                 SAMPLE, DRAFT)
+    return _tile_summary(s, row_sum, offs_v, best, best_column, draft_s, pid_v, NUM_VT, BLOCK_V,
+                         INTERLEAVE, LSE)
 
 
 @triton.jit
@@ -284,6 +363,7 @@ def lm_head_tiles_kernel(
     SAMPLE: tl.constexpr, LSE: tl.constexpr, CAND: tl.constexpr, DRAFT: tl.constexpr,
     IEEE_DOT: tl.constexpr, INTERLEAVE: tl.constexpr,
     EVEN_V: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr, PARTS: tl.constexpr,
+    SCREEN: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
@@ -341,33 +421,33 @@ def lm_head_tiles_kernel(
     # at once, so large tiles (what the main loop wants at large B) need fewer registers.
     if PARTS == 1:
         summary = _part_summary(acc, 0, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
-                                BLOCK_R, BLOCK_V, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT)
+                                BLOCK_R, BLOCK_V, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN)
     else:
         lo, hi = _halves(acc, BLOCK_R, BLOCK_V)
         if PARTS == 2:
             half: tl.constexpr = BLOCK_V // 2
             summary = _part_summary(lo, 0, pid_v, NUM_VT, V, inv_t, sampled, seed, position,
                                     draft, BLOCK_R, half, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE,
-                                    LSE, DRAFT)
+                                    LSE, DRAFT, SCREEN)
             summary = _merge_summaries(summary, _part_summary(
                 hi, half, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
-                BLOCK_R, half, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT), LSE)
+                BLOCK_R, half, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN), LSE)
         else:
             quarter: tl.constexpr = BLOCK_V // 4
             q0, q1 = _halves(lo, BLOCK_R, BLOCK_V // 2)
             q2, q3 = _halves(hi, BLOCK_R, BLOCK_V // 2)
             summary = _part_summary(q0, 0, pid_v, NUM_VT, V, inv_t, sampled, seed, position,
                                     draft, BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE,
-                                    LSE, DRAFT)
+                                    LSE, DRAFT, SCREEN)
             summary = _merge_summaries(summary, _part_summary(
                 q1, quarter, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
-                BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT), LSE)
+                BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN), LSE)
             summary = _merge_summaries(summary, _part_summary(
                 q2, 2 * quarter, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
-                BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT), LSE)
+                BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN), LSE)
             summary = _merge_summaries(summary, _part_summary(
                 q3, 3 * quarter, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
-                BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT), LSE)
+                BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN), LSE)
     _store_summary(summary, offs_r, r_ok, draft, pid_v, NUM_VT, best_ptr, best_id_ptr, best_s_ptr,
                    max_ptr, sumexp_ptr, bad_ptr, draft_s_ptr, BLOCK_V, INTERLEAVE, LSE, DRAFT)
     if CAND > 0:

@@ -12,10 +12,10 @@ SM runs one persistent program of three partitions that work on different tiles 
 * the epilogue warps (the default partition) summarise the handed-over tile in chunks of
   rows while the MMA warpgroup already accumulates the next one.
 
-The epilogue is the Triton kernel's own code (`lm_head._scaled_logits`, `_tile_summary`,
-`_store_summary`, `_store_candidates`, `noise.gumbel_noise_tile`), which the interpreter
-tests run on the CPU; only the index tensors, which Gluon needs in explicit layouts, are
-built here. Its chunks hold the tile in the layout of a tensor-core accumulator (two
+The epilogue is the Triton kernel's own code (`lm_head._scaled_logits`, `_screen`,
+`_exact_best`, `_tile_summary`, `_store_summary`, `_store_candidates`,
+`noise.philox_tile_bits`), which the interpreter tests run on the CPU; only the index
+tensors, which Gluon needs in explicit layouts, are built here. Its chunks hold the tile in the layout of a tensor-core accumulator (two
 neighbouring columns per thread, repeated every 8), so the four words of one Philox call
 land in one thread as in the Triton kernel. What only runs on a Hopper GPU (the pipeline,
 the layouts of those index tensors, the chunks' addresses) is checked there against the
@@ -35,7 +35,7 @@ import torch
 import triton
 
 from . import lm_head
-from .noise import gumbel_noise_tile, philox_blocks
+from .noise import gumbel_from_bits, opaque, philox_blocks, philox_tile_bits
 
 # Gluon is experimental and changes between Triton releases: the kernel is used with the
 # release it was written and tested for, and the Triton kernel covers every launch otherwise.
@@ -157,11 +157,11 @@ if gluon is not None:
         return gl.PaddedSharedLayout.with_identity_for([[cols, 8]], [rows, cols], [1, 0])
 
     @gluon.jit
-    def _noise(seed, position, pid_v, NUM_VT, CR: gl.constexpr, BV: gl.constexpr,
-               INTERLEAVE: gl.constexpr, layout: gl.constexpr):
-        """`gumbel_noise_tile` of rows (seed, position) and vocab tile pid_v, in `layout`."""
+    def _tile_bits(seed, position, pid_v, NUM_VT, CR: gl.constexpr, BV: gl.constexpr,
+                   INTERLEAVE: gl.constexpr, layout: gl.constexpr):
+        """`philox_tile_bits` of rows (seed, position) and vocab tile pid_v, in `layout`."""
         probe = gl.zeros([CR, BV], gl.float32, layout)
-        # The layout gumbel_noise_tile's join / permute / reshape maps back onto `layout`.
+        # The layout philox_tile_bits's join / permute / reshape maps back onto `layout`.
         split: gl.constexpr = gl.permute(gl.reshape(probe, [CR, BV // 16, 2, 4, 2]),
                                          [0, 1, 3, 4, 2]).type.layout
         calls: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, split))
@@ -172,7 +172,7 @@ if gluon is not None:
         rows: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, calls))
         seed = gl.convert_layout(seed, rows)[:, None, None]
         position = gl.convert_layout(position, rows)[:, None, None]
-        return gl.convert_layout(gumbel_noise_tile(seed, position, blocks, CR, BV), layout)
+        return gl.convert_layout(philox_tile_bits(seed, position, blocks, CR, BV), layout)
 
     @gluon.jit
     def _chunk_rows(tile, chunk, num_rt, R, ROWS_PER_PARAM, do_sample_ptr, temperature_ptr,
@@ -199,7 +199,7 @@ if gluon is not None:
                             draft_ptr, draft_s_ptr, cand_ptr, R, V, NUM_VT, ROWS_PER_PARAM,
                             num_tiles, num_rt, SAMPLE: gl.constexpr, LSE: gl.constexpr,
                             DRAFT: gl.constexpr, CAND: gl.constexpr, INTERLEAVE: gl.constexpr,
-                            EVEN_V: gl.constexpr, CR: gl.constexpr):
+                            EVEN_V: gl.constexpr, SCREEN: gl.constexpr, CR: gl.constexpr):
         """The default partition: each handed-over tile, CR rows at a time, through the
         Triton kernel's epilogue."""
         BR: gl.constexpr = acc_smem.type.shape[0]
@@ -232,17 +232,40 @@ if gluon is not None:
             columns = gl.arange(0, BV, layout=gl.SliceLayout(0, layout))
             s, row_sum, offs_v = lm_head._scaled_logits(acc, columns, pid_v, NUM_VT, V, inv_t, BV,
                                                         INTERLEAVE, EVEN_V)
-            noise = s  # unused without SAMPLE
-            if SAMPLE:
-                noise = _noise(seed, position, pid_v, NUM_VT, CR, BV, INTERLEAVE, layout)
-            summary = lm_head._tile_summary(s, row_sum, offs_v, columns, noise, pid_v, NUM_VT,
-                                            sampled, draft, BV, INTERLEAVE, SAMPLE, LSE, DRAFT)
+            if CAND > 0:  # first: the raw logits are not needed after it
+                lm_head._store_candidates(acc, offs_v, V, cand_ptr + (offs_r * NUM_VT + pid_v) * CAND,
+                                          r_ok, CAND, EVEN_V)
+            if SAMPLE and SCREEN:  # as lm_head._part_summary
+                # Position made to depend on the chunk's logits (NaN rows, the only ones it
+                # changes, take the exact path anyway): the words are then computed after the
+                # chunk's load, not hoisted above it and held through it (8 warps: 80 -> 24
+                # bytes of spills).
+                after_load = position + (row_sum != row_sum).to(gl.int64)
+                bits = _tile_bits(seed, after_load, pid_v, NUM_VT, CR, BV, INTERLEAVE, layout)
+                unsure, top, leader, leader_s, draft_s = lm_head._screen(
+                    s, row_sum, offs_v, columns, bits, sampled, draft, BV, DRAFT)
+                if unsure:
+                    bits = _tile_bits(opaque(seed), position, pid_v, NUM_VT, CR, BV, INTERLEAVE,
+                                      layout)
+                    best, best_column, draft_s = lm_head._exact_best(
+                        s, row_sum, offs_v, columns, gumbel_from_bits(bits), sampled, draft,
+                        SAMPLE, DRAFT)
+                else:
+                    best, best_column = lm_head._screened_best(top, leader, leader_s, sampled, seed,
+                                                               position, pid_v, NUM_VT, BV,
+                                                               INTERLEAVE)
+            else:
+                noise = s  # unused without SAMPLE
+                if SAMPLE:
+                    noise = gumbel_from_bits(_tile_bits(seed, position, pid_v, NUM_VT, CR, BV,
+                                                        INTERLEAVE, layout))
+                best, best_column, draft_s = lm_head._exact_best(
+                    s, row_sum, offs_v, columns, noise, sampled, draft, SAMPLE, DRAFT)
+            summary = lm_head._tile_summary(s, row_sum, offs_v, best, best_column, draft_s, pid_v,
+                                            NUM_VT, BV, INTERLEAVE, LSE)
             lm_head._store_summary(summary, offs_r, r_ok, draft, pid_v, NUM_VT, best_ptr,
                                    best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr,
                                    draft_s_ptr, BV, INTERLEAVE, LSE, DRAFT)
-            if CAND > 0:
-                lm_head._store_candidates(acc, offs_v, V, cand_ptr + (offs_r * NUM_VT + pid_v) * CAND,
-                                          r_ok, CAND, EVEN_V)
             rows = next_rows
 
     @gluon.jit
@@ -251,8 +274,8 @@ if gluon is not None:
         best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, draft_ptr, draft_s_ptr,
         cand_ptr, R, V, D, NUM_VT, ROWS_PER_PARAM,
         SAMPLE: gl.constexpr, LSE: gl.constexpr, DRAFT: gl.constexpr, CAND: gl.constexpr,
-        INTERLEAVE: gl.constexpr, EVEN_V: gl.constexpr, BLOCK_V: gl.constexpr,
-        NUM_STAGES: gl.constexpr, CHUNK_R: gl.constexpr,
+        INTERLEAVE: gl.constexpr, EVEN_V: gl.constexpr, SCREEN: gl.constexpr,
+        BLOCK_V: gl.constexpr, NUM_STAGES: gl.constexpr, CHUNK_R: gl.constexpr,
     ):
         BR: gl.constexpr = h_desc.block_type.shape[0]
         BD: gl.constexpr = h_desc.block_type.shape[1]
@@ -281,7 +304,8 @@ if gluon is not None:
                                    seed_ptr, position_ptr, best_ptr, best_id_ptr, best_s_ptr,
                                    max_ptr, sumexp_ptr, bad_ptr, draft_ptr, draft_s_ptr, cand_ptr,
                                    R, V, NUM_VT, ROWS_PER_PARAM, num_tiles, num_rt,
-                                   SAMPLE, LSE, DRAFT, CAND, INTERLEAVE, EVEN_V, CHUNK_R)),
+                                   SAMPLE, LSE, DRAFT, CAND, INTERLEAVE, EVEN_V, SCREEN,
+                                   CHUNK_R)),
             (_load_partition, worker_args),
             (_mma_partition, worker_args),
         ], [1, 4], [LOAD_REGISTERS, MMA_REGISTERS])
@@ -317,7 +341,7 @@ def launch(hidden, weight, row, summaries, candidates, drafts, draft_s, num_vt, 
         *summaries, drafts, draft_s, candidates,
         num_rows, vocab_size, dim, num_vt, rows_per_param,
         SAMPLE=sample, LSE=need_lse, DRAFT=verify, CAND=cand, INTERLEAVE=interleave,
-        EVEN_V=vocab_size % config.block_v == 0, BLOCK_V=config.block_v,
+        EVEN_V=vocab_size % config.block_v == 0, SCREEN=config.screen, BLOCK_V=config.block_v,
         NUM_STAGES=config.num_stages, CHUNK_R=8 * config.num_warps,  # rows its layout covers
         num_warps=config.num_warps, maxnreg=max_registers(config.num_warps),
     )

@@ -2,13 +2,30 @@
 
 Keep every operation here in step with `flashspec/rng.py`; `tests/test_rng.py` checks the
 two bit for bit through the interpreter (and on a GPU when one is present).
+
+`gumbel_screen` is a cheap approximation of that noise, within `SCREEN_ERROR` of it, which
+the fused kernels use only to find the one token that can win a tile (`lm_head._tile_summary`);
+the noise they report is always the exact one.
 """
+
+import os
 
 import triton
 import triton.language as tl
 
 GUMBEL_STREAM: tl.constexpr = tl.constexpr(0)
 ACCEPT_STREAM: tl.constexpr = tl.constexpr(1)
+
+# Bound on |gumbel_screen(x) - gumbel_from_bits(x)| over all 32-bit words x: 3.7x the
+# analysis in `gumbel_screen_log2`; tests/test_rng.py checks it over every word on a GPU.
+SCREEN_ERROR = 2.0**-14
+_SCREEN_ERROR: tl.constexpr = tl.constexpr(SCREEN_ERROR)
+# -ln(E) = -ln(ln 2 * E / ln 2) = -ln(ln 2) - ln 2 * log2(E / ln 2)
+_SCREEN_BIAS: tl.constexpr = tl.constexpr(0.36651292058166435)
+# Triton's interpreter cannot run PTX: there `lg2.approx` is numpy's log2 and gumbel_screen
+# adds an error of 0.9 SCREEN_ERROR (its sign from the word), so that CPU tests exercise the
+# screening at the worst error it is certified for.
+_INTERPRETED: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
@@ -43,22 +60,90 @@ def exponential_from_bits(bits):
 
 
 @triton.jit
+def gumbel_from_bits(bits):
+    """float32 Gumbel noise ``-log(-log(u))`` of Philox words."""
+    return -tl.log(exponential_from_bits(bits))
+
+
+@triton.jit
 def gumbel_noise(seed, position, token_ids):
     """float32 Gumbel noise of the sampling stream for each (seed, position, token id)."""
-    return -tl.log(exponential_from_bits(philox_bits(seed, position, token_ids, GUMBEL_STREAM)))
+    return gumbel_from_bits(philox_bits(seed, position, token_ids, GUMBEL_STREAM))
+
+
+@triton.jit
+def _log2_approx(x):
+    """``lg2.approx.ftz.f32``: the SFU's log2, one instruction; error at most 2**-22 absolute
+    on [0.5, 2] and 2 ulp elsewhere (CUDA C Programming Guide, intrinsic ``__log2f``). Its
+    inputs here are normal floats, so flushing subnormals changes nothing."""
+    if _INTERPRETED:
+        return tl.log2(x)
+    else:
+        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def opaque(x):
+    """`x`, through an instruction the compiler cannot see into: what it computes from the
+    result is never merged with what it computes from `x` (the screening's exact fallback
+    recomputes Philox words rather than keep the screen's alive through it)."""
+    if _INTERPRETED:
+        return x
+    elif x.dtype.primitive_bitwidth == 64:
+        return tl.inline_asm_elementwise("mov.b64 $0, $1;", "=l,l", [x], dtype=x.dtype,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def gumbel_screen_log2(bits):
+    """``L`` with ``SCREEN_BIAS - ln 2 * L`` within SCREEN_ERROR of `gumbel_from_bits(bits)`
+    for every word, in about a quarter of its instructions: two SFU log2 and a short
+    polynomial instead of two precise logs and a division. (The kernels add ``-ln 2 * L`` to
+    the scores, one FMA; a constant per row changes no comparison.)
+
+    ``L = log2(E2)``, ``E2 = E / ln 2 = -log2(u)``. With ``near`` the distance of u from the
+    nearer end of (0, 1) (as `exponential_from_bits`): below 1/2, ``E2 = -log2(near)``
+    (relative error <= 2**-21); above, ``E2 = -log2(1 - near)`` for near >= 1/32 (1 - near
+    rounded by <= 2**-25 and log2's 2**-22, against |log2(1 - near)| >= 0.045: relative
+    error <= 2**-17.1), else the series ``(near + near**2/2 + near**3/3 + near**4/4) / ln 2``
+    (truncation <= near**4 / 5 relative). The outer log2 adds <= 2 ulp of |L| <= 34 and the
+    kernels' FMA one rounding: |g - exact| <= 2**-15.9, the exact path's own rounding included.
+    """
+    upper = bits >= 0x80000000
+    near = tl.where(upper, bits ^ 0xFFFFFFFF, bits).to(tl.float32)
+    near = near * 2.3283064365386963e-10 + 1.1641532182693481e-10  # (near + 0.5) / 2**32
+    log2_u = _log2_approx(tl.where(upper, 1.0 - near, near))  # = -E2 (<= 0)
+    # -E2 by the series, -log1p(-w) / ln 2 = (w + w^2/2 + w^3/3 + w^4/4) / ln 2 + O(w^5)
+    series = near * (-1.4426950408889634 + near * (-0.7213475204444817 + near * (
+        -0.48089834696298783 + near * -0.36067376022224085)))
+    log2_u = tl.where(upper & (near < 0.03125), series, log2_u)
+    screen = _log2_approx(tl.abs(log2_u))
+    if _INTERPRETED:
+        screen += tl.where((bits & 0x80) != 0, 0.9, -0.9) * (_SCREEN_ERROR / 0.6931471805599453)
+    return screen
+
+
+@triton.jit
+def gumbel_screen(bits):
+    """The screen's Gumbel noise, ``SCREEN_BIAS - ln 2 * gumbel_screen_log2(bits)``."""
+    return gumbel_screen_log2(bits) * -0.6931471805599453 + _SCREEN_BIAS
 
 
 @triton.jit
 def philox_blocks(groups, quads):
     """``[1, len(groups), 4]`` Philox blocks ``4 * groups[j] + m`` of 16-token groups (`quads`
-    is ``arange(0, 4)``), as `gumbel_noise_tile` takes them."""
+    is ``arange(0, 4)``), as `philox_tile_bits` takes them."""
     return (groups[:, None] * 4 + quads[None, :])[None, :, :]
 
 
 @triton.jit
-def gumbel_noise_tile(seed, position, blocks, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
-    """float32 Gumbel noise ``[BLOCK_R, BLOCK_V]`` of the tokens of ``BLOCK_V // 16`` groups of
-    16 (column 16 j + i is token 16 groups[j] + i).
+def philox_tile_bits(seed, position, blocks, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Philox words ``[BLOCK_R, BLOCK_V]`` (Gumbel stream) of the tokens of ``BLOCK_V // 16``
+    groups of 16 (column 16 j + i is token 16 groups[j] + i).
 
     `seed` and `position` are ``[BLOCK_R, 1, 1]``; `blocks` is ``[1, BLOCK_V // 16, 4]``, the
     Philox blocks ``4 * groups[j] + m``. Token ``16a + 8h + 2m + l`` is word ``2h + l`` of
@@ -72,5 +157,4 @@ def gumbel_noise_tile(seed, position, blocks, BLOCK_R: tl.constexpr, BLOCK_V: tl
     zero = c0 * 0
     w0, w1, w2, w3 = tl.philox(seed, c0, c1, zero + GUMBEL_STREAM, zero)
     bits = tl.join(tl.join(w0, w1), tl.join(w2, w3))  # [r, a, m, l, h] = word 2h + l
-    bits = tl.reshape(tl.permute(bits, (0, 1, 4, 2, 3)), (BLOCK_R, BLOCK_V))
-    return -tl.log(exponential_from_bits(bits))
+    return tl.reshape(tl.permute(bits, (0, 1, 4, 2, 3)), (BLOCK_R, BLOCK_V))

@@ -41,7 +41,9 @@ class TileConfig:
     epilogue_parts: summarise the tile in 1, 2 or 4 vocab parts one after the other
     (fewer live registers); warp_specialized: stage 1 through the Gluon kernel of
     `lm_head_ws` (Hopper): a load warp, an MMA warpgroup and num_warps epilogue warps on
-    different tiles at once, num_stages (>= 2) deep.
+    different tiles at once, num_stages (>= 2) deep; screen: sampled rows find each tile's
+    best through the noise screen (`lm_head._screen`: about half the epilogue's instructions,
+    more registers; the same results), for tiles where the epilogue bounds the time.
     """
 
     block_v: int = 128
@@ -56,6 +58,7 @@ class TileConfig:
     merge_warps: int = 16
     epilogue_parts: int = 1
     warp_specialized: bool = False
+    screen: bool = False
 
     def __post_init__(self):
         for name in ("block_v", "block_r", "block_d", "candidates", "max_support"):
@@ -91,7 +94,7 @@ def default_config(num_rows: int, element_size: int = 2, truncation: bool = Fals
     fit the same shared memory. `warp_specialized`: the Gluon stage 1 can run (see
     `lm_head_ws.supported`); it takes launches of more than 64 rows."""
     if warp_specialized and num_rows > 64:
-        return _warp_specialized_config(num_rows)
+        return _warp_specialized_config(num_rows, truncation)
     if truncation:
         config = _bf16_truncation_config(num_rows)
     elif verification:
@@ -103,17 +106,23 @@ def default_config(num_rows: int, element_size: int = 2, truncation: bool = Fals
     return config
 
 
-def _warp_specialized_config(num_rows: int) -> TileConfig:
+def _warp_specialized_config(num_rows: int, truncation: bool) -> TileConfig:
     # Above 64 rows on Hopper: 128x128 tiles, 64-deep steps, 4 stages (196 KB of shared
     # memory with the handed-over tile), the epilogue beside the MMA (lm_head_ws.py). With
     # truncation the tiles are 128 tokens wide with 8 candidates, the budget per token of
     # the truncation table up to 64 rows (the Triton table's 64-wide tiles above it had
     # twice that; exact either way, completions counted in `stats()`).
-    # scripts/sweep_tiles.py, H100, 2026-11-23: the epilogue bounds the time from 256 rows
-    # on, where 8 epilogue warps beat 4 (verify R = 256 0.78 -> 0.70 ms, R = 512 1.47-1.54 ->
-    # 1.36; sample B = 256 0.72 -> 0.70); at 128 rows 4 warps win (sample 0.474 vs 0.495).
-    return TileConfig(block_v=128, block_r=128, block_d=64, num_warps=4 if num_rows <= 128 else 8,
-                      num_stages=4, warp_specialized=True)
+    # scripts/sweep_tiles.py, H100, 2026-11-23, ratios to matmul in one run: untruncated,
+    # the noise screen with 4 epilogue warps up to 256 rows (sample R = 128 0.985x, R = 256
+    # 1.20-1.21x, against 1.29-1.35x for the exact epilogue on 8 warps), 8 above (verify
+    # R = 512 1.22x against 1.42x on 4). Truncation: 8 warps without the screen, whose
+    # registers cost the candidates' extraction more than it saves (verify-qwen R = 256
+    # 0.72 ms against 0.79; sample-qwen R = 128 0.507 against 0.53 on 4 warps).
+    if truncation:
+        return TileConfig(block_v=128, block_r=128, block_d=64, num_warps=8, num_stages=4,
+                          warp_specialized=True)
+    return TileConfig(block_v=128, block_r=128, block_d=64, num_warps=4 if num_rows <= 256 else 8,
+                      num_stages=4, warp_specialized=True, screen=True)
 
 
 def _bf16_config(num_rows: int) -> TileConfig:
@@ -321,7 +330,7 @@ def _launch_tiles(hidden, weight, row, summaries, candidates, drafts, draft_s, n
         SAMPLE=sample, LSE=need_lse, CAND=cand, DRAFT=verify,
         IEEE_DOT=hidden.dtype == torch.float32, INTERLEAVE=interleave,
         EVEN_V=vocab_size % config.block_v == 0, EVEN_D=dim % config.block_d == 0, TMA=tma,
-        PARTS=config.epilogue_parts,
+        PARTS=config.epilogue_parts, SCREEN=config.screen,
         BLOCK_V=config.block_v, BLOCK_R=config.block_r, BLOCK_D=config.block_d,
         NUM_STAGES=config.num_stages, num_warps=config.num_warps,
     )
