@@ -2,10 +2,11 @@
 
 Its epilogue is the Triton kernel's own code (`lm_head._screen`, `_exact_best`,
 `_tile_summary`, `_store_summary`, `noise.philox_tile_bits`), which the interpreter runs on
-the CPU in test_kernels.py and test_verify_kernel.py: that is this kernel's CPU twin. What only a Hopper GPU can check is
-the pipeline around that code (TMA ring, wgmma, the hand-over of each tile through shared
-memory, persistent tiles, ragged edges): the GPU tests below compare every output with the
-Triton kernel's and the tokens with the float64 reference.
+the CPU in test_kernels.py, test_verify_kernel.py and test_screen.py: that is this kernel's
+CPU twin. What only a Hopper GPU can check is the pipeline around that code (TMA ring,
+wgmma, the hand-over of each tile through shared memory, persistent tiles, ragged edges): the
+GPU tests below compare every output with the Triton kernel's (whose epilogue runs without
+the noise screen: the same results bit for bit) and the tokens with the float64 reference.
 """
 
 import pytest

@@ -42,7 +42,7 @@ larger key means a larger logit, then a lower id (the preference order of argmax
 import triton
 import triton.language as tl
 
-from .noise import (_SCREEN_ERROR, ACCEPT_STREAM, gumbel_from_bits, gumbel_noise,
+from .noise import (_SCREEN_ERROR, ACCEPT_STREAM, NEG_LN2, gumbel_from_bits, gumbel_noise,
                     gumbel_screen_log2, opaque, philox_bits, philox_blocks, philox_tile_bits)
 
 STATUS_OK = 0
@@ -54,6 +54,8 @@ _NON_FINITE = tl.constexpr(STATUS_NON_FINITE)
 
 # pack(-inf, id 2**31 - 1): below every real candidate, decodes to -inf.
 PAD_KEY = -2139095041 * 2**32
+# 2**-21: rounding allowance per unit of score magnitude in the screen's margin (`_screen`).
+_ULPS = tl.constexpr(4.76837158203125e-07)
 
 
 @triton.jit
@@ -196,21 +198,23 @@ def _screen(s, row_sum, offs_v, columns, bits, sampled, draft, BLOCK_V: tl.const
     two precise logs and the division per column that dominate the epilogue at large B."""
     # s + gumbel_screen - SCREEN_BIAS, one FMA per column: the bias, the same for every
     # column of a row, changes no comparison.
-    screen = s + gumbel_screen_log2(bits) * tl.where(sampled, -0.6931471805599453, 0.0)[:, None]
+    screen = s + gumbel_screen_log2(bits) * tl.where(sampled, NEG_LN2, 0.0)[:, None]
     draft_s = row_sum
     if DRAFT:
         is_draft = offs_v[None, :] == draft[:, None]
         draft_s = tl.sum(tl.where(is_draft, s, 0.0), axis=1)
         screen = tl.where(is_draft, float("-inf"), screen)
     top = tl.max(screen, axis=1)
-    # Score and screen of a column differ by at most SCREEN_ERROR and the rounding of each,
-    # an ulp of |screen| + 1 at most: 2**-21 (|top| + 1) covers every column that could come
-    # close (tests/test_kernels.py, the screening tests).
-    margin = tl.where(sampled, 2.0 * (_SCREEN_ERROR + (tl.abs(top) + 1.0) * 4.76837158203125e-07),
-                      0.0)
+    # A column's exact score and its screen + SCREEN_BIAS differ by at most SCREEN_ERROR (the
+    # screen's noise unrounded: the FMA rounds once) and the rounding of each, an ulp of
+    # |screen| + 1 at most: 2**-21 (|top| + 1) covers every column that could come close.
+    # With `>=`, a leader that passes beats every other column strictly (no tie to break).
+    margin = tl.where(sampled, 2.0 * (_SCREEN_ERROR + (tl.abs(top) + 1.0) * _ULPS), 0.0)
     near_top = screen >= (top - margin)[:, None]
     num_near = tl.sum(near_top.to(tl.int32), axis=1)
     leader = tl.min(tl.where(near_top, columns[None, :], BLOCK_V), axis=1)
+    # The leader's s (alone near the top); a -0.0 comes out as +0.0, which changes no
+    # `leader_s + g` (g is never -0.0).
     leader_s = tl.sum(tl.where(near_top, s, 0.0), axis=1)
     unsure = (sampled & (num_near != 1)) | ~(tl.abs(row_sum) < float("inf"))
     return tl.max(unsure.to(tl.int32), axis=0) > 0, top, leader, leader_s, draft_s
@@ -421,7 +425,8 @@ def lm_head_tiles_kernel(
     # at once, so large tiles (what the main loop wants at large B) need fewer registers.
     if PARTS == 1:
         summary = _part_summary(acc, 0, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
-                                BLOCK_R, BLOCK_V, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN)
+                                BLOCK_R, BLOCK_V, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT,
+                                SCREEN)
     else:
         lo, hi = _halves(acc, BLOCK_R, BLOCK_V)
         if PARTS == 2:

@@ -15,9 +15,9 @@ SM runs one persistent program of three partitions that work on different tiles 
 The epilogue is the Triton kernel's own code (`lm_head._scaled_logits`, `_screen`,
 `_exact_best`, `_tile_summary`, `_store_summary`, `_store_candidates`,
 `noise.philox_tile_bits`), which the interpreter tests run on the CPU; only the index
-tensors, which Gluon needs in explicit layouts, are built here. Its chunks hold the tile in the layout of a tensor-core accumulator (two
-neighbouring columns per thread, repeated every 8), so the four words of one Philox call
-land in one thread as in the Triton kernel. What only runs on a Hopper GPU (the pipeline,
+tensors, which Gluon needs in explicit layouts, are built here. Its chunks hold the tile in
+the layout of a tensor-core accumulator (two neighbouring columns per thread, repeated every
+8), so the four words of one Philox call land in one thread as in the Triton kernel. What only runs on a Hopper GPU (the pipeline,
 the layouts of those index tensors, the chunks' addresses) is checked there against the
 Triton kernel, output by output (tests/test_kernels_ws.py).
 
@@ -29,7 +29,6 @@ TMA-aligned, on Hopper GPUs; `supported` says where.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -69,7 +68,7 @@ def supported(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the warp-specialized stage 1 can run these operands: a Hopper GPU, the Triton
     release it was tested with, 16-bit inputs, not Triton's interpreter. (Its TMA loads also
     need 16-byte aligned rows: `ops.tma_ready`.)"""
-    if gluon is None or not hidden.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+    if gluon is None or not hidden.is_cuda or triton.knobs.runtime.interpret:
         return False
     if torch.version.hip or torch.cuda.get_device_capability(hidden.device)[0] != 9:
         return False
@@ -233,9 +232,13 @@ if gluon is not None:
             s, row_sum, offs_v = lm_head._scaled_logits(acc, columns, pid_v, NUM_VT, V, inv_t, BV,
                                                         INTERLEAVE, EVEN_V)
             if CAND > 0:  # first: the raw logits are not needed after it
-                lm_head._store_candidates(acc, offs_v, V, cand_ptr + (offs_r * NUM_VT + pid_v) * CAND,
-                                          r_ok, CAND, EVEN_V)
-            if SAMPLE and SCREEN:  # as lm_head._part_summary
+                lm_head._store_candidates(acc, offs_v, V,
+                                          cand_ptr + (offs_r * NUM_VT + pid_v) * CAND, r_ok,
+                                          CAND, EVEN_V)
+            # As lm_head._part_summary, with two differences that only registers decide:
+            # candidates first (the Triton kernel keeps the whole tile in registers anyway)
+            # and the screen's Philox words computed after the chunk's load.
+            if SAMPLE and SCREEN:
                 # Position made to depend on the chunk's logits (NaN rows, the only ones it
                 # changes, take the exact path anyway): the words are then computed after the
                 # chunk's load, not hoisted above it and held through it (8 warps: 80 -> 24

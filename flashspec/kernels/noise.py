@@ -3,12 +3,10 @@
 Keep every operation here in step with `flashspec/rng.py`; `tests/test_rng.py` checks the
 two bit for bit through the interpreter (and on a GPU when one is present).
 
-`gumbel_screen` is a cheap approximation of that noise, within `SCREEN_ERROR` of it, which
-the fused kernels use only to find the one token that can win a tile (`lm_head._tile_summary`);
+`gumbel_screen_log2` is a cheap approximation of that noise, within `SCREEN_ERROR` of it,
+which the fused kernels use only to find the one token that can win a tile (`lm_head._screen`);
 the noise they report is always the exact one.
 """
-
-import os
 
 import triton
 import triton.language as tl
@@ -16,16 +14,19 @@ import triton.language as tl
 GUMBEL_STREAM: tl.constexpr = tl.constexpr(0)
 ACCEPT_STREAM: tl.constexpr = tl.constexpr(1)
 
-# Bound on |gumbel_screen(x) - gumbel_from_bits(x)| over all 32-bit words x: 3.7x the
-# analysis in `gumbel_screen_log2`; tests/test_rng.py checks it over every word on a GPU.
+# Bound on |SCREEN_BIAS - ln 2 * gumbel_screen_log2(x) - gumbel_from_bits(x)| over all 32-bit
+# words x, before or after rounding to float32: 3.7x the analysis in `gumbel_screen_log2`;
+# tests/test_screen.py checks half of it over every word on a GPU.
 SCREEN_ERROR = 2.0**-14
 _SCREEN_ERROR: tl.constexpr = tl.constexpr(SCREEN_ERROR)
 # -ln(E) = -ln(ln 2 * E / ln 2) = -ln(ln 2) - ln 2 * log2(E / ln 2)
-_SCREEN_BIAS: tl.constexpr = tl.constexpr(0.36651292058166435)
-# Triton's interpreter cannot run PTX: there `lg2.approx` is numpy's log2 and gumbel_screen
+SCREEN_BIAS = 0.36651292058166435
+_SCREEN_BIAS: tl.constexpr = tl.constexpr(SCREEN_BIAS)
+NEG_LN2: tl.constexpr = tl.constexpr(-0.6931471805599453)
+# Triton's interpreter cannot run PTX: there `lg2.approx` is numpy's log2 and the screen
 # adds an error of 0.9 SCREEN_ERROR (its sign from the word), so that CPU tests exercise the
-# screening at the worst error it is certified for.
-_INTERPRETED: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+# screening at the worst error it is certified for. (Read when this module is imported.)
+_INTERPRETED: tl.constexpr = tl.constexpr(bool(triton.knobs.runtime.interpret))
 
 
 @triton.jit
@@ -110,8 +111,9 @@ def gumbel_screen_log2(bits):
     (relative error <= 2**-21); above, ``E2 = -log2(1 - near)`` for near >= 1/32 (1 - near
     rounded by <= 2**-25 and log2's 2**-22, against |log2(1 - near)| >= 0.045: relative
     error <= 2**-17.1), else the series ``(near + near**2/2 + near**3/3 + near**4/4) / ln 2``
-    (truncation <= near**4 / 5 relative). The outer log2 adds <= 2 ulp of |L| <= 34 and the
-    kernels' FMA one rounding: |g - exact| <= 2**-15.9, the exact path's own rounding included.
+    (truncation <= near**4 / (5 (1 - near)) relative). The outer log2 adds <= 2 ulp of
+    |L| <= 34: |g - exact| <= 2**-15.9 before g is rounded, the exact path's own rounding
+    included, and 2**-15.9 + 2**-20 after.
     """
     upper = bits >= 0x80000000
     near = tl.where(upper, bits ^ 0xFFFFFFFF, bits).to(tl.float32)
@@ -123,14 +125,14 @@ def gumbel_screen_log2(bits):
     log2_u = tl.where(upper & (near < 0.03125), series, log2_u)
     screen = _log2_approx(tl.abs(log2_u))
     if _INTERPRETED:
-        screen += tl.where((bits & 0x80) != 0, 0.9, -0.9) * (_SCREEN_ERROR / 0.6931471805599453)
+        screen += tl.where((bits & 0x80) != 0, 0.9, -0.9) * (_SCREEN_ERROR / -NEG_LN2)
     return screen
 
 
 @triton.jit
 def gumbel_screen(bits):
     """The screen's Gumbel noise, ``SCREEN_BIAS - ln 2 * gumbel_screen_log2(bits)``."""
-    return gumbel_screen_log2(bits) * -0.6931471805599453 + _SCREEN_BIAS
+    return gumbel_screen_log2(bits) * NEG_LN2 + _SCREEN_BIAS
 
 
 @triton.jit
