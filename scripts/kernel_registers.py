@@ -11,7 +11,7 @@ at large B; this answers both before a device is lent:
         --configs "128,128,128,8,3,2 128,64,64,8,4"
 
 Prints one line per configuration; writes kernel_registers.json to --out. Configurations
-are "bv,br,bd,warps,stages[,parts][,ws]" as in scripts/sweep_tiles.py; "ws" compiles the
+are "bv,br,bd,warps,stages[,parts][,ws][,screen]" as in scripts/sweep_tiles.py; "ws" compiles the
 warp-specialized Gluon stage 1 (`flashspec/kernels/lm_head_ws.py`) and also reports the
 setmaxnreg values in its PTX (what the load warp, the MMA warpgroup and the epilogue warps set
 for themselves, with the steps in between: 24, 168 and 256 or 160 for the default table).
@@ -79,7 +79,7 @@ def compile_report(kernel: str, config) -> dict:
         return _warp_specialized_report(kernel, config, sample, lse, cand, draft)
     constants = dict(SAMPLE=sample, LSE=lse, CAND=cand, DRAFT=draft, IEEE_DOT=False,
                      INTERLEAVE=cand > 0, EVEN_V=True, EVEN_D=True, TMA=True,
-                     PARTS=config.epilogue_parts, BLOCK_V=config.block_v,
+                     PARTS=config.epilogue_parts, SCREEN=config.screen, BLOCK_V=config.block_v,
                      BLOCK_R=config.block_r, BLOCK_D=config.block_d,
                      NUM_STAGES=config.num_stages)
     sig = signature(config, cand, draft) | {name: "constexpr" for name in constants}
@@ -116,8 +116,8 @@ def _warp_specialized_report(kernel: str, config, sample: bool, lse: bool, cand:
            "cand_ptr": "*i64" if cand else "*i32", "R": "i32", "V": "i32", "D": "i32",
            "NUM_VT": "i32", "ROWS_PER_PARAM": "i32"}
     constants = dict(SAMPLE=sample, LSE=lse, DRAFT=draft, CAND=cand, INTERLEAVE=cand > 0,
-                     EVEN_V=True, BLOCK_V=config.block_v, NUM_STAGES=config.num_stages,
-                     CHUNK_R=8 * config.num_warps)
+                     EVEN_V=True, SCREEN=config.screen, BLOCK_V=config.block_v,
+                     NUM_STAGES=config.num_stages, CHUNK_R=8 * config.num_warps)
     sig |= {name: "constexpr" for name in constants}
     compiled = triton.compile(
         GluonASTSource(lm_head_ws.lm_head_tiles_ws_kernel, sig, constants), target=TARGET,
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernel", choices=tuple(KERNELS), default="sample")
     parser.add_argument("--configs", type=parse_configs, required=True,
-                        help='"bv,br,bd,warps,stages[,parts][,ws] ..."')
+                        help='"bv,br,bd,warps,stages[,parts][,ws][,screen] ..."')
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":

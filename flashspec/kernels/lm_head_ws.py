@@ -17,9 +17,10 @@ The epilogue is the Triton kernel's own code (`lm_head._scaled_logits`, `_screen
 `noise.philox_tile_bits`), which the interpreter tests run on the CPU; only the index
 tensors, which Gluon needs in explicit layouts, are built here. Its chunks hold the tile in
 the layout of a tensor-core accumulator (two neighbouring columns per thread, repeated every
-8), so the four words of one Philox call land in one thread as in the Triton kernel. What only runs on a Hopper GPU (the pipeline,
-the layouts of those index tensors, the chunks' addresses) is checked there against the
-Triton kernel, output by output (tests/test_kernels_ws.py).
+8), so the four words of one Philox call land in one thread as in the Triton kernel. What
+only runs on a Hopper GPU (the pipeline, the layouts of those index tensors, the chunks'
+addresses) is checked there against the Triton kernel, output by output
+(tests/test_kernels_ws.py).
 
 Covers every launch (argmax, sampling, verification, with or without truncation: candidates
 from interleaved tiles, loaded as one 16-row box per group) of bf16/fp16 inputs whose rows are

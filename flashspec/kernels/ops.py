@@ -114,7 +114,7 @@ def _warp_specialized_config(num_rows: int, truncation: bool) -> TileConfig:
     # twice that; exact either way, completions counted in `stats()`).
     # scripts/sweep_tiles.py, H100, 2026-11-23, ratios to matmul in one run: untruncated,
     # the noise screen with 4 epilogue warps up to 256 rows (sample R = 128 0.985x, R = 256
-    # 1.20-1.21x, against 1.29-1.35x for the exact epilogue on 8 warps), 8 above (verify
+    # 1.19-1.24x, against 1.31-1.35x for the exact epilogue on 8 warps), 8 above (verify
     # R = 512 1.22x against 1.42x on 4). Truncation: 8 warps without the screen, whose
     # registers cost the candidates' extraction more than it saves (verify-qwen R = 256
     # 0.72 ms against 0.79; sample-qwen R = 128 0.507 against 0.53 on 4 warps).
