@@ -163,6 +163,18 @@ def _scaled_logits(acc, columns, pid_v, NUM_VT, V, inv_t, BLOCK_V: tl.constexpr,
 
 
 @triton.jit
+def _leave_out_draft(score, s, row_sum, offs_v, draft, DRAFT: tl.constexpr):
+    """With DRAFT, `score` with each row's drafted token at -inf and the draft's s (summed over
+    its column: 0 where the tile does not hold it); otherwise `score` and `row_sum`."""
+    draft_s = row_sum
+    if DRAFT:
+        is_draft = offs_v[None, :] == draft[:, None]
+        draft_s = tl.sum(tl.where(is_draft, s, 0.0), axis=1)
+        score = tl.where(is_draft, float("-inf"), score)
+    return score, draft_s
+
+
+@triton.jit
 def _exact_best(s, row_sum, offs_v, columns, noise, sampled, draft, SAMPLE: tl.constexpr,
                 DRAFT: tl.constexpr):
     """Each row's best score ``s + g`` (``s`` for greedy rows; with DRAFT the row's drafted token
@@ -171,11 +183,7 @@ def _exact_best(s, row_sum, offs_v, columns, noise, sampled, draft, SAMPLE: tl.c
     score = s
     if SAMPLE:
         score = s + tl.where(sampled[:, None], noise, 0.0)
-    draft_s = row_sum
-    if DRAFT:
-        is_draft = offs_v[None, :] == draft[:, None]
-        draft_s = tl.sum(tl.where(is_draft, s, 0.0), axis=1)
-        score = tl.where(is_draft, float("-inf"), score)
+    score, draft_s = _leave_out_draft(score, s, row_sum, offs_v, draft, DRAFT)
     # The max on its own, as tl.argmax's callers had it: with the pair's value instead,
     # verification's epilogue on 128x64 tiles takes 133 registers, not 128.
     best = tl.max(score, axis=1)
@@ -199,11 +207,7 @@ def _screen(s, row_sum, offs_v, columns, bits, sampled, draft, BLOCK_V: tl.const
     # s + gumbel_screen - SCREEN_BIAS, one FMA per column: the bias, the same for every
     # column of a row, changes no comparison.
     screen = s + gumbel_screen_log2(bits) * tl.where(sampled, NEG_LN2, 0.0)[:, None]
-    draft_s = row_sum
-    if DRAFT:
-        is_draft = offs_v[None, :] == draft[:, None]
-        draft_s = tl.sum(tl.where(is_draft, s, 0.0), axis=1)
-        screen = tl.where(is_draft, float("-inf"), screen)
+    screen, draft_s = _leave_out_draft(screen, s, row_sum, offs_v, draft, DRAFT)
     top = tl.max(screen, axis=1)
     # A column's exact score and its screen + SCREEN_BIAS differ by at most SCREEN_ERROR (the
     # screen's noise unrounded: the FMA rounds once) and the rounding of each, an ulp of
