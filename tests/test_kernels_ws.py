@@ -19,9 +19,14 @@ from test_kernels import assert_same_tokens
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="the warp-specialized kernel needs a Hopper GPU")
-WS = kernels.default_config(128, warp_specialized=True)  # 4 epilogue warps, noise screen
+WS = kernels.default_config(256, warp_specialized=True)  # 4 epilogue warps, noise screen
+WS64_EXACT = kernels.default_config(128, warp_specialized=True)  # 64-row tiles, exact
 WS8 = kernels.default_config(512, warp_specialized=True)  # 8 epilogue warps, noise screen
 WS_TRUNCATION = kernels.default_config(256, truncation=True, warp_specialized=True)  # 8, exact
+WS64_TRUNCATION = kernels.default_config(64, truncation=True, warp_specialized=True)  # 64 rows
+# 64-row tiles, 8 stages: few rows (a tile's rows past R are zero rows, its chunks skipped).
+WS64 = kernels.TileConfig(block_v=128, block_r=64, block_d=64, num_warps=4, num_stages=8,
+                          warp_specialized=True, screen=True)
 # The Triton kernel with the same tiles and 64-deep steps: the same wgmma instructions sum
 # each logit in the same order, so the tokens must be equal; the sums behind log-sum-exp and
 # logprobs run in another order (the Triton kernel's two epilogue parts), equal to rounding.
@@ -34,17 +39,24 @@ def assert_rounding_close(ours, theirs):
 
 
 def test_default_table_takes_it_only_where_it_runs():
-    assert kernels.default_config(65, warp_specialized=True) == WS
+    assert kernels.default_config(65, warp_specialized=True) == WS64_EXACT
+    assert kernels.default_config(128, verification=True, warp_specialized=True) == WS64_EXACT
+    assert (WS64_EXACT.block_r, WS64_EXACT.num_warps, WS64_EXACT.screen) == (64, 4, False)
+    assert kernels.default_config(129, warp_specialized=True) == WS
     assert kernels.default_config(256, verification=True, warp_specialized=True) == WS
     assert WS.warp_specialized and WS.num_warps == 4 and WS8.num_warps == 8
     assert WS.screen and WS8.screen and not WS_TRUNCATION.screen
     assert kernels.default_config(512, verification=True, warp_specialized=True) == WS8
-    assert kernels.default_config(65, truncation=True, warp_specialized=True) == WS_TRUNCATION
-    assert WS_TRUNCATION.num_warps == 8
+    assert kernels.default_config(129, truncation=True, warp_specialized=True) == WS_TRUNCATION
+    assert kernels.default_config(33, truncation=True, warp_specialized=True) == WS64_TRUNCATION
+    assert kernels.default_config(128, truncation=True, warp_specialized=True) == WS64_TRUNCATION
+    assert not kernels.default_config(32, truncation=True, warp_specialized=True).warp_specialized
+    assert WS_TRUNCATION.num_warps == WS64_TRUNCATION.num_warps == 8
+    assert (WS64_TRUNCATION.block_r, WS64_TRUNCATION.num_stages) == (64, 8)
     # Truncation keeps the candidate budget per token of the table's 128-wide tiles below.
     small = kernels.default_config(64, truncation=True)
     assert (WS_TRUNCATION.block_v, WS_TRUNCATION.candidates) == (small.block_v, small.candidates) \
-        == (128, 8)
+        == (WS64_TRUNCATION.block_v, WS64_TRUNCATION.candidates) == (128, 8)
     assert not kernels.default_config(64, warp_specialized=True).warp_specialized
     assert not kernels.default_config(256).warp_specialized
 
@@ -87,15 +99,19 @@ def _problem(rows, vocab, dim, seed, truncation=False):
     return hidden, weight, params, positions
 
 
-# Rows past one tile and ragged ones, vocabularies that do not fill the last tile, a hidden
-# size that does not fill the last 64-deep step (zero-filled by TMA).
-SHAPES = [(65, 151_936, 4096), (256, 151_936, 4096), (200, 32_003, 520), (130, 1_000, 64)]
+# Rows past one tile and ragged ones, fewer rows than a tile (zero rows up to it), vocabularies
+# that do not fill the last tile, a hidden size that does not fill the last 64-deep step
+# (zero-filled by TMA).
+SHAPES = [(65, 151_936, 4096), (256, 151_936, 4096), (200, 32_003, 520), (130, 1_000, 64),
+          (1, 151_936, 4096), (17, 32_003, 520)]
 
 
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("rows, vocab, dim", SHAPES)
-@pytest.mark.parametrize("config", [WS, WS8], ids=["4 epilogue warps", "8 epilogue warps"])
+@pytest.mark.parametrize("config", [WS, WS8, WS64, WS64_EXACT],
+                         ids=["4 epilogue warps", "8 epilogue warps", "64-row tiles",
+                              "64-row tiles, exact"])
 def test_sample_and_argmax_equal_the_triton_kernel(rows, vocab, dim, config):
     hidden, weight, params, positions = _problem(rows, vocab, dim, rows + vocab)
     ws = kernels.sample_unchecked(hidden, weight, params, positions, want_lse=True, config=config)
@@ -128,8 +144,11 @@ def _verify_like_triton(hidden, weight, draft_tokens, params, positions, config)
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("batch, drafts, vocab, dim", [(16, 5, 151_936, 4096), (64, 3, 32_003, 520)])
-@pytest.mark.parametrize("config", [WS, WS8], ids=["4 epilogue warps", "8 epilogue warps"])
+@pytest.mark.parametrize("batch, drafts, vocab, dim", [(16, 5, 151_936, 4096), (64, 3, 32_003, 520),
+                                                      (3, 2, 32_003, 520)])
+@pytest.mark.parametrize("config", [WS, WS8, WS64, WS64_EXACT],
+                         ids=["4 epilogue warps", "8 epilogue warps", "64-row tiles",
+                              "64-row tiles, exact"])
 def test_verification_equals_the_triton_kernel(batch, drafts, vocab, dim, config):
     rows = batch * (drafts + 1)
     hidden, weight, _, _ = _problem(rows, vocab, dim, rows)
@@ -147,7 +166,8 @@ def test_verification_equals_the_triton_kernel(batch, drafts, vocab, dim, config
 @needs_hopper
 @pytest.mark.parametrize("rows, vocab, dim, config", [
     (256, 151_936, 4096, WS_TRUNCATION), (200, 32_003, 520, WS_TRUNCATION),
-    (200, 32_003, 520, WS8)], ids=["exact epilogue", "exact, ragged", "screen, ragged"])
+    (200, 32_003, 520, WS8), (64, 151_936, 4096, WS64_TRUNCATION), (40, 32_003, 520, WS64_TRUNCATION)],
+    ids=["exact epilogue", "exact, ragged", "screen, ragged", "64-row tiles", "64-row tiles, ragged"])
 def test_truncated_sampling_equals_the_triton_kernel(rows, vocab, dim, config):
     """Interleaved tiles loaded as 16-row boxes and their candidates: the same tiles in the
     Triton kernel give the same candidates, hence the same tokens and the same rows flagged
@@ -166,8 +186,10 @@ def test_truncated_sampling_equals_the_triton_kernel(rows, vocab, dim, config):
 
 @pytest.mark.gpu
 @needs_hopper
-def test_truncated_verification_equals_the_triton_kernel():
-    batch, drafts, vocab, dim = 64, 3, 151_936, 4096
+@pytest.mark.parametrize("batch, config", [(64, WS_TRUNCATION), (16, WS64_TRUNCATION)],
+                         ids=["128-row tiles", "64-row tiles"])
+def test_truncated_verification_equals_the_triton_kernel(batch, config):
+    drafts, vocab, dim = 3, 151_936, 4096
     hidden, weight, _, _ = _problem(batch * (drafts + 1), vocab, dim, 5)
     params = SamplingParams.create(batch, temperature=0.6, top_k=20, top_p=0.95, seed=4,
                                    device="cuda")
@@ -175,5 +197,5 @@ def test_truncated_verification_equals_the_triton_kernel():
     draft_tokens = torch.randint(0, vocab, (batch, drafts),
                                  generator=torch.Generator().manual_seed(6)).cuda()
     ws = _verify_like_triton(hidden.view(batch, drafts + 1, dim), weight, draft_tokens, params,
-                             positions, WS_TRUNCATION)
+                             positions, config)
     assert (ws.num_accepted[ws.status == 0] >= 1).all() and (ws.status == 0).sum() > batch // 2

@@ -12,6 +12,9 @@ SM runs one persistent program of three partitions that work on different tiles 
 * the epilogue warps (the default partition) summarise the handed-over tile in chunks of
   rows while the MMA warpgroup already accumulates the next one.
 
+Launches of fewer rows than a whole number of tiles get zero rows up to it (TMA's own
+zero-fill of rows past the tensor is slow), and the epilogue skips chunks past the last row.
+
 The epilogue is the Triton kernel's own code (`lm_head._scaled_logits`, `_screen`,
 `_exact_best`, `_tile_summary`, `_store_summary`, `_store_candidates`,
 `noise.philox_tile_bits`), which the interpreter tests run on the CPU; only the index
@@ -56,7 +59,7 @@ if not triton.__version__.startswith(TESTED_TRITON):  # pragma: no cover
 # warp gives most of its share back, the MMA warpgroup takes what its 128-register
 # accumulator needs, and the epilogue warps get the rest.
 LOAD_REGISTERS = triton.language.constexpr(24)
-MMA_REGISTERS = triton.language.constexpr(168)
+MMA_REGISTERS = triton.language.constexpr(160)
 EPILOGUE_WARPS = (4, 8)
 
 
@@ -149,12 +152,14 @@ if gluon is not None:
             tile_count += 1
 
     @gluon.constexpr_function
-    def _chunk_layout(rows, cols):
-        """Row-major fp32 rows padded by 8 words: the MMA layout's stores (8 rows x 4 threads
-        x 2 words per instruction) and the epilogue's loads then meet each bank at most twice,
-        the least for 256 bytes, instead of 8 times (unpadded rows a multiple of 128 bytes
-        apart, as 128-token rows are, start on the same bank)."""
-        return gl.PaddedSharedLayout.with_identity_for([[cols, 8]], [rows, cols], [1, 0])
+    def _handover_layout():
+        """Row-major fp32 rows whose 8-word groups are permuted by row (the group index XOR
+        the row mod 4): the MMA layout's stores (8 rows x 4 threads x 2 words per
+        instruction) and the epilogue's loads then meet each bank at most twice, the least
+        for 256 bytes, instead of 8 times (rows a multiple of 128 bytes apart start on the
+        same bank), with no padding to take shared memory from the ring of stages. Viewed as
+        chunks of rows (a multiple of 4 each), every chunk keeps the same permutation."""
+        return gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=4, order=[1, 0])
 
     @gluon.jit
     def _tile_bits(seed, position, pid_v, NUM_VT, CR: gl.constexpr, BV: gl.constexpr,
@@ -193,6 +198,60 @@ if gluon is not None:
         return offs_r, r_ok, sampled, temperature, seed, position, draft
 
     @gluon.jit
+    def _summarise_chunk(acc, rows, pid_v, V, NUM_VT, best_ptr, best_id_ptr, best_s_ptr,
+                         max_ptr, sumexp_ptr, bad_ptr, draft_s_ptr, cand_ptr,
+                         SAMPLE: gl.constexpr, LSE: gl.constexpr, DRAFT: gl.constexpr,
+                         CAND: gl.constexpr, INTERLEAVE: gl.constexpr, EVEN_V: gl.constexpr,
+                         SCREEN: gl.constexpr, layout: gl.constexpr):
+        """The summaries (and candidates) of a chunk `acc` ``[CR, BV]`` of rows `rows`
+        (`_chunk_rows`) and vocab tile pid_v."""
+        CR: gl.constexpr = acc.shape[0]
+        BV: gl.constexpr = acc.shape[1]
+        offs_r, r_ok, sampled, temperature, seed, position, draft = rows
+        inv_t = 1.0 / temperature
+        columns = gl.arange(0, BV, layout=gl.SliceLayout(0, layout))
+        s, row_sum, offs_v = lm_head._scaled_logits(acc, columns, pid_v, NUM_VT, V, inv_t, BV,
+                                                    INTERLEAVE, EVEN_V)
+        if CAND > 0:  # first: the raw logits are not needed after it
+            lm_head._store_candidates(acc, offs_v, V,
+                                      cand_ptr + (offs_r * NUM_VT + pid_v) * CAND, r_ok,
+                                      CAND, EVEN_V)
+        # As lm_head._part_summary, with two differences that only registers decide:
+        # candidates first (the Triton kernel keeps the whole tile in registers anyway)
+        # and the screen's Philox words computed after the chunk's load.
+        if SAMPLE and SCREEN:
+            # Position made to depend on the chunk's logits (NaN rows, the only ones it
+            # changes, take the exact path anyway): the words are then computed after the
+            # chunk's load, not hoisted above it and held through it (8 warps: 80 -> 24
+            # bytes of spills).
+            after_load = position + (row_sum != row_sum).to(gl.int64)
+            bits = _tile_bits(seed, after_load, pid_v, NUM_VT, CR, BV, INTERLEAVE, layout)
+            unsure, top, leader, leader_s, draft_s = lm_head._screen(
+                s, row_sum, offs_v, columns, bits, sampled, draft, BV, DRAFT)
+            if unsure:
+                bits = _tile_bits(opaque(seed), position, pid_v, NUM_VT, CR, BV, INTERLEAVE,
+                                  layout)
+                best, best_column, draft_s = lm_head._exact_best(
+                    s, row_sum, offs_v, columns, gumbel_from_bits(bits), sampled, draft,
+                    SAMPLE, DRAFT)
+            else:
+                best, best_column = lm_head._screened_best(top, leader, leader_s, sampled, seed,
+                                                           position, pid_v, NUM_VT, BV,
+                                                           INTERLEAVE)
+        else:
+            noise = s  # unused without SAMPLE
+            if SAMPLE:
+                noise = gumbel_from_bits(_tile_bits(seed, position, pid_v, NUM_VT, CR, BV,
+                                                    INTERLEAVE, layout))
+            best, best_column, draft_s = lm_head._exact_best(
+                s, row_sum, offs_v, columns, noise, sampled, draft, SAMPLE, DRAFT)
+        summary = lm_head._tile_summary(s, row_sum, offs_v, best, best_column, draft_s, pid_v,
+                                        NUM_VT, BV, INTERLEAVE, LSE)
+        lm_head._store_summary(summary, offs_r, r_ok, draft, pid_v, NUM_VT, best_ptr,
+                               best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr,
+                               draft_s_ptr, BV, INTERLEAVE, LSE, DRAFT)
+
+    @gluon.jit
     def _epilogue_partition(acc_smem, acc_ready, acc_empty,
                             do_sample_ptr, temperature_ptr, seed_ptr, position_ptr,
                             best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr,
@@ -207,7 +266,7 @@ if gluon is not None:
         NUM_CHUNKS: gl.constexpr = BR // CR
         layout: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [gl.num_warps(), 1], [1, 0])
         # The same bytes as NUM_CHUNKS consecutive [CR, BV] tiles, one indexed per step.
-        chunks = acc_smem._reinterpret(gl.float32, [NUM_CHUNKS, CR, BV], _chunk_layout(CR, BV))
+        chunks = acc_smem._reinterpret(gl.float32, [NUM_CHUNKS, CR, BV], _handover_layout())
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
         num_steps = gl.cdiv(num_tiles - pid, nprog) * NUM_CHUNKS
@@ -227,49 +286,11 @@ if gluon is not None:
             acc = chunks.index(chunk).load(layout)
             if chunk == NUM_CHUNKS - 1:  # the whole tile is in registers or done: free it
                 mbarrier.arrive(acc_empty)
-            offs_r, r_ok, sampled, temperature, seed, position, draft = rows
-            inv_t = 1.0 / temperature
-            columns = gl.arange(0, BV, layout=gl.SliceLayout(0, layout))
-            s, row_sum, offs_v = lm_head._scaled_logits(acc, columns, pid_v, NUM_VT, V, inv_t, BV,
-                                                        INTERLEAVE, EVEN_V)
-            if CAND > 0:  # first: the raw logits are not needed after it
-                lm_head._store_candidates(acc, offs_v, V,
-                                          cand_ptr + (offs_r * NUM_VT + pid_v) * CAND, r_ok,
-                                          CAND, EVEN_V)
-            # As lm_head._part_summary, with two differences that only registers decide:
-            # candidates first (the Triton kernel keeps the whole tile in registers anyway)
-            # and the screen's Philox words computed after the chunk's load.
-            if SAMPLE and SCREEN:
-                # Position made to depend on the chunk's logits (NaN rows, the only ones it
-                # changes, take the exact path anyway): the words are then computed after the
-                # chunk's load, not hoisted above it and held through it (8 warps: 80 -> 24
-                # bytes of spills).
-                after_load = position + (row_sum != row_sum).to(gl.int64)
-                bits = _tile_bits(seed, after_load, pid_v, NUM_VT, CR, BV, INTERLEAVE, layout)
-                unsure, top, leader, leader_s, draft_s = lm_head._screen(
-                    s, row_sum, offs_v, columns, bits, sampled, draft, BV, DRAFT)
-                if unsure:
-                    bits = _tile_bits(opaque(seed), position, pid_v, NUM_VT, CR, BV, INTERLEAVE,
-                                      layout)
-                    best, best_column, draft_s = lm_head._exact_best(
-                        s, row_sum, offs_v, columns, gumbel_from_bits(bits), sampled, draft,
-                        SAMPLE, DRAFT)
-                else:
-                    best, best_column = lm_head._screened_best(top, leader, leader_s, sampled, seed,
-                                                               position, pid_v, NUM_VT, BV,
-                                                               INTERLEAVE)
-            else:
-                noise = s  # unused without SAMPLE
-                if SAMPLE:
-                    noise = gumbel_from_bits(_tile_bits(seed, position, pid_v, NUM_VT, CR, BV,
-                                                        INTERLEAVE, layout))
-                best, best_column, draft_s = lm_head._exact_best(
-                    s, row_sum, offs_v, columns, noise, sampled, draft, SAMPLE, DRAFT)
-            summary = lm_head._tile_summary(s, row_sum, offs_v, best, best_column, draft_s, pid_v,
-                                            NUM_VT, BV, INTERLEAVE, LSE)
-            lm_head._store_summary(summary, offs_r, r_ok, draft, pid_v, NUM_VT, best_ptr,
-                                   best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr,
-                                   draft_s_ptr, BV, INTERLEAVE, LSE, DRAFT)
+            # Chunks past the last row (a tile of fewer than BR rows) are skipped.
+            if (tile % num_rt) * BR + chunk * CR < R:
+                _summarise_chunk(acc, rows, pid_v, V, NUM_VT, best_ptr, best_id_ptr, best_s_ptr,
+                                 max_ptr, sumexp_ptr, bad_ptr, draft_s_ptr, cand_ptr, SAMPLE, LSE,
+                                 DRAFT, CAND, INTERLEAVE, EVEN_V, SCREEN, layout)
             rows = next_rows
 
     @gluon.jit
@@ -288,7 +309,7 @@ if gluon is not None:
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES, BV, BD],
                                            gl.NVMMASharedLayout.get_default_for([BV, BD], w_desc.dtype))
         # The finished tile, handed from the MMA warpgroup to the epilogue.
-        acc_smem = gl.allocate_shared_memory(gl.float32, [BR, BV], _chunk_layout(BR, BV))
+        acc_smem = gl.allocate_shared_memory(gl.float32, [BR, BV], _handover_layout())
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         acc_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -336,6 +357,14 @@ def launch(hidden, weight, row, summaries, candidates, drafts, draft_s, num_vt, 
     num_rows, dim = hidden.shape
     vocab_size = weight.shape[0]
     interleave = cand > 0
+    if num_rows % config.block_r:
+        # Zero rows up to the tile: TMA also fills a box's rows past the tensor with zeros,
+        # but slowly (BENCHMARKS.md: 128-row tiles at R = 1 / 16 / 64 took 1.48 / 1.34 /
+        # 1.11x matmul against 0.99x at R = 128). The kernel still reads R rows' parameters
+        # and writes R rows' summaries.
+        padded = hidden.new_zeros(triton.cdiv(num_rows, config.block_r) * config.block_r, dim)
+        padded[:num_rows] = hidden
+        hidden = padded
     h_desc, w_desc = descriptors(hidden, weight, config.block_r, config.block_v, config.block_d,
                                  interleave)
     num_tiles = num_vt * triton.cdiv(num_rows, config.block_r)

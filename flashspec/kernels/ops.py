@@ -92,8 +92,9 @@ def default_config(num_rows: int, element_size: int = 2, truncation: bool = Fals
     epilogue: candidates kept (truncation, whether verifying or not) or drafts verified are
     heavier, and other shapes win for them; 4-byte inputs take half the reduction step to
     fit the same shared memory. `warp_specialized`: the Gluon stage 1 can run (see
-    `lm_head_ws.supported`); it takes launches of more than 64 rows."""
-    if warp_specialized and num_rows > 64:
+    `lm_head_ws.supported`); it takes launches of more than 64 rows, and of more than 32
+    with truncation."""
+    if warp_specialized and num_rows > (32 if truncation else 64):
         return _warp_specialized_config(num_rows, truncation)
     if truncation:
         config = _bf16_truncation_config(num_rows)
@@ -107,22 +108,45 @@ def default_config(num_rows: int, element_size: int = 2, truncation: bool = Fals
 
 
 def _warp_specialized_config(num_rows: int, truncation: bool) -> TileConfig:
-    # Above 64 rows on Hopper: 128x128 tiles, 64-deep steps, 4 stages (196 KB of shared
-    # memory with the handed-over tile), the epilogue beside the MMA (lm_head_ws.py). With
-    # truncation the tiles are 128 tokens wide with 8 candidates, the budget per token of
-    # the truncation table up to 64 rows (the Triton table's 64-wide tiles above it had
-    # twice that; exact either way, completions counted in `stats()`).
-    # scripts/sweep_tiles.py, H100, 2026-11-23, ratios to matmul in one run: untruncated,
-    # the noise screen with 4 epilogue warps up to 256 rows (sample R = 128 0.985x, R = 256
-    # 1.19-1.24x, against 1.31-1.35x for the exact epilogue on 8 warps), 8 above (verify
-    # R = 512 1.22x against 1.42x on 4). Truncation: 8 warps without the screen, whose
-    # registers cost the candidates' extraction more than it saves (verify-qwen R = 256
-    # 0.72 ms against 0.79; sample-qwen R = 128 0.507 against 0.53 on 4 warps).
+    # Above 64 rows on Hopper (32 with truncation): tiles of 64 or 128 rows by 128 tokens,
+    # 64-deep steps, the epilogue beside the MMA (lm_head_ws.py). With truncation, 8
+    # candidates per tile, the budget per token of the Triton truncation table's 33-64 rows
+    # (its 64-wide tiles above had twice that; exact either way, completions counted in
+    # `stats()`).
+    # scripts/sweep_tiles.py, H100, ratios to matmul in one run. 2026-11-23, tenth session:
+    # untruncated, the noise screen with 4 epilogue warps up to 256 rows (sample R = 128
+    # 0.985x, R = 256 1.19-1.24x, against 1.31-1.35x for the exact epilogue on 8 warps), 8
+    # above (verify R = 512 1.22x against 1.42x on 4). Truncation: 8 warps without the screen,
+    # whose registers cost the candidates' extraction more than it saves (verify-qwen R = 256
+    # 0.72 ms against 0.79; sample-qwen R = 128 0.507 against 0.53 on 4 warps). Eleventh
+    # session: the main loop waits for its loads (Nsight Compute: the MMA warps stalled on a
+    # full stage half of argmax's time at R = 256), and a fifth 32 KB stage fits beside the
+    # unpadded hand-over (224 KB): argmax R = 256 1.04-1.07x against 1.12-1.15x, sample and
+    # verify R = 128 1% faster; for 8 warps above 256 rows and for truncation, 4 stages
+    # stayed as fast or faster (verify R = 384-512 1.14-1.25x on 4 against 1.14-1.32x on 5,
+    # qwen R = 256 1.36x against 1.43x).
+    # Truncation from 33 to 128 rows: 64-row tiles, whose 32 KB hand-over leaves room for 8
+    # stages (qwen R = 64 1.03x matmul against 1.09x for the Triton table, R = 128 1.05x
+    # against 1.09x for 128-row tiles; verify-qwen R = 64 1.06x against 1.21x, R = 128
+    # 1.08x against 1.11x; the Triton table stays up to 32 rows, where it is as fast or
+    # faster: verify-qwen R = 16 1.04x against 1.05x).
+    if truncation and num_rows <= 128:
+        return TileConfig(block_v=128, block_r=64, block_d=64, num_warps=8, num_stages=8,
+                          warp_specialized=True)
     if truncation:
         return TileConfig(block_v=128, block_r=128, block_d=64, num_warps=8, num_stages=4,
                           warp_specialized=True)
-    return TileConfig(block_v=128, block_r=128, block_d=64, num_warps=4 if num_rows <= 256 else 8,
-                      num_stages=4, warp_specialized=True, screen=True)
+    # Untruncated from 65 to 128 rows: 64-row tiles on 8 stages and the exact epilogue, 1-2%
+    # faster than 128-row tiles on 5 with the screen in every pair timed (sample, verify,
+    # argmax at R = 96 and 128: sample R = 128 0.455-0.457 ms against 0.462-0.467).
+    if num_rows <= 128:
+        return TileConfig(block_v=128, block_r=64, block_d=64, num_warps=4, num_stages=8,
+                          warp_specialized=True)
+    if num_rows <= 256:
+        return TileConfig(block_v=128, block_r=128, block_d=64, num_warps=4, num_stages=5,
+                          warp_specialized=True, screen=True)
+    return TileConfig(block_v=128, block_r=128, block_d=64, num_warps=8, num_stages=4,
+                      warp_specialized=True, screen=True)
 
 
 def _bf16_config(num_rows: int) -> TileConfig:
