@@ -14,7 +14,8 @@ Prints one line per configuration; writes kernel_registers.json to --out. Config
 are "bv,br,bd,warps,stages[,parts][,ws][,screen]" as in scripts/sweep_tiles.py; "ws" compiles the
 warp-specialized Gluon stage 1 (`flashspec/kernels/lm_head_ws.py`) and also reports the
 setmaxnreg values in its PTX (what the load warp, the MMA warpgroup and the epilogue warps set
-for themselves, with the steps in between: 24, 160 and 256 or 232 for the default table).
+for themselves, with the steps in between; for the default table the load warp works with 24,
+the MMA warpgroup with 160, the epilogue warps with 256 (4 warps) or 160 (8, after 232 briefly)).
 Assumes bf16 inputs, V a multiple of the vocab tile and D of the reduction step (the shipped
 shapes), TMA loads.
 The runtime compile also knows which integer arguments are multiples of 16 (and may count a

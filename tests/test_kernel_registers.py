@@ -69,6 +69,18 @@ def test_reports_the_screened_epilogue_of_the_default_table(tmp_path):
     assert 5 * 2 * 128 * 64 * 2 + 128 * 128 * 4 <= report["shared_bytes"] <= 227 * 1024
 
 
+@pytest.mark.parametrize("kernel, rows, truncation", [("sample", 128, False), ("qwen", 64, True)])
+def test_the_64_row_entries_fit_their_eight_stages(tmp_path, kernel, rows, truncation):
+    """The default table's 64-row Gluon entries: eight stages of 64x64 hidden and 128x64
+    weight tiles and the 64x128 fp32 hand-over tile in the 227 KB a Hopper program may take."""
+    default = kernels.default_config(rows, truncation=truncation, warp_specialized=True)
+    assert (default.block_r, default.num_stages) == (64, 8)
+    c = default
+    report, = _reports(tmp_path, kernel, f"{c.block_v},{c.block_r},{c.block_d},{c.num_warps},"
+                                         f"{c.num_stages},ws" + (",screen" if c.screen else ""))
+    assert 8 * (64 + 128) * 64 * 2 + 64 * 128 * 4 <= report["shared_bytes"] <= 227 * 1024
+
+
 def test_interpreter_is_refused_by_name(capsys, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert registers.main(["--configs", "64,16,64,4,2"]) == 2
