@@ -16,7 +16,8 @@ and prints the summary: per block of --block bytes of addresses (from the kernel
 instruction), the stall samples, their share, the instructions executed, which marker
 instructions the block holds (HGMMA: the MMA loop; UTMALDG: TMA loads; TRYWAIT: an mbarrier
 wait; BAR: a named barrier; MUFU, LDS, STS, LDG, STG, LDL/STL: spills) and its three main
-stall reasons; then the single instructions with the most samples. --config is
+stall reasons; then the single instructions with the most samples. The kernels (--kernel)
+and their problem are scripts/sweep_tiles.py's, at D = 4096, V = 151,936. --config is
 "bv,br,bd,warps,stages[,parts][,ws][,screen]" as in scripts/sweep_tiles.py (default: the
 default table's).
 """
@@ -32,7 +33,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-KERNELS = ("argmax", "sample", "verify")
+KERNELS = ("argmax", "sample", "qwen", "verify", "verify-qwen")  # as scripts/sweep_tiles.py
 MARKERS = ("HGMMA", "UTMALDG", "TRYWAIT", "BAR", "MUFU", "LDS", "STS", "LDG", "STG", "LDL", "STL")
 SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
@@ -107,38 +108,17 @@ def summarize(instructions: list[dict], block: int = 0x400, top: int = 15,
 
 
 def _launch(kernel: str, rows: int, config_text: str | None, drafts: int) -> None:
-    """Stage 1 (and stage 2) three times at D = 4096, V = 151,936, bf16: ncu profiles the
-    third launch of stage 1."""
+    """Stage 1 (and stage 2) three times on scripts/sweep_tiles.py's problem at D = 4096,
+    V = 151,936: ncu profiles the third launch of stage 1."""
     import torch
 
-    import flashspec
-    from flashspec import kernels
-
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from sweep_tiles import parse_configs
+    from sweep_tiles import make_launch, make_weight, parse_configs
 
     config = parse_configs(config_text)[0] if config_text else None
-    dim, vocab = 4096, 151_936
-    g = torch.Generator(device="cuda").manual_seed(0)
-    weight = (torch.randn(vocab, dim, device="cuda", generator=g) / 64).bfloat16()
-    hidden = (torch.randn(rows, dim, device="cuda", generator=g) * 2).bfloat16()
-    if kernel == "argmax":
-        run = lambda: kernels.argmax_unchecked(hidden, weight, config=config)  # noqa: E731
-    elif kernel == "sample":
-        params = flashspec.SamplingParams.create(rows, temperature=0.7, seed=0, device="cuda")
-        positions = torch.zeros(rows, dtype=torch.long, device="cuda")
-        run = lambda: kernels.sample_unchecked(hidden, weight, params, positions,  # noqa: E731
-                                               config=config)
-    else:
-        batch = rows // (drafts + 1)
-        params = flashspec.SamplingParams.create(batch, temperature=0.7, seed=0, device="cuda")
-        positions = torch.zeros(batch, dtype=torch.long, device="cuda")
-        draft_tokens = torch.randint(0, vocab, (batch, drafts), device="cuda", generator=g)
-        hidden = hidden[:batch * (drafts + 1)].view(batch, drafts + 1, dim)
-        run = lambda: kernels.verify_unchecked(hidden, weight, draft_tokens, params,  # noqa: E731
-                                               positions, config=config)
+    launch, _ = make_launch(kernel, rows, drafts, make_weight(151_936, 4096, "cuda"))
     for _ in range(3):
-        run()
+        launch(config)
     torch.cuda.synchronize()
 
 
@@ -189,8 +169,8 @@ def main(argv=None) -> int:
                         help="summarize an exported source page instead of profiling")
     parser.add_argument("--launch", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.rows < 1 or (args.kernel == "verify" and args.rows < args.drafts + 1):
-        parser.error(f"--rows={args.rows}: at least 1 (verify: at least --drafts + 1 = "
+    if args.rows < 1 or (args.kernel.startswith("verify") and args.rows % (args.drafts + 1)):
+        parser.error(f"--rows={args.rows}: at least 1 (verify: a multiple of --drafts + 1 = "
                      f"{args.drafts + 1})")
     if args.summarize:
         print(summarize(read_source_csv(args.summarize), args.block, args.top))

@@ -83,13 +83,17 @@ def default_grid(rows: int):
 
 def default_config_of(kernel: str, rows: int, hidden: torch.Tensor, weight: torch.Tensor):
     """The tile configuration flashspec picks for `rows` rows of this kernel and operands."""
-    from flashspec.kernels import default_config, lm_head_ws, ops
+    from flashspec.kernels import default_config, ops
 
-    warp_specialized = (lm_head_ws.supported(hidden, weight) and ops.tma_ready(hidden)
-                        and ops.tma_ready(weight))
     return default_config(rows, 2, truncation=kernel.endswith("qwen"),
                           verification=kernel.startswith("verify"),
-                          warp_specialized=warp_specialized)
+                          warp_specialized=ops.warp_specialized_ready(hidden, weight))
+
+
+def make_weight(vocab: int, dim: int, device) -> torch.Tensor:
+    """The sweep's bf16 LM-head weight ``[vocab, dim]`` (seeded, unit-variance logits)."""
+    return (torch.randn(vocab, dim, generator=torch.Generator().manual_seed(1)) / dim**0.5
+            ).to(device, torch.bfloat16)
 
 
 def make_launch(kernel: str, rows: int, drafts: int, weight: torch.Tensor):
@@ -143,7 +147,8 @@ def parse_args(argv):
                         help="row counts (verify: B * (G + 1))")
     parser.add_argument("--drafts", type=int, default=3, help="G, for verify kernels")
     parser.add_argument("--configs", type=parse_configs, default=None,
-                        help='"bv,br,bd,warps,stages[,parts][,ws] ..." (default: a grid per row count)')
+                        help='"bv,br,bd,warps,stages[,parts][,ws][,screen] ..." '
+                             "(default: a grid per row count)")
     parser.add_argument("--quick", action="store_true", help="tiny shape, CPU interpreter too")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
@@ -170,8 +175,7 @@ def main(argv=None) -> int:
     timer = (partial(bk.time_cuda_ms, rep_ms=bk.QUICK_REP_MS if args.quick else bk.FULL_REP_MS)
              if cuda else partial(bk.time_cpu_ms, rep_ms=bk.QUICK_REP_MS))
     device = "cuda" if cuda else "cpu"
-    weight = (torch.randn(vocab, dim, generator=torch.Generator().manual_seed(1)) / dim**0.5
-              ).to(device, torch.bfloat16)
+    weight = make_weight(vocab, dim, device)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     results = []
     for rows in args.rows:

@@ -25,6 +25,13 @@ def _reports(tmp_path, kernel: str, configs: str) -> list[dict]:
     return json.loads((tmp_path / "kernel_registers.json").read_text())["reports"]
 
 
+def _config_text(config) -> str:
+    """A Gluon TileConfig as kernel_registers.py's --configs item."""
+    c = config
+    return (f"{c.block_v},{c.block_r},{c.block_d},{c.num_warps},{c.num_stages},ws"
+            + (",screen" if c.screen else ""))
+
+
 def test_reports_registers_shared_memory_and_programs_per_sm(tmp_path):
     reports = _reports(tmp_path, "verify", "64,16,64,4,2 128,16,128,4,3")
     assert [r["config"]["block_v"] for r in reports] == [64, 128]
@@ -58,12 +65,10 @@ def test_reports_the_screened_epilogue_of_the_default_table(tmp_path):
     noise screen, 5 stages) compiles without spilling, and its five stages and the
     hand-over tile fit in the 227 KB of shared memory a Hopper program may take: what its
     timing assumed."""
-    report, = _reports(tmp_path, "sample", "128,128,64,4,5,ws,screen")
     default = kernels.default_config(256, warp_specialized=True)
-    assert {k: report["config"][k] for k in ("block_v", "block_r", "block_d", "num_warps",
-                                             "num_stages", "screen")} \
-        == {k: getattr(default, k) for k in ("block_v", "block_r", "block_d", "num_warps",
-                                             "num_stages", "screen")}
+    assert (default.block_r, default.num_warps, default.num_stages, default.screen) \
+        == (128, 4, 5, True)
+    report, = _reports(tmp_path, "sample", _config_text(default))
     assert report["registers"] == 168
     assert report["spill_store_bytes"] == 0 and report["spill_load_bytes"] == 0
     assert 5 * 2 * 128 * 64 * 2 + 128 * 128 * 4 <= report["shared_bytes"] <= 227 * 1024
@@ -75,9 +80,7 @@ def test_the_64_row_entries_fit_their_eight_stages(tmp_path, kernel, rows, trunc
     weight tiles and the 64x128 fp32 hand-over tile in the 227 KB a Hopper program may take."""
     default = kernels.default_config(rows, truncation=truncation, warp_specialized=True)
     assert (default.block_r, default.num_stages) == (64, 8)
-    c = default
-    report, = _reports(tmp_path, kernel, f"{c.block_v},{c.block_r},{c.block_d},{c.num_warps},"
-                                         f"{c.num_stages},ws" + (",screen" if c.screen else ""))
+    report, = _reports(tmp_path, kernel, _config_text(default))
     assert 8 * (64 + 128) * 64 * 2 + 64 * 128 * 4 <= report["shared_bytes"] <= 227 * 1024
 
 

@@ -69,4 +69,4 @@ def test_rows_are_checked_by_name(capsys):
     with pytest.raises(SystemExit) as exit_info:
         profile.main(["--kernel", "verify", "--rows", "3", "--drafts", "3"])
     assert exit_info.value.code == 2
-    assert "--rows=3: at least 1 (verify: at least --drafts + 1 = 4)" in capsys.readouterr().err
+    assert "--rows=3: at least 1 (verify: a multiple of --drafts + 1 = 4)" in capsys.readouterr().err

@@ -267,8 +267,7 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
     if hidden.stride(-1) != 1:
         hidden = hidden.contiguous()
     verify = drafts is not None
-    warp_specialized = (lm_head_ws.supported(hidden, weight) and tma_ready(hidden)
-                        and tma_ready(weight))
+    warp_specialized = warp_specialized_ready(hidden, weight)
     config = config or default_config(num_rows, hidden.element_size(), truncate, verify,
                                       warp_specialized)
     if config.warp_specialized and not warp_specialized:
@@ -462,6 +461,12 @@ def tma_ready(matrix: torch.Tensor) -> bool:
     """TMA needs 16-byte aligned base and row stride (any real LM head: D % 8 == 0 in bf16)."""
     row_bytes = matrix.stride(0) * matrix.element_size()
     return matrix.data_ptr() % 16 == 0 and row_bytes % 16 == 0
+
+
+def warp_specialized_ready(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the Gluon stage 1 can run these operands (`lm_head_ws.supported`, and rows
+    its TMA loads can read); the default table then takes it where it wins."""
+    return lm_head_ws.supported(hidden, weight) and tma_ready(hidden) and tma_ready(weight)
 
 
 def tma_descriptors(hidden: torch.Tensor, weight: torch.Tensor, config: TileConfig,
