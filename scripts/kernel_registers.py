@@ -82,7 +82,7 @@ def compile_report(kernel: str, config) -> dict:
                      INTERLEAVE=cand > 0, EVEN_V=True, EVEN_D=True, TMA=True,
                      PARTS=config.epilogue_parts, SCREEN=config.screen, BLOCK_V=config.block_v,
                      BLOCK_R=config.block_r, BLOCK_D=config.block_d,
-                     NUM_STAGES=config.num_stages)
+                     NUM_STAGES=config.num_stages, PDL=True)
     sig = signature(config, cand, draft) | {name: "constexpr" for name in constants}
     compiled = triton.compile(ASTSource(lm_head.lm_head_tiles_kernel, sig, constants),
                               target=TARGET, options=dict(num_warps=config.num_warps,

@@ -6,6 +6,7 @@ machine the same tests run compiled, and the `gpu` tests add D=4096, V=151,936.
 
 import pytest
 import torch
+import triton
 
 from flashspec import NonFiniteLogitsError, SamplingParams, kernels, reference, rng
 from flashspec.testing import is_near_tie
@@ -388,3 +389,40 @@ def test_full_size_head_bf16_gpu(batch):
     greedy = SamplingParams.create(batch, do_sample=False, seed=0, device=DEVICE)
     assert_same_tokens(kernels.lm_head_argmax(hidden, weight), reference.lm_head_argmax(hidden, weight),
                        hidden, weight, greedy, positions, "argmax")
+
+
+def test_programmatic_launch_only_for_cuda_from_hopper_on():
+    """Stage 2 and the finaliser launch as programmatic dependents on Hopper and later (their
+    `griddepcontrol` has no interpreter or CPU meaning); elsewhere plainly, with the same
+    results (the GPU twin below)."""
+    assert not kernels.ops.programmatic_launch_ready(torch.device("cpu"))
+    if ON_GPU:
+        hopper_on = torch.cuda.get_device_capability()[0] >= 9 and not torch.version.hip
+        interpreted = triton.knobs.runtime.interpret
+        assert kernels.ops.programmatic_launch_ready(torch.device("cuda")) == (
+            hopper_on and not interpreted)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [16, 256])  # Triton's stage 1, and the Gluon one on Hopper
+def test_programmatic_launch_changes_no_output_gpu(monkeypatch, rows):
+    """Sampling and verification with stage 2 and the finaliser launched plainly and as
+    programmatic dependents (where the GPU has them) give the same outputs bit for bit."""
+    g = torch.Generator().manual_seed(rows)
+    hidden, weight, positions = random_problem(g, rows, 151_936, 4096, torch.bfloat16, scale=4.0)
+    params = mixed_params(g, rows, seed=rows)
+    batch = rows // 4
+    verify_params = mixed_params(g, batch, seed=rows + 1)
+    drafts = torch.randint(0, 151_936, (batch, 3), generator=g).to(DEVICE)
+
+    def run():
+        sampled = kernels.sample_unchecked(hidden, weight, params, positions, want_lse=True)
+        verified = kernels.verify_unchecked(hidden.view(batch, 4, -1), weight, drafts,
+                                            verify_params, positions[:batch])
+        return (*sampled, *verified)
+
+    dependent = run()
+    monkeypatch.setattr(kernels.ops, "programmatic_launch_ready", lambda device: False)
+    plain = run()
+    for a, b in zip(dependent, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)

@@ -41,6 +41,7 @@ larger key means a larger logit, then a lower id (the preference order of argmax
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .noise import (_SCREEN_ERROR, ACCEPT_STREAM, NEG_LN2, gumbel_from_bits, gumbel_noise,
                     gumbel_screen_log2, opaque, philox_bits, philox_blocks, philox_tile_bits)
@@ -373,8 +374,10 @@ def lm_head_tiles_kernel(
     EVEN_V: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr, PARTS: tl.constexpr,
     SCREEN: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # stage 2 may be scheduled once every program has started (it waits to read)
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     # Row tiles of one vocab tile are neighbours in launch order: the weight tile is read
     # from HBM once and from L2 by the other row tiles.
@@ -473,11 +476,14 @@ def lm_head_rows_kernel(
     masked_ptr, masked_logprob_ptr, draft_prob_ptr, draft_logprob_ptr,
     V, NUM_VT, ROWS_PER_PARAM,
     LSE: tl.constexpr, CAND: tl.constexpr, DRAFT: tl.constexpr, K_MAX: tl.constexpr,
-    TOP_TILES: tl.constexpr, VT_POW2: tl.constexpr, PAD: tl.constexpr,
+    TOP_TILES: tl.constexpr, VT_POW2: tl.constexpr, PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     """Per row: the token (the target's own sample), its logprob, the log-sum-exp and the
     status. With DRAFT (verification) also: the best token other than the draft (`masked`)
     and its logprob, and the draft's probability and logprob."""
+    if PDL:  # launched before stage 1 ended: wait for its summaries, let the finaliser in
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0)
     tiles = tl.arange(0, VT_POW2)
     t_ok = tiles < NUM_VT
@@ -625,7 +631,7 @@ def verify_finalize_kernel(
     draft_prob_ptr, draft_logprob_ptr, row_status_ptr,
     do_sample_ptr, temperature_ptr, seed_ptr, position_ptr,
     num_accepted_ptr, tokens_ptr, accept_probs_ptr, logprobs_ptr, status_ptr,
-    NUM_DRAFTS, PROBABILISTIC: tl.constexpr, POSITIONS_POW2: tl.constexpr,
+    NUM_DRAFTS, PROBABILISTIC: tl.constexpr, POSITIONS_POW2: tl.constexpr, PDL: tl.constexpr,
 ):
     """Per batch row: the acceptance chain over the G + 1 positions (DESIGN §3).
 
@@ -634,6 +640,8 @@ def verify_finalize_kernel(
     u < p(draft), u from the acceptance stream; a rejection emits the best other token.
     Greedy rows accept iff the draft is the argmax either way.
     """
+    if PDL:
+        gdc_wait()
     b = tl.program_id(0)
     num_positions = NUM_DRAFTS + 1
     j = tl.arange(0, POSITIONS_POW2)

@@ -17,6 +17,7 @@ per batch size is what wrecks serving); results never depend on them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import torch
@@ -319,6 +320,7 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
                 *((torch.empty(num_rows, dtype=torch.int64, device=device),
                    *(torch.empty(num_rows, **f32) for _ in range(3))) if verify else ()))
     unused = out.logprobs  # pointers the kernel does not touch without DRAFT
+    pdl = programmatic_launch_ready(device)
     vt_pow2 = triton.next_power_of_2(num_vt)
     top_tiles = min(config.max_support, vt_pow2)
     lm_head.lm_head_rows_kernel[(num_rows,)](
@@ -332,7 +334,8 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
         LSE=need_lse, CAND=cand, DRAFT=verify,
         K_MAX=min(config.max_support, top_tiles * max(cand, 1)),
         TOP_TILES=top_tiles, VT_POW2=vt_pow2,
-        PAD=lm_head.PAD_KEY, num_warps=config.merge_warps if cand else 4,
+        PAD=lm_head.PAD_KEY, PDL=pdl, num_warps=config.merge_warps if cand else 4,
+        launch_pdl=pdl,
     )
     return out
 
@@ -359,7 +362,8 @@ def _launch_tiles(hidden, weight, row, summaries, candidates, drafts, draft_s, n
         EVEN_V=vocab_size % config.block_v == 0, EVEN_D=dim % config.block_d == 0, TMA=tma,
         PARTS=config.epilogue_parts, SCREEN=config.screen,
         BLOCK_V=config.block_v, BLOCK_R=config.block_r, BLOCK_D=config.block_d,
-        NUM_STAGES=config.num_stages, num_warps=config.num_warps,
+        NUM_STAGES=config.num_stages, PDL=programmatic_launch_ready(hidden.device),
+        num_warps=config.num_warps,
     )
 
 
@@ -385,6 +389,7 @@ def _verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tens
     rows = _launch(hidden.reshape(batch_size * num_positions, dim), weight, params, positions,
                    num_positions, True, config, drafts=draft_tokens)
     device = hidden.device
+    pdl = programmatic_launch_ready(device)
     out = VerifyKernelOutput(
         torch.empty(batch_size, dtype=torch.int64, device=device),
         torch.empty(batch_size, num_positions, dtype=torch.int64, device=device),
@@ -397,7 +402,8 @@ def _verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tens
         params.do_sample, params.temperature, params.seed, positions,
         out.num_accepted, out.tokens, out.accept_probs, out.logprobs, out.status,
         num_drafts, PROBABILISTIC=acceptance == "probabilistic",
-        POSITIONS_POW2=triton.next_power_of_2(num_positions), num_warps=1,
+        POSITIONS_POW2=triton.next_power_of_2(num_positions), PDL=pdl, num_warps=1,
+        launch_pdl=pdl,
     )
     return out
 
@@ -459,6 +465,17 @@ def _flagged_rows(status: torch.Tensor, check_finite: bool) -> tuple[torch.Tenso
     if check_finite and non_finite.numel():
         raise NonFiniteLogitsError(non_finite.tolist())
     return non_finite, flagged[flagged_status == lm_head.STATUS_NEEDS_COMPLETION]
+
+
+@functools.lru_cache(maxsize=None)
+def programmatic_launch_ready(device: torch.device) -> bool:
+    """Whether stage 2 and the finaliser launch as programmatic dependents (Hopper and
+    later, not Triton's interpreter): each is scheduled while the kernel before it drains and
+    waits for that kernel's writes (`griddepcontrol.wait`) instead of for its end and a
+    launch. Results are the same either way."""
+    if device.type != "cuda" or triton.knobs.runtime.interpret or torch.version.hip:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def tma_ready(matrix: torch.Tensor) -> bool:
