@@ -128,9 +128,17 @@ def test_screened_verification_equals_exact_bit_for_bit(truncation):
         batch, do_sample=[True, True, False, True, True, True],
         temperature=[1.0, 0.05, 0.0, 0.7, 1.5, 1.0], seed=8, device=DEVICE)
     drafts = torch.randint(0, vocab_size, (batch, num_drafts), generator=g).to(DEVICE)
-    ours = kernels.verify_unchecked(hidden, weight, drafts, params, positions, config=SCREENED)
-    theirs = kernels.verify_unchecked(hidden, weight, drafts, params, positions, config=EXACT)
-    _assert_outputs_equal(ours, theirs)
+    # Random drafts, then the target's own tokens one position at a time: the screen skips
+    # the draft's mask except in the tile that holds it, where the draft then leads.
+    for position in range(num_drafts + 1):
+        ours = kernels.verify_unchecked(hidden, weight, drafts, params, positions,
+                                        config=SCREENED)
+        theirs = kernels.verify_unchecked(hidden, weight, drafts, params, positions, config=EXACT)
+        _assert_outputs_equal(ours, theirs)
+        if position < num_drafts:
+            emitted = theirs.tokens[:, position]
+            drafts[:, position] = torch.where(emitted >= 0, emitted, drafts[:, position])
+    assert ((ours.num_accepted == num_drafts) | (ours.status != 0)).all()  # every draft right
 
 
 def exact_logits_problem(logits: torch.Tensor, dtype: torch.dtype):

@@ -176,11 +176,21 @@ def _leave_out_draft(score, s, row_sum, offs_v, draft, DRAFT: tl.constexpr):
 
 
 @triton.jit
+def _drafts_in_tile(draft, pid_v, NUM_VT, BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """Whether vocab tile `pid_v` holds some row's drafted token (-1: none). Most tiles hold
+    none, and their summaries skip the draft's mask and logit (`_leave_out_draft`: a compare,
+    two selects and an add per logit)."""
+    here = (draft >= 0) & (_token_tile(draft, NUM_VT, BLOCK_V, INTERLEAVE) == pid_v)
+    return tl.max(here.to(tl.int32), axis=0) > 0
+
+
+@triton.jit
 def _exact_best(s, row_sum, offs_v, columns, noise, sampled, draft, SAMPLE: tl.constexpr,
-                DRAFT: tl.constexpr):
+                LSE: tl.constexpr, DRAFT: tl.constexpr):
     """Each row's best score ``s + g`` (``s`` for greedy rows; with DRAFT the row's drafted token
-    `draft` left out) and the first column that has it, from the exact Gumbel noise `noise` of
-    every column; and the sum of s over the draft's column (`row_sum` without DRAFT)."""
+    `draft` left out), the first column that has it and, with LSE, that column's s, from the
+    exact Gumbel noise `noise` of every column; and the sum of s over the draft's column
+    (`row_sum` without DRAFT)."""
     score = s
     if SAMPLE:
         score = s + tl.where(sampled[:, None], noise, 0.0)
@@ -189,12 +199,14 @@ def _exact_best(s, row_sum, offs_v, columns, noise, sampled, draft, SAMPLE: tl.c
     # verification's epilogue on 128x64 tiles takes 133 registers, not 128.
     best = tl.max(score, axis=1)
     _, best_column = _row_argmax(score, columns)
-    return best, best_column, draft_s
+    best_s = best
+    if LSE:
+        best_s = tl.sum(tl.where(columns[None, :] == best_column[:, None], s, 0.0), axis=1)
+    return best, best_column, best_s, draft_s
 
 
 @triton.jit
-def _screen(s, row_sum, offs_v, columns, bits, sampled, draft, BLOCK_V: tl.constexpr,
-            DRAFT: tl.constexpr):
+def _screen(s, row_sum, columns, bits, sampled, BLOCK_V: tl.constexpr):
     """The tile's leaders under `noise.gumbel_screen`'s noise, within SCREEN_ERROR of the exact
     noise of the Philox words `bits`: a column that leads every other by more than twice that
     (plus the scores' rounding) also leads them under the exact noise, and only its exact
@@ -202,13 +214,15 @@ def _screen(s, row_sum, offs_v, columns, bits, sampled, draft, BLOCK_V: tl.const
     near-tie, about one sampled row in 10**4 per tile, or a non-finite score: then the
     caller computes every column's exact noise, `_exact_best`), and per row the screen's
     max, its first column and that column's s (greedy rows: the max of s, margin 0), and
-    `_exact_best`'s draft_s.
+    `_exact_best`'s draft_s without a draft (row_sum).
     Either way the summaries are those of the exact noise, bit for bit; the screen saves the
-    two precise logs and the division per column that dominate the epilogue at large B."""
+    two precise logs and the division per column that dominate the epilogue at large B.
+    Verification leaves no draft out here: the caller takes the exact path for the one tile
+    in a row's ~1,000 that holds its draft (`_drafts_in_tile`), and every other tile's best
+    is the same with or without it, with no mask and no draft logit per column."""
     # s + gumbel_screen - SCREEN_BIAS, one FMA per column: the bias, the same for every
     # column of a row, changes no comparison.
     screen = s + gumbel_screen_log2(bits) * tl.where(sampled, NEG_LN2, 0.0)[:, None]
-    screen, draft_s = _leave_out_draft(screen, s, row_sum, offs_v, draft, DRAFT)
     top = tl.max(screen, axis=1)
     # A column's exact score and its screen + SCREEN_BIAS differ by at most SCREEN_ERROR (the
     # screen's noise unrounded: the FMA rounds once) and the rounding of each, an ulp of
@@ -222,35 +236,35 @@ def _screen(s, row_sum, offs_v, columns, bits, sampled, draft, BLOCK_V: tl.const
     # `leader_s + g` (g is never -0.0).
     leader_s = tl.sum(tl.where(near_top, s, 0.0), axis=1)
     unsure = (sampled & (num_near != 1)) | ~(tl.abs(row_sum) < float("inf"))
-    return tl.max(unsure.to(tl.int32), axis=0) > 0, top, leader, leader_s, draft_s
+    return tl.max(unsure.to(tl.int32), axis=0) > 0, top, leader, leader_s, row_sum
 
 
 @triton.jit
 def _screened_best(top, leader, leader_s, sampled, seed, position, pid_v, NUM_VT,
                    BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr):
     """`_exact_best` of a tile whose every sampled row has a certified leader (`_screen`): its
-    exact score from its own noise; greedy rows' max is max(s + 0.0), as `_exact_best`'s."""
+    exact score from its own noise; greedy rows' max is max(s + 0.0), as `_exact_best`'s. The
+    best column's s is the leader's (greedy rows: the max), with no pass over the tile."""
     token = _column_tokens(leader, pid_v, NUM_VT, BLOCK_V, INTERLEAVE).to(tl.int64)
-    return tl.where(sampled, leader_s + gumbel_noise(seed, position, token), top + 0.0), leader
+    best = tl.where(sampled, leader_s + gumbel_noise(seed, position, token), top + 0.0)
+    return best, leader, tl.where(sampled, leader_s, best)
 
 
 @triton.jit
-def _tile_summary(s, row_sum, offs_v, best, best_column, draft_s, pid_v, NUM_VT,
+def _tile_summary(s, row_sum, best, best_column, best_s, draft_s, pid_v, NUM_VT,
                   BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr, LSE: tl.constexpr):
-    """Per-row summaries of `_scaled_logits` (s, row_sum, offs_v) given each row's best score
-    and column and the draft's s (`_exact_best`, or `_screen` and `_screened_best`): best
-    score and its id, the sum of s, the draft's s, and, with LSE, max and sum of exp of s and
-    the s of the best token.
+    """Per-row summaries of `_scaled_logits` (s, row_sum) given each row's best score, column
+    and s and the draft's s (`_exact_best`, or `_screen` and `_screened_best`): best score and
+    its id, the sum of s, the draft's s, and, with LSE, max and sum of exp of s and the s of
+    the best token.
     Nothing here or in the helpers above creates an index tensor, so the Gluon kernel
     (lm_head_ws.py), which needs explicit layouts for those, runs the same code."""
     best_id = _column_tokens(best_column, pid_v, NUM_VT, BLOCK_V, INTERLEAVE)
     tile_max = best
     sumexp = best
-    best_s = best
     if LSE:
         tile_max = tl.max(s, axis=1)
         sumexp = tl.sum(tl.exp(s - tile_max[:, None]), axis=1)
-        best_s = tl.sum(tl.where(offs_v[None, :] == best_id[:, None], s, 0.0), axis=1)
     return best, best_id, row_sum, tile_max, sumexp, best_s, draft_s
 
 
@@ -275,27 +289,30 @@ def _part_summary(acc, first_column, pid_v, NUM_VT, V, inv_t, sampled, seed, pos
         bits = philox_tile_bits(seed[:, None, None], position[:, None, None], blocks, BLOCK_R,
                                 PART_V)
         if SCREEN:
-            unsure, top, leader, leader_s, draft_s = _screen(s, row_sum, offs_v, columns, bits,
-                                                             sampled, draft, BLOCK_V, DRAFT)
+            unsure, top, leader, leader_s, draft_s = _screen(s, row_sum, columns, bits, sampled,
+                                                             BLOCK_V)
+            if DRAFT:  # the tile that holds a row's draft: exact (`_screen`)
+                unsure |= _drafts_in_tile(draft, pid_v, NUM_VT, BLOCK_V, INTERLEAVE)
             if unsure:
                 # The words anew (`opaque`: not merged with the screen's): kept, they would
                 # stay live through the screen (64x128 tiles: 116 -> 195 registers).
                 bits = philox_tile_bits(opaque(seed)[:, None, None], position[:, None, None],
                                         blocks, BLOCK_R, PART_V)
-                best, best_column, draft_s = _exact_best(s, row_sum, offs_v, columns,
-                                                         gumbel_from_bits(bits), sampled, draft,
-                                                         SAMPLE, DRAFT)
+                best, best_column, best_s, draft_s = _exact_best(
+                    s, row_sum, offs_v, columns, gumbel_from_bits(bits), sampled, draft, SAMPLE,
+                    LSE, DRAFT)
             else:
-                best, best_column = _screened_best(top, leader, leader_s, sampled, seed,
-                                                   position, pid_v, NUM_VT, BLOCK_V, INTERLEAVE)
+                best, best_column, best_s = _screened_best(top, leader, leader_s, sampled, seed,
+                                                           position, pid_v, NUM_VT, BLOCK_V,
+                                                           INTERLEAVE)
         else:
-            best, best_column, draft_s = _exact_best(s, row_sum, offs_v, columns,
-                                                     gumbel_from_bits(bits), sampled, draft,
-                                                     SAMPLE, DRAFT)
+            best, best_column, best_s, draft_s = _exact_best(
+                s, row_sum, offs_v, columns, gumbel_from_bits(bits), sampled, draft, SAMPLE, LSE,
+                DRAFT)
     else:
-        best, best_column, draft_s = _exact_best(s, row_sum, offs_v, columns, s, sampled, draft,
-                                                 SAMPLE, DRAFT)
-    return _tile_summary(s, row_sum, offs_v, best, best_column, draft_s, pid_v, NUM_VT, BLOCK_V,
+        best, best_column, best_s, draft_s = _exact_best(s, row_sum, offs_v, columns, s, sampled,
+                                                         draft, SAMPLE, LSE, DRAFT)
+    return _tile_summary(s, row_sum, best, best_column, best_s, draft_s, pid_v, NUM_VT, BLOCK_V,
                          INTERLEAVE, LSE)
 
 

@@ -228,25 +228,26 @@ if gluon is not None:
             after_load = position + (row_sum != row_sum).to(gl.int64)
             bits = _tile_bits(seed, after_load, pid_v, NUM_VT, CR, BV, INTERLEAVE, layout)
             unsure, top, leader, leader_s, draft_s = lm_head._screen(
-                s, row_sum, offs_v, columns, bits, sampled, draft, BV, DRAFT)
+                s, row_sum, columns, bits, sampled, BV)
+            if DRAFT:  # the tile that holds a row's draft: exact (`lm_head._screen`)
+                unsure |= lm_head._drafts_in_tile(draft, pid_v, NUM_VT, BV, INTERLEAVE)
             if unsure:
                 bits = _tile_bits(opaque(seed), position, pid_v, NUM_VT, CR, BV, INTERLEAVE,
                                   layout)
-                best, best_column, draft_s = lm_head._exact_best(
+                best, best_column, best_s, draft_s = lm_head._exact_best(
                     s, row_sum, offs_v, columns, gumbel_from_bits(bits), sampled, draft,
-                    SAMPLE, DRAFT)
+                    SAMPLE, LSE, DRAFT)
             else:
-                best, best_column = lm_head._screened_best(top, leader, leader_s, sampled, seed,
-                                                           position, pid_v, NUM_VT, BV,
-                                                           INTERLEAVE)
+                best, best_column, best_s = lm_head._screened_best(
+                    top, leader, leader_s, sampled, seed, position, pid_v, NUM_VT, BV, INTERLEAVE)
         else:
             noise = s  # unused without SAMPLE
             if SAMPLE:
                 noise = gumbel_from_bits(_tile_bits(seed, position, pid_v, NUM_VT, CR, BV,
                                                     INTERLEAVE, layout))
-            best, best_column, draft_s = lm_head._exact_best(
-                s, row_sum, offs_v, columns, noise, sampled, draft, SAMPLE, DRAFT)
-        summary = lm_head._tile_summary(s, row_sum, offs_v, best, best_column, draft_s, pid_v,
+            best, best_column, best_s, draft_s = lm_head._exact_best(
+                s, row_sum, offs_v, columns, noise, sampled, draft, SAMPLE, LSE, DRAFT)
+        summary = lm_head._tile_summary(s, row_sum, best, best_column, best_s, draft_s, pid_v,
                                         NUM_VT, BV, INTERLEAVE, LSE)
         lm_head._store_summary(summary, offs_r, r_ok, draft, pid_v, NUM_VT, best_ptr,
                                best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr,
