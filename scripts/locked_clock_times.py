@@ -1,0 +1,174 @@
+"""Kernel durations at locked base clocks (Nsight Compute), for A/B decisions at large R.
+
+Graph-timed medians at R >= 256 move by up to 18% between calls on an H100: there the GPU runs
+at its power cap, and its SM clock follows the load and the temperature (1.31-1.55 GHz
+measured while cuBLAS, argmax, sampling and verification ran back to back at R = 256,
+against 1.98 GHz at R = 64; docs/bench/h100/deep_steps/probe_clock.json). Under
+`ncu --clock-control base` every kernel runs at the base clock with L2 flushed before it, and
+the same kernel repeats within 1%, so a change of a few percent shows (the twelfth session's
+verification epilogue: -1.7% at R = 256 and -4.5% at R = 512, lost in graph timing):
+
+    PYTHONPATH=. python scripts/locked_clock_times.py --kernels matmul,sample,verify \
+        --rows 256,512 --out $OUT                    # a CUDA machine with ncu, ~20 s a point
+    python scripts/locked_clock_times.py --summarize $OUT/locked_clock_times.json
+
+Each point (kernel, rows) runs this script again under ncu, which profiles every kernel
+launched inside an NVTX range around three calls after three untimed ones: for `matmul` the
+cuBLAS GEMM of the R rows, for flashspec's kernels (scripts/sweep_tiles.py's, at D = 4096,
+V = 151,936; verify rows are B * (G + 1), G = --drafts) stage 1, stage 2, the finaliser and
+any padding copy. The table gives each kernel's median duration, the call's total and its
+ratio to matmul at the same rows; the times are slower than the boosted clock's, the ratios
+are what to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stall_profile import KERNELS, _ncu  # noqa: E402
+
+POINT_KERNELS = ("matmul",) + KERNELS
+RANGE = "timed"
+TIMED_CALLS = 3
+UNTIMED_CALLS = 3
+METRIC = "gpu__time_duration.sum"
+
+
+def read_durations(text: str) -> list[tuple[str, float]]:
+    """(kernel name, duration in ms) of each profiled launch, in launch order, from
+    `ncu --metrics gpu__time_duration.sum --csv --print-units base` (nanoseconds)."""
+    rows = [row for row in csv.reader(io.StringIO(text)) if row]
+    header_at = next(i for i, row in enumerate(rows) if "Kernel Name" in row and "Metric Value" in row)
+    header = rows[header_at]
+    name, metric, value, launch = (header.index(column) for column in
+                                   ("Kernel Name", "Metric Name", "Metric Value", "ID"))
+    launches = []
+    for row in rows[header_at + 1:]:
+        if len(row) == len(header) and row[metric] == METRIC:
+            launches.append((int(row[launch]), row[name], float(row[value].replace(",", "")) / 1e6))
+    return [(kernel, ms) for _, kernel, ms in sorted(launches)]
+
+
+def summarize_point(launches: list[tuple[str, float]], calls: int = TIMED_CALLS) -> dict:
+    """Per kernel name (first 48 characters) the median of its launches and the launches per
+    call; the call's total (every launch's time over `calls`)."""
+    if not launches or len(launches) % calls:
+        raise ValueError(f"{len(launches)} launches profiled for {calls} calls: the calls "
+                         f"must launch the same kernels")
+    per_kernel = collections.OrderedDict()
+    for kernel, ms in launches:
+        per_kernel.setdefault(kernel[:48], []).append(ms)
+    return dict(kernels={kernel: dict(median_ms=statistics.median(times),
+                                      per_call=len(times) // calls)
+                         for kernel, times in per_kernel.items()},
+                call_ms=sum(ms for _, ms in launches) / calls)
+
+
+def format_table(points: list[dict]) -> str:
+    """One line per point: kernel, rows, call total, ratio to matmul at those rows, and the
+    kernels' medians."""
+    matmul = {p["rows"]: p["call_ms"] for p in points if p["kernel"] == "matmul"}
+    lines = ["locked base clocks (ncu); ms per call; xM = / matmul at the same rows"]
+    for p in points:
+        ratio = p["call_ms"] / matmul[p["rows"]] if p["rows"] in matmul else None
+        kernels = ", ".join(f"{name} {k['median_ms']:.4f}" + (f" x{k['per_call']}"
+                                                               if k["per_call"] > 1 else "")
+                            for name, k in p["kernels"].items())
+        lines.append(f"{p['kernel']:12s} R={p['rows']:4d} {p['call_ms']:8.4f}  "
+                     f"{'-' if ratio is None else f'x{ratio:.3f}':>6s}  {kernels}")
+    return "\n".join(lines)
+
+
+def _launch(kernel: str, rows: int, drafts: int) -> None:
+    """UNTIMED_CALLS calls, then TIMED_CALLS inside the NVTX range ncu profiles."""
+    import torch
+    from sweep_tiles import make_launch, make_weight
+
+    weight = make_weight(151_936, 4096, "cuda")
+    launch, hidden = make_launch("argmax" if kernel == "matmul" else kernel, rows, drafts, weight)
+    call = (lambda: hidden @ weight.T) if kernel == "matmul" else (lambda: launch(None))
+    for _ in range(UNTIMED_CALLS):
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push(RANGE)
+    for _ in range(TIMED_CALLS):
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_pop()
+
+
+def measure_point(kernel: str, rows: int, drafts: int) -> dict:
+    target = [sys.executable, __file__, "--launch", "--kernels", kernel, "--rows", str(rows),
+              "--drafts", str(drafts)]
+    result = subprocess.run(
+        [_ncu(), "--clock-control", "base", "--nvtx", "--nvtx-include", f"{RANGE}/",
+         "--metrics", METRIC, "--csv", "--print-units", "base", *target],
+        capture_output=True, text=True, check=True)
+    return dict(kernel=kernel, rows=rows, drafts=drafts,
+                **summarize_point(read_durations(result.stdout)))
+
+
+def _positive_ints(text: str) -> list[int]:
+    values = [int(part) for part in text.split(",") if part.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated integers >= 1")
+    return values
+
+
+def _kernel_names(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [name for name in names if name not in POINT_KERNELS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated names from "
+                                         f"{', '.join(POINT_KERNELS)}")
+    return names
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", type=_kernel_names, default=["matmul", "sample", "verify"],
+                        help=f"comma-separated, from {', '.join(POINT_KERNELS)}")
+    parser.add_argument("--rows", type=_positive_ints, default=[256],
+                        help="comma-separated row counts (verify: B * (G + 1), G = --drafts)")
+    parser.add_argument("--drafts", type=int, default=3)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--summarize", metavar="JSON", default=None,
+                        help="print the table of a locked_clock_times.json instead")
+    parser.add_argument("--launch", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.summarize:
+        print(format_table(json.loads(Path(args.summarize).read_text())["points"]))
+        return 0
+    for kernel in args.kernels:
+        bad = [rows for rows in args.rows if kernel.startswith("verify") and rows % (args.drafts + 1)]
+        if bad:
+            parser.error(f"--rows {bad} for {kernel}: multiples of --drafts + 1 = {args.drafts + 1}")
+    if args.launch:
+        _launch(args.kernels[0], args.rows[0], args.drafts)
+        return 0
+    points = [measure_point(kernel, rows, args.drafts)
+              for rows in args.rows for kernel in args.kernels]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    report = dict(device=torch.cuda.get_device_name(), method="ncu --clock-control base, "
+                  f"{METRIC}, {TIMED_CALLS} calls after {UNTIMED_CALLS}", points=points)
+    (out / "locked_clock_times.json").write_text(json.dumps(report, indent=1))
+    print(report["device"])
+    print(format_table(points))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
