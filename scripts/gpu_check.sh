@@ -5,13 +5,13 @@
 #   PARTS="kernels verify" bash scripts/gpu_check.sh     # a subset: tests, kernels, verify
 # Without arguments the tests are the kernels compiled for the GPU (Triton, and the Gluon
 # stage 1 on Hopper) and the engine's GPU tests (the rest of the suite is CPU code, which CI
-# runs). Measured durations, H100 (2026-11-23, eleventh session): more than the device tool's
-# 10-minute call, so three calls:
+# runs). Measured durations, H100 (2026-11-23, eleventh and twelfth sessions): more than
+# the device tool's 10-minute call, so three calls:
 #   PARTS=tests bash scripts/gpu_check.sh tests/test_kernels_ws.py tests/test_screen.py
-#                                                               # 60 tests, 420 s
+#                                                               # 60 tests, 330-420 s
 #   PARTS=tests bash scripts/gpu_check.sh tests/test_rng.py tests/test_verify_kernel.py \
-#       tests/test_kernels.py tests/test_generate_gpu.py        # 124 tests, 471 s
-#   PARTS="kernels verify" bash scripts/gpu_check.sh            # both benchmark tables, 232 s
+#       tests/test_kernels.py tests/test_generate_gpu.py        # 124 tests, 471-520 s
+#   PARTS="kernels verify" bash scripts/gpu_check.sh            # both benchmark tables, 232-294 s
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
