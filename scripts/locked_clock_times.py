@@ -1,12 +1,13 @@
 """Kernel durations at locked base clocks (Nsight Compute), for A/B decisions at large R.
 
 Graph-timed medians at R >= 256 move by up to 18% between calls on an H100: there the GPU runs
-at its power cap, and its SM clock follows the load and the temperature (1.31-1.55 GHz
-measured while cuBLAS, argmax, sampling and verification ran back to back at R = 256,
-against 1.98 GHz at R = 64; docs/bench/h100/deep_steps/probe_clock.json). Under
-`ncu --clock-control base` every kernel runs at the base clock with L2 flushed before it, and
-the same kernel repeats within 1%, so a change of a few percent shows (the twelfth session's
-verification epilogue: -1.7% at R = 256 and -4.5% at R = 512, lost in graph timing):
+at its power cap (nvidia-smi's throttle reason: the software power cap), and its SM clock
+follows the load (1.31-1.55 GHz on average while cuBLAS, argmax, sampling and verification
+replayed back to back at R = 256, against 1.82-1.98 GHz at R = 64;
+docs/bench/h100/deep_steps/probe_clock.json). Under `ncu --clock-control base` every kernel
+runs at the base clock with L2 flushed before it, and the same kernel repeats within 2%, so
+a change of a few percent shows in a few repeats (the twelfth session's verification
+epilogue: -1.7% at R = 256 and -4.5% at R = 512, not resolved by graph timing):
 
     PYTHONPATH=. python scripts/locked_clock_times.py --kernels matmul,sample,verify \
         --rows 256,512 --out $OUT                    # a CUDA machine with ncu, ~20 s a point
@@ -16,9 +17,10 @@ Each point (kernel, rows) runs this script again under ncu, which profiles every
 launched inside an NVTX range around three calls after three untimed ones: for `matmul` the
 cuBLAS GEMM of the R rows, for flashspec's kernels (scripts/sweep_tiles.py's, at D = 4096,
 V = 151,936; verify rows are B * (G + 1), G = --drafts) stage 1, stage 2, the finaliser and
-any padding copy. The table gives each kernel's median duration, the call's total and its
-ratio to matmul at the same rows; the times are slower than the boosted clock's, the ratios
-are what to compare.
+any padding copy. The table gives each kernel's median duration, the call's total (the sum of
+its kernels' times, each run alone by ncu: no launch gaps, no overlap) and its ratio to
+matmul at the same rows; the times are slower than the boosted clock's, the ratios are what
+to compare.
 """
 
 from __future__ import annotations
@@ -60,14 +62,14 @@ def read_durations(text: str) -> list[tuple[str, float]]:
 
 
 def summarize_point(launches: list[tuple[str, float]], calls: int = TIMED_CALLS) -> dict:
-    """Per kernel name (first 48 characters) the median of its launches and the launches per
-    call; the call's total (every launch's time over `calls`)."""
+    """Per kernel name the median of its launches and the launches per call; the call's
+    total (every launch's time over `calls`)."""
     if not launches or len(launches) % calls:
         raise ValueError(f"{len(launches)} launches profiled for {calls} calls: the calls "
                          f"must launch the same kernels")
     per_kernel = collections.OrderedDict()
     for kernel, ms in launches:
-        per_kernel.setdefault(kernel[:48], []).append(ms)
+        per_kernel.setdefault(kernel, []).append(ms)
     return dict(kernels={kernel: dict(median_ms=statistics.median(times),
                                       per_call=len(times) // calls)
                          for kernel, times in per_kernel.items()},
@@ -78,7 +80,8 @@ def format_table(points: list[dict]) -> str:
     """One line per point: kernel, rows, call total, ratio to matmul at those rows, and the
     kernels' medians."""
     matmul = {p["rows"]: p["call_ms"] for p in points if p["kernel"] == "matmul"}
-    lines = ["locked base clocks (ncu); ms per call; xM = / matmul at the same rows"]
+    lines = ["locked base clocks (ncu); ms per call = sum of its kernels; "
+             "xM = / matmul at the same rows"]
     for p in points:
         ratio = p["call_ms"] / matmul[p["rows"]] if p["rows"] in matmul else None
         kernels = ", ".join(f"{name} {k['median_ms']:.4f}" + (f" x{k['per_call']}"
@@ -113,7 +116,10 @@ def measure_point(kernel: str, rows: int, drafts: int) -> dict:
     result = subprocess.run(
         [_ncu(), "--clock-control", "base", "--nvtx", "--nvtx-include", f"{RANGE}/",
          "--metrics", METRIC, "--csv", "--print-units", "base", *target],
-        capture_output=True, text=True, check=True)
+        capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"locked_clock_times.py: ncu failed for {kernel} at {rows} rows "
+                         f"(exit {result.returncode}):\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
     return dict(kernel=kernel, rows=rows, drafts=drafts,
                 **summarize_point(read_durations(result.stdout)))
 
@@ -146,6 +152,8 @@ def main(argv=None) -> int:
                         help="print the table of a locked_clock_times.json instead")
     parser.add_argument("--launch", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.drafts < 1:
+        parser.error(f"--drafts={args.drafts}: at least 1")
     if args.summarize:
         print(format_table(json.loads(Path(args.summarize).read_text())["points"]))
         return 0

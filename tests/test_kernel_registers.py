@@ -84,6 +84,21 @@ def test_the_64_row_entries_fit_their_eight_stages(tmp_path, kernel, rows, trunc
     assert 8 * (64 + 128) * 64 * 2 + 64 * 128 * 4 <= report["shared_bytes"] <= 227 * 1024
 
 
+@pytest.mark.parametrize("verification", [False, True])
+def test_the_512_deep_entry_keeps_two_programs_per_sm_and_fits_100_kb(tmp_path, verification):
+    """Up to 16 bf16 rows: one 80 KB buffer (2 stages), two programs per SM on Hopper, and
+    within the ~100 KB a block may take on other GPUs; 4-byte inputs keep the 64-deep steps
+    on 3 stages, since 256-deep ones would need 144 KB."""
+    default = kernels.default_config(16, verification=verification)
+    assert (default.block_d, default.num_stages) == (512, 2)
+    c = default
+    report, = _reports(tmp_path, "verify" if verification else "sample",
+                       f"{c.block_v},{c.block_r},{c.block_d},{c.num_warps},{c.num_stages}")
+    assert report["shared_bytes"] <= 99 * 1024 and report["programs_per_sm"] == 2
+    fp32 = kernels.default_config(16, element_size=4, verification=verification)
+    assert (fp32.block_d, fp32.num_stages) == (64, 3)
+
+
 def test_interpreter_is_refused_by_name(capsys, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert registers.main(["--configs", "64,16,64,4,2"]) == 2

@@ -64,7 +64,7 @@ def test_table_gives_ratios_to_matmul_at_the_same_rows(tmp_path, capsys):
     path.write_text(json.dumps(dict(device="test", points=[matmul, verify, lonely])))
     assert times.main(["--summarize", str(path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert "x1.000" in lines[1]
+    assert "sum of its kernels" in lines[0] and "x1.000" in lines[1]
     assert f"x{verify['call_ms'] / 0.51:.3f}" in lines[2]
     assert lines[3].split()[2:5] == ["512", f"{verify['call_ms']:.4f}", "-"]  # no matmul there
 
@@ -74,3 +74,5 @@ def test_arguments_are_checked():
         times.main(["--kernels", "softmax"])
     with pytest.raises(SystemExit):
         times.main(["--kernels", "verify", "--rows", "255"])
+    with pytest.raises(SystemExit):
+        times.main(["--drafts", "0"])

@@ -105,6 +105,11 @@ def default_config(num_rows: int, element_size: int = 2, truncation: bool = Fals
         config = _bf16_config(num_rows)
     if element_size > 2:
         config = dataclasses.replace(config, block_d=max(16, config.block_d // 2))
+        if config.block_d > 128:
+            # Up to 16 rows: 256-deep fp32 steps would take 144 KB (more than ~100 KB GPUs
+            # give a block); the 40 KB of 64-deep steps on 3 stages, as before the 512-deep
+            # bf16 entry (untimed for fp32).
+            config = dataclasses.replace(config, block_d=64, num_stages=3)
     return config
 
 
@@ -159,8 +164,10 @@ def _bf16_config(num_rows: int) -> TileConfig:
     # keeps 128 (its own table). 512-deep steps (H100, 2026-11-23, sweeps in one call):
     # sample R = 1 0.438 -> 0.422 ms, R = 16 0.436 -> 0.424, argmax R = 1 0.434 -> 0.421,
     # verify R = 16 0.441 -> 0.431; each step reads 1 KB runs of 64 weight rows instead of
-    # 256-byte ones (256-deep steps do as well, 64-deep ones worse: 0.448). Two 80 KB stages
-    # keep two programs per SM and fit GPUs with ~100 KB of shared memory per block.
+    # 256-byte ones (256-deep steps do as well, 64-deep ones worse: 0.448 in another call).
+    # num_stages=2 keeps one 80 KB buffer (Triton allocates num_stages - 1): two programs
+    # per SM, and it fits GPUs with ~100 KB of shared memory per block (bf16; 4-byte
+    # inputs: `default_config`).
     if num_rows <= 16:
         return TileConfig(block_v=64, block_r=16, block_d=512, num_warps=4, num_stages=2)
     if num_rows <= 64:  # two stages: two programs per SM, epilogue overlaps the main loop
@@ -468,6 +475,10 @@ def _flagged_rows(status: torch.Tensor, check_finite: bool) -> tuple[torch.Tenso
 
 
 @functools.lru_cache(maxsize=None)
+def _capability_major(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
+
+
 def programmatic_launch_ready(device: torch.device) -> bool:
     """Whether stage 2 and the finaliser launch as programmatic dependents (Hopper and
     later, not Triton's interpreter): each is scheduled while the kernel before it drains and
@@ -475,7 +486,7 @@ def programmatic_launch_ready(device: torch.device) -> bool:
     launch. Results are the same either way."""
     if device.type != "cuda" or triton.knobs.runtime.interpret or torch.version.hip:
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return _capability_major(device) >= 9
 
 
 def tma_ready(matrix: torch.Tensor) -> bool:
