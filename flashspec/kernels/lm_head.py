@@ -178,8 +178,8 @@ def _leave_out_draft(score, s, row_sum, offs_v, draft, DRAFT: tl.constexpr):
 @triton.jit
 def _drafts_in_tile(draft, pid_v, NUM_VT, BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr):
     """Whether vocab tile `pid_v` holds some row's drafted token (-1: none). Most tiles hold
-    none, and their summaries skip the draft's mask and logit (`_leave_out_draft`: a compare,
-    two selects and an add per logit)."""
+    none, and under the screen they skip the draft's mask and logit (`_leave_out_draft`: a
+    compare, two selects and an add per logit); the exact path always does both."""
     here = (draft >= 0) & (_token_tile(draft, NUM_VT, BLOCK_V, INTERLEAVE) == pid_v)
     return tl.max(here.to(tl.int32), axis=0) > 0
 
