@@ -1,0 +1,311 @@
+"""How much of the Gluon stage 1's time its epilogue takes by itself, at locked base clocks.
+
+At R >= 256 on an H100, sampling and verification take 1.20-1.34x the cuBLAS matmul at locked
+clocks while argmax, the same main loop with a light epilogue, takes 1.02-1.06x
+(BENCHMARKS.md). Two explanations predict different next changes:
+
+* the epilogue is slow on its own (its chains' latency, one warp per scheduler): then it
+  takes about as long without the MMA as with it, and more epilogue warps in flight (two
+  consumer warpgroups in ping-pong, each with its own registers) is the lever;
+* the epilogue and the MMA slow each other down (issue, dispatch or register-file
+  contention on the SM they share): then the epilogue alone is much faster than the whole
+  kernel, more warps will not help, and fewer instructions per logit is the lever.
+
+This script times variants of `lm_head_ws.lm_head_tiles_ws_kernel` built by swapping its
+partitions. The partitions are module globals that the kernel reads when it compiles, so
+the shipped kernel is not edited. Each variant runs in a fresh process:
+
+* ``full``: as shipped;
+* ``no-mma``: the MMA warpgroup waits for each stage and frees it, but issues no wgmma. The
+  epilogue summarises tiles of zeros and does the same work per logit;
+* ``no-load``: the load warp marks each stage full without copying. ``no-load+no-mma``
+  leaves the epilogue alone, paced only by its own hand-over;
+* ``cheap-bits``: the epilogue's Philox words come from a multiply and a xor of row and
+  column instead. This measures the words' share of the time. It is for timing only: the
+  tokens are not the shipped sampler's.
+
+Each point runs under ``ncu --clock-control base`` (scripts/locked_clock_times.py's method:
+three calls after three untimed ones, every kernel at the base clock with L2 flushed).
+matmul and argmax at the same rows are timed as the references:
+
+    PYTHONPATH=. python scripts/epilogue_probe.py --kernels sample,verify --rows 256 \\
+        --configs "128,128,64,4,5,ws,screen 128,128,64,8,4,ws,screen" \\
+        --variants full,no-mma,no-load+no-mma,cheap-bits --out $OUT     # ~20 s a point
+    python scripts/epilogue_probe.py --summarize $OUT/epilogue_probe.json
+
+The table gives, per point, stage 1's median, its ratio to the matmul at the same rows, and
+its ratio to the same configuration's ``full`` variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import locked_clock_times as lct  # noqa: E402 - a sibling script, not a package
+from stall_profile import _ncu  # noqa: E402
+
+from flashspec.kernels import lm_head_ws  # noqa: E402
+
+FLAGS = ("no-load", "no-mma", "cheap-bits")
+KERNELS = ("sample", "verify", "qwen", "verify-qwen")
+STAGE1 = "lm_head_tiles_ws_kernel"
+
+if lm_head_ws.gluon is not None:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+    @gluon.jit
+    def _load_partition_no_copy(h_desc, w_desc, h_bufs, w_bufs, ready, empty, acc_smem,
+                                acc_ready, acc_empty, D, NUM_VT, num_tiles, num_rt,
+                                INTERLEAVE: gl.constexpr):
+        """`lm_head_ws._load_partition`'s stages, each marked full without a copy."""
+        BD: gl.constexpr = h_desc.block_type.shape[1]
+        STAGES: gl.constexpr = h_bufs.type.shape[0]
+        step = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            for k in range(0, D, BD):
+                stage = step % STAGES
+                mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
+                mbarrier.arrive(ready.index(stage))
+                step += 1
+
+    @gluon.jit
+    def _mma_partition_idle(h_desc, w_desc, h_bufs, w_bufs, ready, empty, acc_smem, acc_ready,
+                            acc_empty, D, NUM_VT, num_tiles, num_rt, INTERLEAVE: gl.constexpr):
+        """`lm_head_ws._mma_partition`'s waits and hand-overs, with no wgmma: each tile is
+        zeros."""
+        BR: gl.constexpr = h_desc.block_type.shape[0]
+        BD: gl.constexpr = h_desc.block_type.shape[1]
+        BV: gl.constexpr = w_bufs.type.shape[1]
+        STAGES: gl.constexpr = h_bufs.type.shape[0]
+        layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 16])
+        step = 0
+        tile_count = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            for k in range(0, D, BD):
+                stage = step % STAGES
+                mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+                mbarrier.arrive(empty.index(stage))
+                step += 1
+            acc = gl.zeros([BR, BV], gl.float32, layout)
+            mbarrier.wait(acc_empty, (tile_count & 1) ^ 1)
+            acc_smem.store(acc)
+            mbarrier.arrive(acc_ready)
+            tile_count += 1
+
+    @gluon.jit
+    def _cheap_tile_bits(seed, position, pid_v, NUM_VT, CR: gl.constexpr, BV: gl.constexpr,
+                         INTERLEAVE: gl.constexpr, layout: gl.constexpr):
+        """Stand-in for `lm_head_ws._tile_bits`: a multiply and a xor per word, not Philox."""
+        columns = gl.arange(0, BV, layout=gl.SliceLayout(0, layout)) + pid_v * BV
+        rows = (seed * 31 + position).to(gl.int32)
+        return ((columns[None, :] * -1640531535) ^ (rows[:, None] * 40503)).to(gl.uint32)
+
+    REPLACEMENTS = {"no-load": ("_load_partition", _load_partition_no_copy),
+                    "no-mma": ("_mma_partition", _mma_partition_idle),
+                    "cheap-bits": ("_tile_bits", _cheap_tile_bits)}
+
+
+def parse_variant(text: str) -> tuple[str, ...]:
+    """("no-load", "no-mma") from "no-mma+no-load"; () from "full"."""
+    if text == "full":
+        return ()
+    flags = tuple(sorted(set(text.split("+"))))
+    unknown = [flag for flag in flags if flag not in FLAGS]
+    if not flags or unknown:
+        raise argparse.ArgumentTypeError(
+            f"variant {text!r}: 'full' or '+'-joined flags from {', '.join(FLAGS)}")
+    return flags
+
+
+def variant_name(flags: tuple[str, ...]) -> str:
+    return "+".join(flags) or "full"
+
+
+def _forget_compiled_hashes() -> None:
+    """Triton caches each JIT function's hash, its callees' included: after a swap, the
+    kernel and the partitions that call a swapped function must hash again."""
+    from triton.runtime.jit import JITFunction
+
+    for value in vars(lm_head_ws).values():
+        if isinstance(value, JITFunction):  # (interpreted functions never compile)
+            value.hash = None
+
+
+@contextlib.contextmanager
+def variant_installed(flags: tuple[str, ...]):
+    """`lm_head_ws` with the partitions of variant `flags` swapped in, restored on exit."""
+    if flags and lm_head_ws.gluon is None:
+        raise SystemExit("epilogue_probe.py: the Gluon kernel needs Triton "
+                         f"{lm_head_ws.TESTED_TRITON}x")
+    saved = {}
+    try:
+        for flag in flags:
+            name, replacement = REPLACEMENTS[flag]
+            saved[name] = getattr(lm_head_ws, name)
+            setattr(lm_head_ws, name, replacement)
+        _forget_compiled_hashes()
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(lm_head_ws, name, original)
+        _forget_compiled_hashes()
+
+
+def _launch(kernel: str, rows: int, config_text: str, flags: tuple[str, ...], drafts: int) -> None:
+    """As locked_clock_times._launch, for one configuration of the Gluon kernel and one
+    variant."""
+    import torch
+    from sweep_tiles import make_launch, make_weight, parse_configs
+
+    config = parse_configs(config_text)[0]
+    with variant_installed(flags):
+        launch, _ = make_launch(kernel, rows, drafts, make_weight(151_936, 4096, "cuda"))
+        for _ in range(lct.UNTIMED_CALLS):
+            launch(config)
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push(lct.RANGE)
+        for _ in range(lct.TIMED_CALLS):
+            launch(config)
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+
+
+def measure_point(kernel: str, rows: int, config_text: str, flags: tuple[str, ...],
+                  drafts: int) -> dict:
+    target = [sys.executable, __file__, "--launch", "--kernels", kernel, "--rows", str(rows),
+              "--configs", config_text, "--variants", variant_name(flags), "--drafts",
+              str(drafts)]
+    result = subprocess.run(
+        [_ncu(), "--clock-control", "base", "--nvtx", "--nvtx-include", f"{lct.RANGE}/",
+         "--metrics", lct.METRIC, "--csv", "--print-units", "base", *target],
+        capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"epilogue_probe.py: ncu failed for {kernel}, {rows} rows, "
+                         f"{config_text}, {variant_name(flags)} (exit {result.returncode}):\n"
+                         f"{result.stdout[-2000:]}{result.stderr[-2000:]}")
+    return dict(kernel=kernel, rows=rows, config=config_text, variant=variant_name(flags),
+                drafts=drafts, **lct.summarize_point(lct.read_durations(result.stdout)))
+
+
+def stage1_ms(point: dict) -> float:
+    """The median of the point's stage-1 launches (the call's total for the references)."""
+    stage1 = [k["median_ms"] for name, k in point["kernels"].items() if STAGE1 in name]
+    return stage1[0] if stage1 else point["call_ms"]
+
+
+def format_table(points: list[dict]) -> str:
+    """One line per point: kernel, rows, configuration, variant, stage 1's median, its ratio
+    to the matmul at the same rows and to the same configuration's full variant."""
+    matmul = {p["rows"]: p["call_ms"] for p in points if p["kernel"] == "matmul"}
+    full = {(p["kernel"], p["rows"], p["config"]): stage1_ms(p)
+            for p in points if p.get("variant") == "full"}
+    lines = ["locked base clocks (ncu); stage 1's median ms; xM = / matmul at the same rows; "
+             "xfull = / the full variant of the same configuration"]
+    for p in points:
+        ms = stage1_ms(p)
+        to_matmul = f"x{ms / matmul[p['rows']]:.3f}" if p["rows"] in matmul else "-"
+        reference = full.get((p["kernel"], p["rows"], p.get("config")))
+        to_full = f"x{ms / reference:.3f}" if reference else "-"
+        lines.append(f"{p['kernel']:12s} R={p['rows']:4d} {p.get('config') or '(default)':28s} "
+                     f"{p.get('variant') or '':26s} {ms:8.4f} {to_matmul:>7s} {to_full:>7s}")
+    return "\n".join(lines)
+
+
+def _csv(parse):
+    def parse_list(text: str):
+        items = [parse(part.strip()) for part in text.split(",") if part.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"{text!r}: an empty list")
+        return items
+    return parse_list
+
+
+def _kernel(text: str) -> str:
+    if text not in KERNELS:
+        raise argparse.ArgumentTypeError(f"kernel {text!r}: one of {', '.join(KERNELS)}")
+    return text
+
+
+def _rows(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"rows {text!r}: an integer >= 1")
+    return int(text)
+
+
+def _ws_configs(text: str) -> list[str]:
+    """The items of --configs, each a warp-specialized configuration ("...,ws")."""
+    from sweep_tiles import parse_configs
+
+    items = text.replace(";", " ").split()
+    for item, config in zip(items, parse_configs(text)):
+        if not config.warp_specialized:
+            raise argparse.ArgumentTypeError(
+                f"--configs item {item!r}: the probe swaps the Gluon kernel's partitions; "
+                f"add ',ws'")
+    if not items:
+        raise argparse.ArgumentTypeError("--configs: at least one configuration")
+    return items
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", type=_csv(_kernel), default=["sample", "verify"],
+                        help=f"comma-separated, from {', '.join(KERNELS)}")
+    parser.add_argument("--rows", type=_csv(_rows), default=[256],
+                        help="comma-separated row counts (verify: B * (G + 1), G = --drafts)")
+    parser.add_argument("--configs", type=_ws_configs,
+                        default=_ws_configs("128,128,64,4,5,ws,screen"),
+                        help='"bv,br,bd,warps,stages,ws[,screen]" items (scripts/sweep_tiles.py)')
+    parser.add_argument("--variants", type=_csv(parse_variant),
+                        default=[(), ("no-mma",), ("no-load", "no-mma"), ("cheap-bits",)],
+                        help=f"comma-separated: full, or '+'-joined flags from {', '.join(FLAGS)}")
+    parser.add_argument("--drafts", type=int, default=3)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--summarize", metavar="JSON", default=None,
+                        help="print the table of an epilogue_probe.json instead")
+    parser.add_argument("--launch", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.drafts < 1:
+        parser.error(f"--drafts={args.drafts}: at least 1")
+    if args.summarize:
+        print(format_table(json.loads(Path(args.summarize).read_text())["points"]))
+        return 0
+    bad = [(kernel, rows) for kernel in args.kernels for rows in args.rows
+           if kernel.startswith("verify") and rows % (args.drafts + 1)]
+    if bad:
+        parser.error(f"--rows for {bad[0][0]}: {bad[0][1]} is not a multiple of --drafts + 1 = "
+                     f"{args.drafts + 1}")
+    if args.launch:
+        _launch(args.kernels[0], args.rows[0], args.configs[0], args.variants[0], args.drafts)
+        return 0
+    points = []
+    for rows in args.rows:
+        points += [lct.measure_point(kernel, rows, args.drafts) for kernel in ("matmul", "argmax")]
+        points += [measure_point(kernel, rows, config, flags, args.drafts)
+                   for kernel in args.kernels for config in args.configs
+                   for flags in args.variants]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    report = dict(device=torch.cuda.get_device_name(),
+                  method=f"ncu --clock-control base, {lct.METRIC}, {lct.TIMED_CALLS} calls "
+                         f"after {lct.UNTIMED_CALLS}", points=points)
+    (out / "epilogue_probe.json").write_text(json.dumps(report, indent=1))
+    print(report["device"])
+    print(format_table(points))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

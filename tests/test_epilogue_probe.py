@@ -1,0 +1,126 @@
+"""scripts/epilogue_probe.py: its variants compile for sm_90a on the CPU with the partitions
+swapped (and restored), its arguments and its table (the timing needs a CUDA machine with
+ncu)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from script_module import SCRIPTS, load_script
+
+probe = load_script("epilogue_probe")
+
+# Compiles stage 1 for sampling (128x128 tiles, 4 epilogue warps, the screen) under each
+# variant named on the command line, and prints what its PTX holds: wgmma instructions, TMA
+# copies, Philox's second multiplier (0xD2511F53 as PTX's signed decimal) and the stand-in
+# words' multiplier.
+COMPILE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import triton
+import epilogue_probe as probe
+import kernel_registers as kr
+from sweep_tiles import parse_configs
+
+compile_ = triton.compile
+ptx = {}
+def keep_ptx(*args, **kwargs):
+    compiled = compile_(*args, **kwargs)
+    ptx["last"] = compiled.asm["ptx"]
+    return compiled
+triton.compile = keep_ptx
+config = parse_configs("128,128,64,4,5,ws,screen")[0]
+found = []
+for text in sys.argv[2:]:
+    with probe.variant_installed(probe.parse_variant(text)):
+        kr._warp_specialized_report("sample", config, *kr.KERNELS["sample"])
+    text_ptx = ptx["last"]
+    found.append(dict(variant=text, wgmma=text_ptx.count("wgmma.mma_async"),
+                      tma=text_ptx.count("cp.async.bulk.tensor"),
+                      philox=text_ptx.count("-766435501"), stand_in=text_ptx.count("40503")))
+print(json.dumps(found))
+"""
+
+
+def _compiled(variants: list[str]) -> list[dict]:
+    # In a process of its own: under TRITON_INTERPRET=1 (conftest) nothing compiles.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS.parent), env.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", COMPILE, str(SCRIPTS), *variants], env=env,
+                            check=True, capture_output=True, text=True, timeout=600)
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.mark.skipif(probe.lm_head_ws.gluon is None, reason="Gluon needs Triton 3.6")
+def test_each_variant_compiles_without_what_it_switches_off_and_full_is_restored():
+    full, no_mma, no_load, cheap, full_again = _compiled(
+        ["full", "no-mma", "no-load", "cheap-bits", "full"])
+    assert full["wgmma"] > 0 and full["tma"] > 0 and full["philox"] > 0
+    assert full["stand_in"] == 0
+    assert no_mma["wgmma"] == 0 and no_mma["tma"] == full["tma"]
+    assert no_load["tma"] == 0 and no_load["wgmma"] == full["wgmma"]
+    # The words of the screen and of the exact fallback; the leader's exact noise still
+    # calls Philox once per row.
+    assert cheap["stand_in"] > 0 and 0 < cheap["philox"] < full["philox"] // 4
+    assert cheap["wgmma"] == full["wgmma"]
+    assert full_again == dict(full, variant="full")
+
+
+@pytest.mark.skipif(probe.lm_head_ws.gluon is None, reason="Gluon needs Triton 3.6")
+def test_variants_are_swapped_in_and_restored():
+    ws = probe.lm_head_ws
+    shipped = (ws._load_partition, ws._mma_partition, ws._tile_bits)
+    with probe.variant_installed(("no-load", "no-mma")):
+        assert ws._load_partition is probe._load_partition_no_copy
+        assert ws._mma_partition is probe._mma_partition_idle
+        assert ws._tile_bits is shipped[2]
+    assert (ws._load_partition, ws._mma_partition, ws._tile_bits) == shipped
+    with pytest.raises(RuntimeError), probe.variant_installed(("cheap-bits",)):
+        assert ws._tile_bits is probe._cheap_tile_bits
+        raise RuntimeError
+    assert ws._tile_bits is shipped[2]
+
+
+def test_variant_names_parse_to_sorted_flags():
+    assert probe.parse_variant("full") == ()
+    assert probe.parse_variant("no-mma+no-load") == ("no-load", "no-mma")
+    assert probe.variant_name(("no-load", "no-mma")) == "no-load+no-mma"
+    assert probe.variant_name(()) == "full"
+    for bad in ("no-epilogue", "no-mma+", ""):
+        with pytest.raises(Exception, match="variant"):
+            probe.parse_variant(bad)
+
+
+def test_table_gives_ratios_to_matmul_and_to_the_full_variant(tmp_path, capsys):
+    stage1 = lambda ms: {"lm_head_tiles_ws_kernel": dict(median_ms=ms, per_call=1),  # noqa: E731
+                         "lm_head_rows_kernel": dict(median_ms=0.006, per_call=1)}
+    config = "128,128,64,4,5,ws,screen"
+    points = [
+        dict(kernel="matmul", rows=256, kernels={"nvjet": dict(median_ms=0.5, per_call=1)},
+             call_ms=0.5),
+        dict(kernel="sample", rows=256, config=config, variant="full", kernels=stage1(0.6),
+             call_ms=0.606),
+        dict(kernel="sample", rows=256, config=config, variant="no-load+no-mma",
+             kernels=stage1(0.45), call_ms=0.456),
+        dict(kernel="sample", rows=512, config=config, variant="no-mma", kernels=stage1(0.9),
+             call_ms=0.906),
+    ]
+    path = tmp_path / "epilogue_probe.json"
+    path.write_text(json.dumps(dict(device="test", points=points)))
+    assert probe.main(["--summarize", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[-3:] == ["0.5000", "x1.000", "-"]
+    assert lines[2].split()[-3:] == ["0.6000", "x1.200", "x1.000"]
+    assert lines[3].split()[-3:] == ["0.4500", "x0.900", "x0.750"]
+    assert lines[4].split()[-3:] == ["0.9000", "-", "-"]  # no matmul, no full at 512 rows
+
+
+def test_arguments_are_checked():
+    for argv in (["--configs", "128,128,64,4,5,screen"],  # not the Gluon kernel
+                 ["--kernels", "argmax"], ["--variants", "no-epilogue"],
+                 ["--kernels", "verify", "--rows", "255"], ["--drafts", "0"], ["--rows", "0"]):
+        with pytest.raises(SystemExit):
+            probe.main(argv)
