@@ -24,11 +24,18 @@ the shipped kernel is not edited. Each variant runs in a fresh process:
   column instead. This measures the words' share of the time. It is for timing only: the
   tokens are not the shipped sampler's.
 
+For argmax, whose epilogue is light, ``no-load`` asks a third question: is the main loop
+bound by shared-memory bandwidth? A 128x128 tile moves about 5.1 MB through its SM's shared
+memory at D = 4096 (3 MB of wgmma operand reads, 2 MB of TMA writes, the hand-over). Each SM
+takes 18 of R = 256's 2,374 tiles: 92 MB, 720k cycles at 128 bytes a cycle, and argmax
+measured 725k (0.5135 ms at the locked 1.41 GHz). If that is the bound, the MMA runs much
+faster without the TMA writes.
+
 Each point runs under ``ncu --clock-control base`` (scripts/locked_clock_times.py's method:
 three calls after three untimed ones, every kernel at the base clock with L2 flushed).
 matmul and argmax at the same rows are timed as the references:
 
-    PYTHONPATH=. python scripts/epilogue_probe.py --kernels sample,verify --rows 256 \\
+    PYTHONPATH=. python scripts/epilogue_probe.py --kernels argmax,sample,verify --rows 256 \\
         --configs "128,128,64,4,5,ws,screen 128,128,64,8,4,ws,screen" \\
         --variants full,no-mma,no-load+no-mma,cheap-bits --out $OUT     # ~20 s a point
     python scripts/epilogue_probe.py --summarize $OUT/epilogue_probe.json
@@ -54,7 +61,7 @@ from stall_profile import _ncu  # noqa: E402
 from flashspec.kernels import lm_head_ws  # noqa: E402
 
 FLAGS = ("no-load", "no-mma", "cheap-bits")
-KERNELS = ("sample", "verify", "qwen", "verify-qwen")
+KERNELS = ("argmax", "sample", "verify", "qwen", "verify-qwen")
 STAGE1 = "lm_head_tiles_ws_kernel"
 
 if lm_head_ws.gluon is not None:

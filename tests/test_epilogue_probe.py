@@ -120,7 +120,7 @@ def test_table_gives_ratios_to_matmul_and_to_the_full_variant(tmp_path, capsys):
 
 def test_arguments_are_checked():
     for argv in (["--configs", "128,128,64,4,5,screen"],  # not the Gluon kernel
-                 ["--kernels", "argmax"], ["--variants", "no-epilogue"],
+                 ["--kernels", "matmul"], ["--variants", "no-epilogue"],
                  ["--kernels", "verify", "--rows", "255"], ["--drafts", "0"], ["--rows", "0"]):
         with pytest.raises(SystemExit):
             probe.main(argv)
