@@ -2,7 +2,7 @@
 # One call on a CUDA machine: the GPU tests, then the kernel and verification benchmarks. Logs
 # and JSON go to $OUT (default ./gpu_out); the benchmarks' tables are printed last.
 #   bash scripts/gpu_check.sh [pytest args...]
-#   PARTS="kernels verify" bash scripts/gpu_check.sh     # a subset: tests, kernels, verify
+#   PARTS="kernels verify" bash scripts/gpu_check.sh     # a subset: tests, kernels, verify, probe
 # Without arguments the tests are the kernels compiled for the GPU (Triton, and the Gluon
 # stage 1 on Hopper) and the engine's GPU tests (the rest of the suite is CPU code, which CI
 # runs). Measured durations, H100 (2026-11-23, eleventh and twelfth sessions): more than
@@ -12,6 +12,8 @@
 #   PARTS=tests bash scripts/gpu_check.sh tests/test_rng.py tests/test_verify_kernel.py \
 #       tests/test_kernels.py tests/test_generate_gpu.py        # 124 tests, 471-520 s
 #   PARTS="kernels verify" bash scripts/gpu_check.sh            # both benchmark tables, 232-294 s
+# PARTS=probe: scripts/epilogue_probe.py at R = 256 (needs ncu; 20 points, ~20 s each, not yet
+# run): argmax and verification on the 4-warp entry, sampling on the 4- and 8-warp ones.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -19,8 +21,8 @@ OUT=${OUT:-gpu_out}
 PARTS=${PARTS:-tests kernels verify}
 for part in $PARTS; do
     case $part in
-        tests|kernels|verify) ;;
-        *) echo "gpu_check.sh: PARTS has '$part'; allowed: tests, kernels, verify" >&2; exit 2 ;;
+        tests|kernels|verify|probe) ;;
+        *) echo "gpu_check.sh: PARTS has '$part'; allowed: tests, kernels, verify, probe" >&2; exit 2 ;;
     esac
 done
 mkdir -p "$OUT"
@@ -35,5 +37,13 @@ for part in $PARTS; do
         tests) python -m pytest -q -x -p no:cacheprovider --durations=15 "$@" 2>&1 | tee "$OUT/pytest.log" | tail -5 ;;
         kernels) python scripts/bench_kernels.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
         verify) python scripts/bench_verify.py --out "$OUT" 2>&1 | tee "$OUT/bench_verify.log" | tail -28 ;;
+        probe)
+            python scripts/epilogue_probe.py --kernels argmax,verify --rows 256 \
+                --configs 128,128,64,4,5,ws,screen --variants full,no-mma,no-load,no-load+no-mma \
+                --out "$OUT/probe_main_loop" 2>&1 | tee "$OUT/probe_main_loop.log" | tail -12
+            python scripts/epilogue_probe.py --kernels sample --rows 256 \
+                --configs "128,128,64,4,5,ws,screen 128,128,64,8,4,ws,screen" \
+                --variants full,no-mma,no-load+no-mma,cheap-bits \
+                --out "$OUT/probe_sample" 2>&1 | tee "$OUT/probe_sample.log" | tail -12 ;;
     esac
 done
