@@ -25,11 +25,11 @@ the shipped kernel is not edited. Each variant runs in a fresh process:
   tokens are not the shipped sampler's.
 
 For argmax, whose epilogue is light, ``no-load`` asks a third question: is the main loop
-bound by shared-memory bandwidth? A 128x128 tile moves about 5.1 MB through its SM's shared
-memory at D = 4096 (3 MB of wgmma operand reads, 2 MB of TMA writes, the hand-over). Each SM
-takes 18 of R = 256's 2,374 tiles: 92 MB, 720k cycles at 128 bytes a cycle, and argmax
-measured 725k (0.5135 ms at the locked 1.41 GHz). If that is the bound, the MMA runs much
-faster without the TMA writes.
+bound by shared-memory bandwidth? A 128x128 tile moves 4.1-5.1 MiB through its SM's shared
+memory at D = 4096: 2 MiB of TMA writes, 2-3 MiB of wgmma operand reads, and the hand-over.
+Each SM takes 18 of R = 256's 2,374 tiles. At 128 bytes a cycle that is 590-755k cycles, and
+argmax measured 725k (0.5135 ms at the locked 1.41 GHz). If that is the bound, the MMA runs
+much faster without the TMA writes.
 
 Each point runs under ``ncu --clock-control base`` (scripts/locked_clock_times.py's method:
 three calls after three untimed ones, every kernel at the base clock with L2 flushed).
