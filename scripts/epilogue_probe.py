@@ -48,15 +48,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import locked_clock_times as lct  # noqa: E402 - a sibling script, not a package
-from stall_profile import _ncu  # noqa: E402
 
 from flashspec.kernels import lm_head_ws  # noqa: E402
 
@@ -169,22 +165,14 @@ def variant_installed(flags: tuple[str, ...]):
 
 
 def _launch(kernel: str, rows: int, config_text: str, flags: tuple[str, ...], drafts: int) -> None:
-    """As locked_clock_times._launch, for one configuration of the Gluon kernel and one
+    """locked_clock_times.time_calls of one configuration of the Gluon kernel under one
     variant."""
-    import torch
     from sweep_tiles import make_launch, make_weight, parse_configs
 
     config = parse_configs(config_text)[0]
     with variant_installed(flags):
         launch, _ = make_launch(kernel, rows, drafts, make_weight(151_936, 4096, "cuda"))
-        for _ in range(lct.UNTIMED_CALLS):
-            launch(config)
-        torch.cuda.synchronize()
-        torch.cuda.nvtx.range_push(lct.RANGE)
-        for _ in range(lct.TIMED_CALLS):
-            launch(config)
-        torch.cuda.synchronize()
-        torch.cuda.nvtx.range_pop()
+        lct.time_calls(lambda: launch(config))
 
 
 def measure_point(kernel: str, rows: int, config_text: str, flags: tuple[str, ...],
@@ -192,16 +180,10 @@ def measure_point(kernel: str, rows: int, config_text: str, flags: tuple[str, ..
     target = [sys.executable, __file__, "--launch", "--kernels", kernel, "--rows", str(rows),
               "--configs", config_text, "--variants", variant_name(flags), "--drafts",
               str(drafts)]
-    result = subprocess.run(
-        [_ncu(), "--clock-control", "base", "--nvtx", "--nvtx-include", f"{lct.RANGE}/",
-         "--metrics", lct.METRIC, "--csv", "--print-units", "base", *target],
-        capture_output=True, text=True)
-    if result.returncode:
-        raise SystemExit(f"epilogue_probe.py: ncu failed for {kernel}, {rows} rows, "
-                         f"{config_text}, {variant_name(flags)} (exit {result.returncode}):\n"
-                         f"{result.stdout[-2000:]}{result.stderr[-2000:]}")
+    launches = lct.profile_launches(target, f"{kernel}, {rows} rows, {config_text}, "
+                                            f"{variant_name(flags)} (epilogue_probe.py)")
     return dict(kernel=kernel, rows=rows, config=config_text, variant=variant_name(flags),
-                drafts=drafts, **lct.summarize_point(lct.read_durations(result.stdout)))
+                drafts=drafts, **lct.summarize_point(launches))
 
 
 def stage1_ms(point: dict) -> float:
@@ -276,22 +258,9 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", type=_csv(parse_variant),
                         default=[(), ("no-mma",), ("no-load", "no-mma"), ("cheap-bits",)],
                         help=f"comma-separated: full, or '+'-joined flags from {', '.join(FLAGS)}")
-    parser.add_argument("--drafts", type=int, default=3)
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--summarize", metavar="JSON", default=None,
-                        help="print the table of an epilogue_probe.json instead")
-    parser.add_argument("--launch", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.drafts < 1:
-        parser.error(f"--drafts={args.drafts}: at least 1")
-    if args.summarize:
-        print(format_table(json.loads(Path(args.summarize).read_text())["points"]))
+    args = lct.parse_point_arguments(parser, argv, "epilogue_probe.json", format_table)
+    if args is None:
         return 0
-    bad = [(kernel, rows) for kernel in args.kernels for rows in args.rows
-           if kernel.startswith("verify") and rows % (args.drafts + 1)]
-    if bad:
-        parser.error(f"--rows for {bad[0][0]}: {bad[0][1]} is not a multiple of --drafts + 1 = "
-                     f"{args.drafts + 1}")
     if args.launch:
         _launch(args.kernels[0], args.rows[0], args.configs[0], args.variants[0], args.drafts)
         return 0
@@ -301,16 +270,7 @@ def main(argv=None) -> int:
         points += [measure_point(kernel, rows, config, flags, args.drafts)
                    for kernel in args.kernels for config in args.configs
                    for flags in args.variants]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    import torch
-
-    report = dict(device=torch.cuda.get_device_name(),
-                  method=f"ncu --clock-control base, {lct.METRIC}, {lct.TIMED_CALLS} calls "
-                         f"after {lct.UNTIMED_CALLS}", points=points)
-    (out / "epilogue_probe.json").write_text(json.dumps(report, indent=1))
-    print(report["device"])
-    print(format_table(points))
+    lct.write_report(points, Path(args.out) / "epilogue_probe.json", format_table)
     return 0
 
 

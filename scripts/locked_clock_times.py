@@ -92,14 +92,10 @@ def format_table(points: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _launch(kernel: str, rows: int, drafts: int) -> None:
+def time_calls(call) -> None:
     """UNTIMED_CALLS calls, then TIMED_CALLS inside the NVTX range ncu profiles."""
     import torch
-    from sweep_tiles import make_launch, make_weight
 
-    weight = make_weight(151_936, 4096, "cuda")
-    launch, hidden = make_launch("argmax" if kernel == "matmul" else kernel, rows, drafts, weight)
-    call = (lambda: hidden @ weight.T) if kernel == "matmul" else (lambda: launch(None))
     for _ in range(UNTIMED_CALLS):
         call()
     torch.cuda.synchronize()
@@ -110,18 +106,32 @@ def _launch(kernel: str, rows: int, drafts: int) -> None:
     torch.cuda.nvtx.range_pop()
 
 
-def measure_point(kernel: str, rows: int, drafts: int) -> dict:
-    target = [sys.executable, __file__, "--launch", "--kernels", kernel, "--rows", str(rows),
-              "--drafts", str(drafts)]
+def profile_launches(target: list[str], what: str) -> list[tuple[str, float]]:
+    """(kernel name, ms) of each launch inside the NVTX range of `target` (a command whose
+    calls go through `time_calls`), run under ncu at locked base clocks."""
     result = subprocess.run(
         [_ncu(), "--clock-control", "base", "--nvtx", "--nvtx-include", f"{RANGE}/",
          "--metrics", METRIC, "--csv", "--print-units", "base", *target],
         capture_output=True, text=True)
     if result.returncode:
-        raise SystemExit(f"locked_clock_times.py: ncu failed for {kernel} at {rows} rows "
-                         f"(exit {result.returncode}):\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
-    return dict(kernel=kernel, rows=rows, drafts=drafts,
-                **summarize_point(read_durations(result.stdout)))
+        raise SystemExit(f"ncu failed for {what} (exit {result.returncode}):\n"
+                         f"{result.stdout[-2000:]}{result.stderr[-2000:]}")
+    return read_durations(result.stdout)
+
+
+def _launch(kernel: str, rows: int, drafts: int) -> None:
+    from sweep_tiles import make_launch, make_weight
+
+    weight = make_weight(151_936, 4096, "cuda")
+    launch, hidden = make_launch("argmax" if kernel == "matmul" else kernel, rows, drafts, weight)
+    time_calls((lambda: hidden @ weight.T) if kernel == "matmul" else (lambda: launch(None)))
+
+
+def measure_point(kernel: str, rows: int, drafts: int) -> dict:
+    target = [sys.executable, __file__, "--launch", "--kernels", kernel, "--rows", str(rows),
+              "--drafts", str(drafts)]
+    launches = profile_launches(target, f"{kernel} at {rows} rows (locked_clock_times.py)")
+    return dict(kernel=kernel, rows=rows, drafts=drafts, **summarize_point(launches))
 
 
 def _positive_ints(text: str) -> list[int]:
@@ -140,41 +150,57 @@ def _kernel_names(text: str) -> list[str]:
     return names
 
 
+def write_report(points: list[dict], path: Path, table) -> None:
+    """The points as JSON at `path`, with the device and the method; prints the device and
+    `table` of the points."""
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    report = dict(device=torch.cuda.get_device_name(), method="ncu --clock-control base, "
+                  f"{METRIC}, {TIMED_CALLS} calls after {UNTIMED_CALLS}", points=points)
+    path.write_text(json.dumps(report, indent=1))
+    print(report["device"])
+    print(table(points))
+
+
+def parse_point_arguments(parser, argv, report: str, table):
+    """Adds the arguments the locked-clock scripts share to `parser` (which has --kernels and
+    --rows): --drafts, --out, --summarize and the hidden --launch. Then parses `argv` and
+    checks it. With --summarize, prints `table` of that `report` file's points and returns
+    None."""
+    parser.add_argument("--drafts", type=int, default=3)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--summarize", metavar="JSON", default=None,
+                        help=f"print the table of a {report} instead")
+    parser.add_argument("--launch", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.drafts < 1:
+        parser.error(f"--drafts={args.drafts}: at least 1")
+    if args.summarize:
+        print(table(json.loads(Path(args.summarize).read_text())["points"]))
+        return None
+    for kernel in args.kernels:
+        bad = [rows for rows in args.rows if kernel.startswith("verify") and rows % (args.drafts + 1)]
+        if bad:
+            parser.error(f"--rows {bad} for {kernel}: multiples of --drafts + 1 = {args.drafts + 1}")
+    return args
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", type=_kernel_names, default=["matmul", "sample", "verify"],
                         help=f"comma-separated, from {', '.join(POINT_KERNELS)}")
     parser.add_argument("--rows", type=_positive_ints, default=[256],
                         help="comma-separated row counts (verify: B * (G + 1), G = --drafts)")
-    parser.add_argument("--drafts", type=int, default=3)
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--summarize", metavar="JSON", default=None,
-                        help="print the table of a locked_clock_times.json instead")
-    parser.add_argument("--launch", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.drafts < 1:
-        parser.error(f"--drafts={args.drafts}: at least 1")
-    if args.summarize:
-        print(format_table(json.loads(Path(args.summarize).read_text())["points"]))
+    args = parse_point_arguments(parser, argv, "locked_clock_times.json", format_table)
+    if args is None:
         return 0
-    for kernel in args.kernels:
-        bad = [rows for rows in args.rows if kernel.startswith("verify") and rows % (args.drafts + 1)]
-        if bad:
-            parser.error(f"--rows {bad} for {kernel}: multiples of --drafts + 1 = {args.drafts + 1}")
     if args.launch:
         _launch(args.kernels[0], args.rows[0], args.drafts)
         return 0
     points = [measure_point(kernel, rows, args.drafts)
               for rows in args.rows for kernel in args.kernels]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    import torch
-
-    report = dict(device=torch.cuda.get_device_name(), method="ncu --clock-control base, "
-                  f"{METRIC}, {TIMED_CALLS} calls after {UNTIMED_CALLS}", points=points)
-    (out / "locked_clock_times.json").write_text(json.dumps(report, indent=1))
-    print(report["device"])
-    print(format_table(points))
+    write_report(points, Path(args.out) / "locked_clock_times.json", format_table)
     return 0
 
 
