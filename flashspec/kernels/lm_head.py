@@ -213,8 +213,7 @@ def _screen(s, row_sum, columns, bits, sampled, BLOCK_V: tl.constexpr):
     score is needed (`_screened_best`). Returns whether some row has no such leader (a
     near-tie, about one sampled row in 10**4 per tile, or a non-finite score: then the
     caller computes every column's exact noise, `_exact_best`), and per row the screen's
-    max, its first column and that column's s (greedy rows: the max of s, margin 0), and
-    `_exact_best`'s draft_s without a draft (row_sum).
+    max, its first column and that column's s (greedy rows: the max of s, margin 0).
     Either way the summaries are those of the exact noise, bit for bit; the screen saves the
     two precise logs and the division per column that dominate the epilogue at large B.
     Verification leaves no draft out here: the caller takes the exact path for the one tile
@@ -236,7 +235,7 @@ def _screen(s, row_sum, columns, bits, sampled, BLOCK_V: tl.constexpr):
     # `leader_s + g` (g is never -0.0).
     leader_s = tl.sum(tl.where(near_top, s, 0.0), axis=1)
     unsure = (sampled & (num_near != 1)) | ~(tl.abs(row_sum) < float("inf"))
-    return tl.max(unsure.to(tl.int32), axis=0) > 0, top, leader, leader_s, row_sum
+    return tl.max(unsure.to(tl.int32), axis=0) > 0, top, leader, leader_s
 
 
 @triton.jit
@@ -289,8 +288,8 @@ def _part_summary(acc, first_column, pid_v, NUM_VT, V, inv_t, sampled, seed, pos
         bits = philox_tile_bits(seed[:, None, None], position[:, None, None], blocks, BLOCK_R,
                                 PART_V)
         if SCREEN:
-            unsure, top, leader, leader_s, draft_s = _screen(s, row_sum, columns, bits, sampled,
-                                                             BLOCK_V)
+            unsure, top, leader, leader_s = _screen(s, row_sum, columns, bits, sampled, BLOCK_V)
+            draft_s = row_sum  # unused: a screened tile holds no draft (`_store_summary`)
             if DRAFT:  # the tile that holds a row's draft: exact (`_screen`)
                 unsure |= _drafts_in_tile(draft, pid_v, NUM_VT, BLOCK_V, INTERLEAVE)
             if unsure:

@@ -227,8 +227,8 @@ if gluon is not None:
             # bytes of spills).
             after_load = position + (row_sum != row_sum).to(gl.int64)
             bits = _tile_bits(seed, after_load, pid_v, NUM_VT, CR, BV, INTERLEAVE, layout)
-            unsure, top, leader, leader_s, draft_s = lm_head._screen(
-                s, row_sum, columns, bits, sampled, BV)
+            unsure, top, leader, leader_s = lm_head._screen(s, row_sum, columns, bits, sampled, BV)
+            draft_s = row_sum  # unused: a screened tile holds no draft (`_store_summary`)
             if DRAFT:  # the tile that holds a row's draft: exact (`lm_head._screen`)
                 unsure |= lm_head._drafts_in_tile(draft, pid_v, NUM_VT, BV, INTERLEAVE)
             if unsure:
