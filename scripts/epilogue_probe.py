@@ -23,6 +23,11 @@ the shipped kernel is not edited. Each variant runs in a fresh process:
 * ``cheap-bits``: the epilogue's Philox words come from a multiply and a xor of row and
   column instead. This measures the words' share of the time. It is for timing only: the
   tokens are not the shipped sampler's.
+* ``pad-8``, ``pad-16``: the words as shipped, then 8 or 16 more instructions per logit
+  (xorshifts; timing only, as cheap-bits). The added time per added instruction separates
+  the two explanations directly: about 3-4 cycles per instruction per scheduler if the
+  epilogue is late on its own (it issues 0.25-0.33 a cycle), 0.5-1 if it contends with the
+  MMA, none if it is hidden.
 
 For argmax, whose epilogue is light, ``no-load`` asks a third question: is the main loop
 bound by shared-memory bandwidth? A 128x128 tile moves 4.1-5.1 MiB through its SM's shared
@@ -37,7 +42,7 @@ matmul and argmax at the same rows are timed as the references:
 
     PYTHONPATH=. python scripts/epilogue_probe.py --kernels argmax,sample,verify --rows 256 \\
         --configs "128,128,64,4,5,ws,screen 128,128,64,8,4,ws,screen" \\
-        --variants full,no-mma,no-load+no-mma,cheap-bits --out $OUT     # ~20 s a point
+        --variants full,no-mma,no-load+no-mma,cheap-bits,pad-16 --out $OUT   # ~20 s a point
     python scripts/epilogue_probe.py --summarize $OUT/epilogue_probe.json
 
 The table gives, per point, stage 1's median, its ratio to the matmul at the same rows, and
@@ -56,7 +61,7 @@ import locked_clock_times as lct  # noqa: E402 - a sibling script, not a package
 
 from flashspec.kernels import lm_head_ws  # noqa: E402
 
-FLAGS = ("no-load", "no-mma", "cheap-bits")
+FLAGS = ("no-load", "no-mma", "cheap-bits", "pad-8", "pad-16")
 KERNELS = ("argmax", "sample", "verify", "qwen", "verify-qwen")
 STAGE1 = "lm_head_tiles_ws_kernel"
 
@@ -113,9 +118,35 @@ if lm_head_ws.gluon is not None:
         rows = (seed * 31 + position).to(gl.int32)
         return ((columns[None, :] * -1640531535) ^ (rows[:, None] * 40503)).to(gl.uint32)
 
+    _shipped_tile_bits = lm_head_ws._tile_bits
+
+    @gluon.jit
+    def _xorshifts(bits, ROUNDS: gl.constexpr):
+        """ROUNDS xorshifts of each word: 2 instructions (a shift and a xor) per round and
+        word, which the compiler cannot fold; each is a bijection, so the words stay uniform."""
+        for i in gl.static_range(ROUNDS):
+            bits = bits ^ (bits >> (13 if i % 2 == 0 else 7))
+        return bits
+
+    @gluon.jit
+    def _tile_bits_pad8(seed, position, pid_v, NUM_VT, CR: gl.constexpr, BV: gl.constexpr,
+                        INTERLEAVE: gl.constexpr, layout: gl.constexpr):
+        """`lm_head_ws._tile_bits` and 8 more instructions per word."""
+        return _xorshifts(_shipped_tile_bits(seed, position, pid_v, NUM_VT, CR, BV, INTERLEAVE,
+                                             layout), 4)
+
+    @gluon.jit
+    def _tile_bits_pad16(seed, position, pid_v, NUM_VT, CR: gl.constexpr, BV: gl.constexpr,
+                         INTERLEAVE: gl.constexpr, layout: gl.constexpr):
+        """`lm_head_ws._tile_bits` and 16 more instructions per word."""
+        return _xorshifts(_shipped_tile_bits(seed, position, pid_v, NUM_VT, CR, BV, INTERLEAVE,
+                                             layout), 8)
+
     REPLACEMENTS = {"no-load": ("_load_partition", _load_partition_no_copy),
                     "no-mma": ("_mma_partition", _mma_partition_idle),
-                    "cheap-bits": ("_tile_bits", _cheap_tile_bits)}
+                    "cheap-bits": ("_tile_bits", _cheap_tile_bits),
+                    "pad-8": ("_tile_bits", _tile_bits_pad8),
+                    "pad-16": ("_tile_bits", _tile_bits_pad16)}
 
 
 def parse_variant(text: str) -> tuple[str, ...]:
@@ -127,6 +158,10 @@ def parse_variant(text: str) -> tuple[str, ...]:
     if not flags or unknown:
         raise argparse.ArgumentTypeError(
             f"variant {text!r}: 'full' or '+'-joined flags from {', '.join(FLAGS)}")
+    words = [flag for flag in flags if flag in ("cheap-bits", "pad-8", "pad-16")]
+    if len(words) > 1:
+        raise argparse.ArgumentTypeError(
+            f"variant {text!r}: {' and '.join(words)} both replace the Philox words; one of them")
     return flags
 
 

@@ -12,7 +12,7 @@
 #   PARTS=tests bash scripts/gpu_check.sh tests/test_rng.py tests/test_verify_kernel.py \
 #       tests/test_kernels.py tests/test_generate_gpu.py        # 124 tests, 471-520 s
 #   PARTS="kernels verify" bash scripts/gpu_check.sh            # both benchmark tables, 232-294 s
-# PARTS=probe: scripts/epilogue_probe.py at R = 256 (needs ncu; 20 points, ~20 s each, not yet
+# PARTS=probe: scripts/epilogue_probe.py at R = 256 (needs ncu; 22 points, ~20 s each, not yet
 # run): argmax and verification on the 4-warp entry, sampling on the 4- and 8-warp ones.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,7 +43,7 @@ for part in $PARTS; do
                 --out "$OUT/probe_main_loop" 2>&1 | tee "$OUT/probe_main_loop.log" | tail -12
             python scripts/epilogue_probe.py --kernels sample --rows 256 \
                 --configs "128,128,64,4,5,ws,screen 128,128,64,8,4,ws,screen" \
-                --variants full,no-mma,no-load+no-mma,cheap-bits \
+                --variants full,no-mma,no-load+no-mma,cheap-bits,pad-16 \
                 --out "$OUT/probe_sample" 2>&1 | tee "$OUT/probe_sample.log" | tail -12 ;;
     esac
 done

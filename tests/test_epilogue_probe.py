@@ -40,7 +40,8 @@ for text in sys.argv[2:]:
     text_ptx = ptx["last"]
     found.append(dict(variant=text, wgmma=text_ptx.count("wgmma.mma_async"),
                       tma=text_ptx.count("cp.async.bulk.tensor"),
-                      philox=text_ptx.count("-766435501"), stand_in=text_ptx.count("40503")))
+                      philox=text_ptx.count("-766435501"), stand_in=text_ptx.count("40503"),
+                      xor=text_ptx.count("xor.b32")))
 print(json.dumps(found))
 """
 
@@ -56,8 +57,8 @@ def _compiled(variants: list[str]) -> list[dict]:
 
 @pytest.mark.skipif(probe.lm_head_ws.gluon is None, reason="Gluon needs Triton 3.6")
 def test_each_variant_compiles_without_what_it_switches_off_and_full_is_restored():
-    full, no_mma, no_load, cheap, full_again = _compiled(
-        ["full", "no-mma", "no-load", "cheap-bits", "full"])
+    full, no_mma, no_load, cheap, padded, full_again = _compiled(
+        ["full", "no-mma", "no-load", "cheap-bits", "pad-16", "full"])
     assert full["wgmma"] > 0 and full["tma"] > 0 and full["philox"] > 0
     assert full["stand_in"] == 0
     assert no_mma["wgmma"] == 0 and no_mma["tma"] == full["tma"]
@@ -66,6 +67,9 @@ def test_each_variant_compiles_without_what_it_switches_off_and_full_is_restored
     # calls Philox once per row.
     assert cheap["stand_in"] > 0 and 0 < cheap["philox"] < full["philox"] // 4
     assert cheap["wgmma"] == full["wgmma"]
+    # 8 xorshift rounds per word, each a shift and a xor, on the screen's and the fallback's
+    # 32 words a thread: 256 more xors at least.
+    assert padded["philox"] == full["philox"] and padded["xor"] >= full["xor"] + 2 * 8 * 32
     assert full_again == dict(full, variant="full")
 
 
@@ -89,7 +93,8 @@ def test_variant_names_parse_to_sorted_flags():
     assert probe.parse_variant("no-mma+no-load") == ("no-load", "no-mma")
     assert probe.variant_name(("no-load", "no-mma")) == "no-load+no-mma"
     assert probe.variant_name(()) == "full"
-    for bad in ("no-epilogue", "no-mma+", ""):
+    assert probe.parse_variant("pad-16+no-mma") == ("no-mma", "pad-16")
+    for bad in ("no-epilogue", "no-mma+", "", "cheap-bits+pad-8"):
         with pytest.raises(Exception, match="variant"):
             probe.parse_variant(bad)
 
