@@ -19,7 +19,10 @@ the shipped kernel is not edited. Each variant runs in a fresh process:
 * ``no-mma``: the MMA warpgroup waits for each stage and frees it, but issues no wgmma. The
   epilogue summarises tiles of zeros and does the same work per logit;
 * ``no-load``: the load warp marks each stage full without copying. ``no-load+no-mma``
-  leaves the epilogue alone, paced only by its own hand-over;
+  leaves the epilogue alone, paced only by its own hand-over. With the MMA on, no-load
+  multiplies whatever the stages hold: meant for argmax, whose epilogue does the same work
+  whatever the values (a sampling epilogue sends chunks with non-finite values to its exact
+  path);
 * ``cheap-bits``: the epilogue's Philox words come from a multiply and a xor of row and
   column instead. This measures the words' share of the time. It is for timing only: the
   tokens are not the shipped sampler's.
@@ -40,7 +43,7 @@ Each point runs under ``ncu --clock-control base`` (scripts/locked_clock_times.p
 three calls after three untimed ones, every kernel at the base clock with L2 flushed).
 matmul and argmax at the same rows are timed as the references:
 
-    PYTHONPATH=. python scripts/epilogue_probe.py --kernels argmax,sample,verify --rows 256 \\
+    PYTHONPATH=. python scripts/epilogue_probe.py --kernels sample,verify --rows 256 \\
         --configs "128,128,64,4,5,ws,screen 128,128,64,8,4,ws,screen" \\
         --variants full,no-mma,no-load+no-mma,cheap-bits,pad-16 --out $OUT   # ~20 s a point
     python scripts/epilogue_probe.py --summarize $OUT/epilogue_probe.json

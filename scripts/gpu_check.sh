@@ -12,8 +12,8 @@
 #   PARTS=tests bash scripts/gpu_check.sh tests/test_rng.py tests/test_verify_kernel.py \
 #       tests/test_kernels.py tests/test_generate_gpu.py        # 124 tests, 471-520 s
 #   PARTS="kernels verify" bash scripts/gpu_check.sh            # both benchmark tables, 232-294 s
-# PARTS=probe: scripts/epilogue_probe.py at R = 256 (needs ncu; 22 points, ~20 s each, not yet
-# run): argmax and verification on the 4-warp entry, sampling on the 4- and 8-warp ones.
+# PARTS=probe: scripts/epilogue_probe.py at R = 256 on the default 4-warp entry (needs ncu; 17
+# points, ~20 s each, not yet run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -23,6 +23,27 @@ for part in $PARTS; do
     case $part in
         tests|kernels|verify|probe) ;;
         *) echo "gpu_check.sh: PARTS has '$part'; allowed: tests, kernels, verify, probe" >&2; exit 2 ;;
+    esac
+done
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
+python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
+if [ $# -eq 0 ]; then
+    set -- tests/test_kernels_ws.py tests/test_screen.py tests/test_kernels.py \
+        tests/test_verify_kernel.py tests/test_rng.py tests/test_generate_gpu.py
+fi
+for part in $PARTS; do
+    case $part in
+        tests) python -m pytest -q -x -p no:cacheprovider --durations=15 "$@" 2>&1 | tee "$OUT/pytest.log" | tail -5 ;;
+        kernels) python scripts/bench_kernels.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+        verify) python scripts/bench_verify.py --out "$OUT" 2>&1 | tee "$OUT/bench_verify.log" | tail -28 ;;
+        probe)
+            python scripts/epilogue_probe.py --kernels argmax --rows 256 \
+                --variants full,no-load,no-mma \
+                --out "$OUT/probe_argmax" 2>&1 | tee "$OUT/probe_argmax.log" | tail -8
+            python scripts/epilogue_probe.py --kernels sample,verify --rows 256 \
+                --variants full,no-mma,no-load+no-mma,cheap-bits,pad-16 \
+                --out "$OUT/probe_epilogue" 2>&1 | tee "$OUT/probe_epilogue.log" | tail -15 ;;
     esac
 done
 mkdir -p "$OUT"
