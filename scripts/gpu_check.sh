@@ -46,25 +46,3 @@ for part in $PARTS; do
                 --out "$OUT/probe_epilogue" 2>&1 | tee "$OUT/probe_epilogue.log" | tail -15 ;;
     esac
 done
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
-python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
-if [ $# -eq 0 ]; then
-    set -- tests/test_kernels_ws.py tests/test_screen.py tests/test_kernels.py \
-        tests/test_verify_kernel.py tests/test_rng.py tests/test_generate_gpu.py
-fi
-for part in $PARTS; do
-    case $part in
-        tests) python -m pytest -q -x -p no:cacheprovider --durations=15 "$@" 2>&1 | tee "$OUT/pytest.log" | tail -5 ;;
-        kernels) python scripts/bench_kernels.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
-        verify) python scripts/bench_verify.py --out "$OUT" 2>&1 | tee "$OUT/bench_verify.log" | tail -28 ;;
-        probe)
-            python scripts/epilogue_probe.py --kernels argmax,verify --rows 256 \
-                --configs 128,128,64,4,5,ws,screen --variants full,no-mma,no-load,no-load+no-mma \
-                --out "$OUT/probe_main_loop" 2>&1 | tee "$OUT/probe_main_loop.log" | tail -12
-            python scripts/epilogue_probe.py --kernels sample --rows 256 \
-                --configs "128,128,64,4,5,ws,screen 128,128,64,8,4,ws,screen" \
-                --variants full,no-mma,no-load+no-mma,cheap-bits,pad-16 \
-                --out "$OUT/probe_sample" 2>&1 | tee "$OUT/probe_sample.log" | tail -12 ;;
-    esac
-done
