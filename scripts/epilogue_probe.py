@@ -32,12 +32,13 @@ the shipped kernel is not edited. Each variant runs in a fresh process:
   epilogue is late on its own (it issues 0.25-0.33 a cycle), 0.5-1 if it contends with the
   MMA, none if it is hidden.
 
-For argmax, whose epilogue is light, ``no-load`` asks a third question: is the main loop
-bound by shared-memory bandwidth? A 128x128 tile moves 4.1-5.1 MiB through its SM's shared
-memory at D = 4096: 2 MiB of TMA writes, 2-3 MiB of wgmma operand reads, and the hand-over.
-Each SM takes 18 of R = 256's 2,374 tiles. At 128 bytes a cycle that is 590-755k cycles, and
-argmax measured 725k (0.5135 ms at the locked 1.41 GHz). If that is the bound, the MMA runs
-much faster without the TMA writes.
+For argmax, whose epilogue is light, ``no-load`` and ``no-mma`` bound the main loop from its
+two sides. no-load is the MMA without the TMA writes and without the HBM stream (at least the
+tensor peak, ~0.42 ms at R = 256). no-mma is the stream alone (at least the HBM floor,
+~0.415 ms). If the full kernel (0.51 ms) sits well above both, the two slow each other inside
+the SM, and shared memory is the likely place: a 128x128 tile moves 4.1-5.1 MiB through it at
+D = 4096, which is 608-755k cycles per SM at R = 256 against argmax's 725k. These variants do
+not isolate shared memory; a variant that keeps the TMA writes from an L2-resident tile would.
 
 Each point runs under ``ncu --clock-control base`` (scripts/locked_clock_times.py's method:
 three calls after three untimed ones, every kernel at the base clock with L2 flushed).
@@ -177,9 +178,13 @@ def _forget_compiled_hashes() -> None:
     kernel and the partitions that call a swapped function must hash again."""
     from triton.runtime.jit import JITFunction
 
+    if lm_head_ws.gluon is None:  # no Gluon kernel to swap anything in
+        return
     for value in vars(lm_head_ws).values():
         if isinstance(value, JITFunction):  # (interpreted functions never compile)
             value.hash = None
+    # Kernels compiled in this process are cached by their arguments alone, not the hash.
+    lm_head_ws.lm_head_tiles_ws_kernel.device_caches.clear()
 
 
 @contextlib.contextmanager
@@ -232,19 +237,25 @@ def stage1_ms(point: dict) -> float:
 
 def format_table(points: list[dict]) -> str:
     """One line per point: kernel, rows, configuration, variant, stage 1's median, its ratio
-    to the matmul at the same rows and to the same configuration's full variant."""
-    matmul = {p["rows"]: p["call_ms"] for p in points if p["kernel"] == "matmul"}
+    to the matmul at the same rows and to the same configuration's full variant (or why the
+    point failed)."""
+    measured = [p for p in points if "error" not in p]
+    matmul = {p["rows"]: p["call_ms"] for p in measured if p["kernel"] == "matmul"}
     full = {(p["kernel"], p["rows"], p["config"]): stage1_ms(p)
-            for p in points if p.get("variant") == "full"}
+            for p in measured if p.get("variant") == "full"}
     lines = ["locked base clocks (ncu); stage 1's median ms; xM = / matmul at the same rows; "
              "xfull = / the full variant of the same configuration"]
     for p in points:
+        head = (f"{p['kernel']:12s} R={p['rows']:4d} {p.get('config') or '(default)':28s} "
+                f"{p.get('variant') or '':26s}")
+        if "error" in p:
+            lines.append(f"{head} failed: {p['error'].splitlines()[0][:80]}")
+            continue
         ms = stage1_ms(p)
         to_matmul = f"x{ms / matmul[p['rows']]:.3f}" if p["rows"] in matmul else "-"
         reference = full.get((p["kernel"], p["rows"], p.get("config")))
         to_full = f"x{ms / reference:.3f}" if reference else "-"
-        lines.append(f"{p['kernel']:12s} R={p['rows']:4d} {p.get('config') or '(default)':28s} "
-                     f"{p.get('variant') or '':26s} {ms:8.4f} {to_matmul:>7s} {to_full:>7s}")
+        lines.append(f"{head} {ms:8.4f} {to_matmul:>7s} {to_full:>7s}")
     return "\n".join(lines)
 
 
@@ -302,13 +313,23 @@ def main(argv=None) -> int:
     if args.launch:
         _launch(args.kernels[0], args.rows[0], args.configs[0], args.variants[0], args.drafts)
         return 0
+    # A point that fails (or hangs: locked_clock_times.profile_launches' timeout) is kept as
+    # its error, and the JSON is rewritten after every point: one bad variant costs one point.
+    plan = [(lct.measure_point, (kernel, rows, args.drafts), dict(kernel=kernel, rows=rows))
+            for rows in args.rows for kernel in ("matmul", "argmax")]
+    plan += [(measure_point, (kernel, rows, config, flags, args.drafts),
+              dict(kernel=kernel, rows=rows, config=config, variant=variant_name(flags)))
+             for rows in args.rows for kernel in args.kernels for config in args.configs
+             for flags in args.variants]
+    path = Path(args.out) / "epilogue_probe.json"
     points = []
-    for rows in args.rows:
-        points += [lct.measure_point(kernel, rows, args.drafts) for kernel in ("matmul", "argmax")]
-        points += [measure_point(kernel, rows, config, flags, args.drafts)
-                   for kernel in args.kernels for config in args.configs
-                   for flags in args.variants]
-    lct.write_report(points, Path(args.out) / "epilogue_probe.json", format_table)
+    for measure, measure_args, names in plan:
+        try:
+            points.append(measure(*measure_args))
+        except SystemExit as failure:
+            points.append(dict(names, error=str(failure)[-1000:]))
+        lct.write_report(points, path)
+    lct.write_report(points, path, format_table)
     return 0
 
 

@@ -106,13 +106,18 @@ def time_calls(call) -> None:
     torch.cuda.nvtx.range_pop()
 
 
-def profile_launches(target: list[str], what: str) -> list[tuple[str, float]]:
+def profile_launches(target: list[str], what: str, timeout_s: float = 300.0
+                     ) -> list[tuple[str, float]]:
     """(kernel name, ms) of each launch inside the NVTX range of `target` (a command whose
-    calls go through `time_calls`), run under ncu at locked base clocks."""
-    result = subprocess.run(
-        [_ncu(), "--clock-control", "base", "--nvtx", "--nvtx-include", f"{RANGE}/",
-         "--metrics", METRIC, "--csv", "--print-units", "base", *target],
-        capture_output=True, text=True)
+    calls go through `time_calls`), run under ncu at locked base clocks. SystemExit if ncu
+    fails or takes longer than `timeout_s`."""
+    try:
+        result = subprocess.run(
+            [_ncu(), "--clock-control", "base", "--nvtx", "--nvtx-include", f"{RANGE}/",
+             "--metrics", METRIC, "--csv", "--print-units", "base", *target],
+            capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"ncu took more than {timeout_s:.0f} s for {what}") from None
     if result.returncode:
         raise SystemExit(f"ncu failed for {what} (exit {result.returncode}):\n"
                          f"{result.stdout[-2000:]}{result.stderr[-2000:]}")
@@ -150,17 +155,18 @@ def _kernel_names(text: str) -> list[str]:
     return names
 
 
-def write_report(points: list[dict], path: Path, table) -> None:
-    """The points as JSON at `path`, with the device and the method; prints the device and
-    `table` of the points."""
+def write_report(points: list[dict], path: Path, table=None) -> None:
+    """The points as JSON at `path`, with the device and the method; with `table`, prints the
+    device and the table of the points."""
     import torch
 
     path.parent.mkdir(parents=True, exist_ok=True)
     report = dict(device=torch.cuda.get_device_name(), method="ncu --clock-control base, "
                   f"{METRIC}, {TIMED_CALLS} calls after {UNTIMED_CALLS}", points=points)
     path.write_text(json.dumps(report, indent=1))
-    print(report["device"])
-    print(table(points))
+    if table is not None:
+        print(report["device"])
+        print(table(points))
 
 
 def parse_point_arguments(parser, argv, report: str, table):

@@ -73,6 +73,30 @@ def test_each_variant_compiles_without_what_it_switches_off_and_full_is_restored
     assert full_again == dict(full, variant="full")
 
 
+def test_a_failed_point_is_kept_and_the_others_are_measured(monkeypatch, tmp_path):
+    written = []
+    monkeypatch.setattr(probe.lct, "measure_point", lambda kernel, rows, drafts: dict(
+        kernel=kernel, rows=rows, kernels={"k": dict(median_ms=0.5, per_call=1)}, call_ms=0.5))
+
+    def measure(kernel, rows, config, flags, drafts):
+        if flags == ("pad-16",):
+            raise SystemExit("ncu took more than 300 s")
+        return dict(kernel=kernel, rows=rows, config=config, variant=probe.variant_name(flags),
+                    kernels={"lm_head_tiles_ws_kernel": dict(median_ms=0.6, per_call=1)},
+                    call_ms=0.6)
+    monkeypatch.setattr(probe, "measure_point", measure)
+    monkeypatch.setattr(probe.lct, "write_report",
+                        lambda points, path, table=None: written.append((list(points), table)))
+    assert probe.main(["--kernels", "sample", "--variants", "full,pad-16,no-mma",
+                       "--out", str(tmp_path)]) == 0
+    # Rewritten after each of the 5 points, then once more with the table.
+    assert len(written) == 6 and written[-1][1] is probe.format_table
+    points = written[-1][0]
+    assert [p.get("variant") for p in points] == [None, None, "full", "pad-16", "no-mma"]
+    assert points[3] == dict(kernel="sample", rows=256, config="128,128,64,4,5,ws,screen",
+                             variant="pad-16", error="ncu took more than 300 s")
+
+
 @pytest.mark.skipif(probe.lm_head_ws.gluon is None, reason="Gluon needs Triton 3.6")
 def test_variants_are_swapped_in_and_restored():
     ws = probe.lm_head_ws
@@ -112,6 +136,8 @@ def test_table_gives_ratios_to_matmul_and_to_the_full_variant(tmp_path, capsys):
              kernels=stage1(0.45), call_ms=0.456),
         dict(kernel="sample", rows=512, config=config, variant="no-mma", kernels=stage1(0.9),
              call_ms=0.906),
+        dict(kernel="verify", rows=256, config=config, variant="pad-16",
+             error="ncu took more than 300 s for verify, 256 rows"),
     ]
     path = tmp_path / "epilogue_probe.json"
     path.write_text(json.dumps(dict(device="test", points=points)))
@@ -121,6 +147,8 @@ def test_table_gives_ratios_to_matmul_and_to_the_full_variant(tmp_path, capsys):
     assert lines[2].split()[-3:] == ["0.6000", "x1.200", "x1.000"]
     assert lines[3].split()[-3:] == ["0.4500", "x0.900", "x0.750"]
     assert lines[4].split()[-3:] == ["0.9000", "-", "-"]  # no matmul, no full at 512 rows
+    assert "pad-16" in lines[5] and lines[5].endswith("failed: ncu took more than 300 s for "
+                                                      "verify, 256 rows")
 
 
 def test_arguments_are_checked():
