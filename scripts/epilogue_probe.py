@@ -29,7 +29,7 @@ the shipped kernel is not edited. Each variant runs in a fresh process:
 * ``pad-8``, ``pad-16``: the words as shipped, then 8 or 16 more instructions per logit
   (xorshifts; timing only, as cheap-bits). The added time per added instruction separates
   the two explanations directly: about 3-4 cycles per instruction per scheduler if the
-  epilogue is late on its own (it issues 0.25-0.33 a cycle), 0.5-1 if it contends with the
+  epilogue is late on its own (it issues 0.25-0.33 a cycle), 0.6-1.1 if it contends with the
   MMA, none if it is hidden.
 
 For argmax, whose epilogue is light, ``no-load`` and ``no-mma`` bound the main loop from its
