@@ -68,6 +68,13 @@ from flashspec.kernels import lm_head_ws  # noqa: E402
 FLAGS = ("no-load", "no-mma", "cheap-bits", "pad-8", "pad-16")
 KERNELS = ("argmax", "sample", "verify", "qwen", "verify-qwen")
 STAGE1 = "lm_head_tiles_ws_kernel"
+# Instructions per logit that a variant adds to the epilogue's main path (cheap-bits: removes),
+# from the offline sm_90a SASS per 32-logit chunk and thread: pad-8 +224 and pad-16 +481 on
+# the 4- and 8-warp entries, cheap-bits -254 on the 4-warp one.
+ADDED_PER_LOGIT = {"pad-8": 224 / 32, "pad-16": 481 / 32, "cheap-bits": -254 / 32}
+BASE_CLOCK_HZ = 1.413e9  # an H100 under ncu --clock-control base (cycles / time, twelfth session)
+SCHEDULERS = 132 * 4  # H100 and H200: 132 SMs of 4 schedulers
+VOCAB = 151_936  # the probe's problem (scripts/sweep_tiles.py at D = 4096)
 
 if lm_head_ws.gluon is not None:
     from triton.experimental import gluon
@@ -256,7 +263,27 @@ def format_table(points: list[dict]) -> str:
         reference = full.get((p["kernel"], p["rows"], p.get("config")))
         to_full = f"x{ms / reference:.3f}" if reference else "-"
         lines.append(f"{head} {ms:8.4f} {to_matmul:>7s} {to_full:>7s}")
-    return "\n".join(lines)
+    return "\n".join(lines + cycles_per_instruction(measured, full))
+
+
+def cycles_per_instruction(measured: list[dict], full: dict) -> list[str]:
+    """Per variant that adds or removes instructions (ADDED_PER_LOGIT), the cycles each one
+    costs on its scheduler: stage 1's change at BASE_CLOCK_HZ over the change in warp
+    instructions per scheduler (logits x instructions per logit / 32 lanes / SCHEDULERS).
+    About 3-4 if the epilogue is late on its own, 0.6-1.1 if it contends with the MMA, about
+    0 if it is hidden (BENCHMARKS.md, thirteenth session)."""
+    lines = []
+    for p in measured:
+        reference = full.get((p["kernel"], p["rows"], p.get("config")))
+        per_logit = ADDED_PER_LOGIT.get(p.get("variant"))
+        if reference is None or per_logit is None:
+            continue
+        instructions = per_logit * p["rows"] * VOCAB / 32 / SCHEDULERS
+        cycles = (stage1_ms(p) - reference) * 1e-3 * BASE_CLOCK_HZ
+        lines.append(f"{p['variant']} against full, {p['kernel']} R={p['rows']} {p['config']}: "
+                     f"{per_logit:+.1f} instructions per logit, {cycles / instructions:.2f} "
+                     f"cycles each per scheduler")
+    return lines
 
 
 def _csv(parse):

@@ -138,6 +138,8 @@ def test_table_gives_ratios_to_matmul_and_to_the_full_variant(tmp_path, capsys):
              call_ms=0.906),
         dict(kernel="verify", rows=256, config=config, variant="pad-16",
              error="ncu took more than 300 s for verify, 256 rows"),
+        dict(kernel="sample", rows=256, config=config, variant="pad-16", kernels=stage1(0.63),
+             call_ms=0.636),
     ]
     path = tmp_path / "epilogue_probe.json"
     path.write_text(json.dumps(dict(device="test", points=points)))
@@ -149,6 +151,10 @@ def test_table_gives_ratios_to_matmul_and_to_the_full_variant(tmp_path, capsys):
     assert lines[4].split()[-3:] == ["0.9000", "-", "-"]  # no matmul, no full at 512 rows
     assert "pad-16" in lines[5] and lines[5].endswith("failed: ncu took more than 300 s for "
                                                       "verify, 256 rows")
+    # +0.03 ms at 1.413 GHz = 42,390 cycles, over 481 / 32 instructions per logit on 256 rows
+    # of 151,936 logits: 256 * 151,936 * 15.03 / 32 / 528 = 34,598 per scheduler.
+    assert lines[-1] == (f"pad-16 against full, sample R=256 {config}: +15.0 instructions per "
+                         f"logit, 1.23 cycles each per scheduler")
 
 
 def test_arguments_are_checked():
