@@ -10,7 +10,9 @@ at large B; this answers both before a device is lent:
     PYTHONPATH=. python scripts/kernel_registers.py --kernel sample \
         --configs "128,128,128,8,3,2 128,64,64,8,4"
 
-Prints one line per configuration; writes kernel_registers.json to --out. Configurations
+Prints one line per configuration; writes kernel_registers.json to --out, and with --sass
+each configuration's disassembly (nvdisasm -c) beside it, for counting what an epilogue
+executes per logit (BENCHMARKS.md, thirteenth session). Configurations
 are "bv,br,bd,warps,stages[,parts][,ws][,screen]" as in scripts/sweep_tiles.py; "ws" compiles the
 warp-specialized Gluon stage 1 (`flashspec/kernels/lm_head_ws.py`) and also reports the
 setmaxnreg values in its PTX (what the load warp, the MMA warpgroup and the epilogue warps set
@@ -71,13 +73,32 @@ def signature(config, cand: int, draft: bool) -> dict[str, str]:
             "stride_weight": "i32", "NUM_VT": "i32", "ROWS_PER_PARAM": "i32"}
 
 
-def compile_report(kernel: str, config) -> dict:
-    """ptxas's registers and spill bytes, Triton's shared memory, and the programs per SM
-    that registers and shared memory allow, of stage 1 under `config`."""
+def compile_report(kernel: str, config, sass_dir: str | None = None) -> dict:
+    """ptxas's registers and spill bytes, Triton's shared memory, the programs per SM that
+    registers and shared memory allow, and the SASS instruction count of stage 1 under
+    `config`; with `sass_dir`, its disassembly written there (`sass_path`)."""
     sample, lse, truncation, draft = KERNELS[kernel]
     cand = config.candidates if truncation else 0
     if config.warp_specialized:
-        return _warp_specialized_report(kernel, config, sample, lse, cand, draft)
+        report = _warp_specialized_report(kernel, config, sample, lse, cand, draft)
+    else:
+        report = _triton_report(kernel, config, sample, lse, cand, draft)
+    sass = disassemble(report.pop("compiled"))
+    report["sass_instructions"] = len(SASS_INSTRUCTION.findall(sass))
+    if sass_dir is not None:
+        c = config
+        path = Path(sass_dir) / (f"{kernel}_{c.block_v}x{c.block_r}_d{c.block_d}_{c.num_warps}w_"
+                                 f"{c.num_stages}s_{c.epilogue_parts}p"
+                                 + "_ws" * c.warp_specialized + "_screen" * c.screen + ".sass")
+        path.write_text(sass)
+        report["sass_path"] = str(path)
+    return report
+
+
+def _triton_report(kernel: str, config, sample: bool, lse: bool, cand: int,
+                   draft: bool) -> dict:
+    """The Triton stage 1 under `config` (`compile_report`'s numbers, and the compiled
+    kernel)."""
     constants = dict(SAMPLE=sample, LSE=lse, CAND=cand, DRAFT=draft, IEEE_DOT=False,
                      INTERLEAVE=cand > 0, EVEN_V=True, EVEN_D=True, TMA=True,
                      PARTS=config.epilogue_parts, SCREEN=config.screen, BLOCK_V=config.block_v,
@@ -95,7 +116,7 @@ def compile_report(kernel: str, config) -> dict:
                  SM_THREADS // threads)
     return dict(kernel=kernel, config=config.__dict__, registers=registers,
                 spill_store_bytes=spill_stores, spill_load_bytes=spill_loads,
-                shared_bytes=shared, programs_per_sm=per_sm)
+                shared_bytes=shared, programs_per_sm=per_sm, compiled=compiled)
 
 
 def _warp_specialized_report(kernel: str, config, sample: bool, lse: bool, cand: int,
@@ -130,7 +151,22 @@ def _warp_specialized_report(kernel: str, config, sample: bool, lse: bool, cand:
     return dict(kernel=kernel, config=config.__dict__, registers=registers,
                 partition_registers=partitions, spill_store_bytes=spill_stores,
                 spill_load_bytes=spill_loads, shared_bytes=compiled.metadata.shared,
-                programs_per_sm=1)
+                programs_per_sm=1, compiled=compiled)
+
+
+# One instruction of `nvdisasm -c`'s listing: its address comment, then the (predicated)
+# opcode.
+SASS_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?[A-Z][A-Z0-9_.]*")
+
+
+def disassemble(compiled) -> str:
+    """The SASS of a compiled kernel (nvdisasm as shipped with Triton)."""
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "stage1.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        return subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True,
+                              text=True, check=True).stdout
 
 
 def _ptxas_report(compiled) -> tuple[int, int, int]:
@@ -153,6 +189,8 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", type=parse_configs, required=True,
                         help='"bv,br,bd,warps,stages[,parts][,ws][,screen] ..."')
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--sass", action="store_true",
+                        help="also write each configuration's disassembly (nvdisasm) to --out")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("kernel_registers.py compiles the kernels: unset TRITON_INTERPRET (interpreted "
@@ -160,7 +198,7 @@ def main(argv=None) -> int:
         return 2
     reports = []
     for config in args.configs:
-        report = compile_report(args.kernel, config)
+        report = compile_report(args.kernel, config, args.out if args.sass else None)
         reports.append(report)
         c = config
         kind = (f"ws, partitions {report['partition_registers']}" if c.warp_specialized
@@ -168,8 +206,8 @@ def main(argv=None) -> int:
         print(f"{args.kernel} {c.block_v}x{c.block_r} d{c.block_d} {c.num_warps}w {c.num_stages}s "
               f"{kind}: {report['registers']} registers, spills "
               f"{report['spill_store_bytes']}/{report['spill_load_bytes']} B, shared "
-              f"{report['shared_bytes'] // 1024} KB, {report['programs_per_sm']} per SM",
-              flush=True)
+              f"{report['shared_bytes'] // 1024} KB, {report['programs_per_sm']} per SM, "
+              f"{report['sass_instructions']} SASS instructions", flush=True)
     with open(os.path.join(args.out, "kernel_registers.json"), "w") as f:
         json.dump(dict(target="sm_90a", triton=triton.__version__, reports=reports), f, indent=1)
     return 0

@@ -13,14 +13,14 @@ from script_module import SCRIPTS, load_script
 registers = load_script("kernel_registers")
 
 
-def _reports(tmp_path, kernel: str, configs: str) -> list[dict]:
+def _reports(tmp_path, kernel: str, configs: str, *options: str) -> list[dict]:
     """kernel_registers.py's reports, run in a process of its own: under TRITON_INTERPRET=1
     (set by conftest) Triton's own jitted helpers are interpreted functions and nothing
     compiles."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS.parent), env.get("PYTHONPATH", "")])
     subprocess.run([sys.executable, str(SCRIPTS / "kernel_registers.py"), "--kernel", kernel,
-                    "--configs", configs, "--out", str(tmp_path)],
+                    "--configs", configs, "--out", str(tmp_path), *options],
                    env=env, check=True, capture_output=True, timeout=300)
     return json.loads((tmp_path / "kernel_registers.json").read_text())["reports"]
 
@@ -47,6 +47,14 @@ def test_reports_registers_shared_memory_and_programs_per_sm(tmp_path):
         assert not fits(r["programs_per_sm"] + 1)
     # Pipeline buffers of a 128-token by 128-deep weight tile and a 16-row hidden tile.
     assert reports[1]["shared_bytes"] >= 2 * (128 * 128 + 16 * 128) * 2
+
+
+def test_writes_the_disassembly_and_counts_its_instructions(tmp_path):
+    report, = _reports(tmp_path, "sample", "128,128,64,4,5,ws,screen", "--sass")
+    sass = open(report["sass_path"]).read()
+    assert report["sass_instructions"] == len(registers.SASS_INSTRUCTION.findall(sass)) > 1000
+    # The Gluon kernel's wgmma and the screen's SFU logarithms, as compiled for sm_90a.
+    assert "HGMMA.64x128x16.F32.BF16" in sass and "MUFU.LG2" in sass
 
 
 def test_reports_the_warp_specialized_kernel(tmp_path):
