@@ -63,6 +63,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import locked_clock_times as lct  # noqa: E402 - a sibling script, not a package
 
+from flashspec import cli  # noqa: E402
 from flashspec.kernels import lm_head_ws  # noqa: E402
 
 FLAGS = ("no-load", "no-mma", "cheap-bits", "pad-8", "pad-16")
@@ -286,25 +287,12 @@ def cycles_per_instruction(measured: list[dict], full: dict) -> list[str]:
     return lines
 
 
-def _csv(parse):
-    def parse_list(text: str):
-        items = [parse(part.strip()) for part in text.split(",") if part.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError(f"{text!r}: an empty list")
-        return items
-    return parse_list
+def _kernels(text: str) -> list[str]:
+    return cli.names(text, KERNELS)
 
 
-def _kernel(text: str) -> str:
-    if text not in KERNELS:
-        raise argparse.ArgumentTypeError(f"kernel {text!r}: one of {', '.join(KERNELS)}")
-    return text
-
-
-def _rows(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"rows {text!r}: an integer >= 1")
-    return int(text)
+def _variants(text: str) -> list[tuple[str, ...]]:
+    return [parse_variant(part.strip()) for part in text.split(",")]
 
 
 def _ws_configs(text: str) -> list[str]:
@@ -324,14 +312,14 @@ def _ws_configs(text: str) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernels", type=_csv(_kernel), default=["sample", "verify"],
+    parser.add_argument("--kernels", type=_kernels, default=["sample", "verify"],
                         help=f"comma-separated, from {', '.join(KERNELS)}")
-    parser.add_argument("--rows", type=_csv(_rows), default=[256],
+    parser.add_argument("--rows", type=lct.positive_ints, default=[256],
                         help="comma-separated row counts (verify: B * (G + 1), G = --drafts)")
     parser.add_argument("--configs", type=_ws_configs,
                         default=_ws_configs("128,128,64,4,5,ws,screen"),
                         help='"bv,br,bd,warps,stages,ws[,screen]" items (scripts/sweep_tiles.py)')
-    parser.add_argument("--variants", type=_csv(parse_variant),
+    parser.add_argument("--variants", type=_variants,
                         default=[(), ("no-mma",), ("no-load", "no-mma"), ("cheap-bits",)],
                         help=f"comma-separated: full, or '+'-joined flags from {', '.join(FLAGS)}")
     args = lct.parse_point_arguments(parser, argv, "epilogue_probe.json", format_table)

@@ -39,6 +39,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stall_profile import KERNELS, _ncu  # noqa: E402
 
+from flashspec import cli  # noqa: E402
+
 POINT_KERNELS = ("matmul",) + KERNELS
 RANGE = "timed"
 TIMED_CALLS = 3
@@ -139,20 +141,13 @@ def measure_point(kernel: str, rows: int, drafts: int) -> dict:
     return dict(kernel=kernel, rows=rows, drafts=drafts, **summarize_point(launches))
 
 
-def _positive_ints(text: str) -> list[int]:
-    values = [int(part) for part in text.split(",") if part.strip()]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated integers >= 1")
-    return values
+def positive_ints(text: str) -> list[int]:
+    """--rows: `flashspec.cli.positive_ints`."""
+    return cli.positive_ints(text, "256,512")
 
 
 def _kernel_names(text: str) -> list[str]:
-    names = [part.strip() for part in text.split(",") if part.strip()]
-    unknown = [name for name in names if name not in POINT_KERNELS]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated names from "
-                                         f"{', '.join(POINT_KERNELS)}")
-    return names
+    return cli.names(text, POINT_KERNELS)
 
 
 def write_report(points: list[dict], path: Path, table=None) -> None:
@@ -196,7 +191,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", type=_kernel_names, default=["matmul", "sample", "verify"],
                         help=f"comma-separated, from {', '.join(POINT_KERNELS)}")
-    parser.add_argument("--rows", type=_positive_ints, default=[256],
+    parser.add_argument("--rows", type=positive_ints, default=[256],
                         help="comma-separated row counts (verify: B * (G + 1), G = --drafts)")
     args = parse_point_arguments(parser, argv, "locked_clock_times.json", format_table)
     if args is None:
