@@ -13,7 +13,9 @@
 #       tests/test_kernels.py tests/test_generate_gpu.py        # 124 tests, 471-520 s
 #   PARTS="kernels verify" bash scripts/gpu_check.sh            # both benchmark tables, 232-294 s
 # PARTS=probe: scripts/epilogue_probe.py at R = 256 on the default 4-warp entry (needs ncu; 17
-# points, ~20 s each, not yet run).
+# points, 536 s on an H100, fourteenth session). The grouped-noise cost model is a call of its own
+# (157 s): python scripts/epilogue_probe.py --kernels sample,verify --rows 256 \
+#     --variants full,grouped-noise --out $OUT
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
