@@ -242,8 +242,10 @@ if lm_head_ws.gluon is not None:
                         + gl.exp2((odd_max - top_p[:, None]) * LOG2E) * odd_sum, axis=1)
         # The winning group's 16 values in id order, their cumulative sums, the first that
         # passes u times the last.
-        groups5: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, e5.type.layout))))
-        rows5: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, e5.type.layout))))
+        row_and_group: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(
+            4, e5.type.layout)))
+        groups5: gl.constexpr = gl.SliceLayout(0, row_and_group)
+        rows5: gl.constexpr = gl.SliceLayout(1, row_and_group)
         a5 = gl.arange(0, A, layout=groups5)[None, :, None, None, None]
         win5 = gl.convert_layout(win, rows5)[:, None, None, None, None]
         # (Triton's scan takes blocked layouts: 4 consecutive values a thread.)
