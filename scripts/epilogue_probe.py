@@ -297,7 +297,8 @@ def parse_variant(text: str) -> tuple[str, ...]:
     words = [flag for flag in flags if flag in ("cheap-bits", "pad-8", "pad-16", "grouped-noise")]
     if len(words) > 1:
         raise argparse.ArgumentTypeError(
-            f"variant {text!r}: {' and '.join(words)} all replace the Philox words; one of them")
+            f"variant {text!r}: {' and '.join(words)} each replace the epilogue's noise; one "
+            f"of them")
     return flags
 
 
