@@ -225,14 +225,17 @@ def test_top_k_longer_than_the_merged_list(truncation, fast_rows):
 
 
 class StageOneSpy:
-    """Stands in for the stage-1 kernel and records each launch's LSE flag and row tile."""
+    """Stands in for the stage-1 kernel and records each launch's LSE, SAMPLE and DRAFT flags
+    and row tile."""
 
     def __init__(self, kernel):
-        self.kernel, self.lse, self.block_r = kernel, [], []
+        self.kernel, self.lse, self.sample, self.draft, self.block_r = kernel, [], [], [], []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.lse.append(kwargs["LSE"])
+            self.sample.append(kwargs["SAMPLE"])
+            self.draft.append(kwargs["DRAFT"])
             self.block_r.append(kwargs["BLOCK_R"])
             return self.kernel[grid](*args, **kwargs)
         return launch
@@ -246,9 +249,10 @@ class StageOneSpy:
 ])
 def test_rows_with_a_top_k_leave_out_the_full_normaliser(monkeypatch, top_k, full_normaliser,
                                                           completed):
-    """Where every row has a top-k below V, stage 1 skips the log-sum-exp and stage 2
-    normalises each support over its candidates (logprobs and lse included); otherwise
-    stage 1 computes it. Either way the results are the reference's."""
+    """Where every row has a top-k below V, stage 1 skips the log-sum-exp and the noise:
+    stage 2 draws each token among its candidates and normalises its support over them
+    (logprobs and lse included); otherwise stage 1 computes both. Either way the results are
+    the reference's."""
     spy = StageOneSpy(kernels.ops.lm_head.lm_head_tiles_kernel)
     monkeypatch.setattr(kernels.ops.lm_head, "lm_head_tiles_kernel", spy)
     g = torch.Generator().manual_seed(31)
@@ -259,7 +263,7 @@ def test_rows_with_a_top_k_leave_out_the_full_normaliser(monkeypatch, top_k, ful
     kernels.reset_stats()
     ours, ours_lp, ours_lse = kernels.lm_head_sample(hidden, weight, params, positions, True,
                                                      return_lse=True, config=SMALL)
-    assert spy.lse == [full_normaliser]
+    assert spy.lse == spy.sample == [full_normaliser]
     if SMALL is not None:
         assert kernels.stats().rows_completed == completed
     theirs, lp, lse = reference.lm_head_sample(hidden, weight, params, positions, True,

@@ -140,9 +140,9 @@ def test_verification_table_takes_64_row_tiles_for_65_to_128_rows(rows, verifica
 
 @pytest.mark.parametrize("top_k, full_normaliser", [([10, 7, 150], False), ([10, 7, 300], True)])
 def test_rows_with_a_top_k_verify_without_the_full_normaliser(monkeypatch, top_k, full_normaliser):
-    """Where every row has a top-k below V, stage 1 skips the log-sum-exp: p(draft) and the
-    logprobs come from the candidates. A top-k of V or more disables itself and stage 1
-    computes the normaliser. Batch row 2 is completed exactly either way: its top-k of 150
+    """Where every row has a top-k below V, stage 1 skips the log-sum-exp, the noise and the
+    drafts: p(draft), the logprobs and the acceptance come from the candidates. A top-k of V
+    or more disables itself and stage 1 computes all three. Batch row 2 is completed exactly either way: its top-k of 150
     under top-p is longer than SMALL's 32 merged candidates, and so is its top-p support."""
     spy = StageOneSpy(kernels.ops.lm_head.lm_head_tiles_kernel)
     monkeypatch.setattr(kernels.ops.lm_head, "lm_head_tiles_kernel", spy)
@@ -157,7 +157,7 @@ def test_rows_with_a_top_k_verify_without_the_full_normaliser(monkeypatch, top_k
         ours = kernel_verify(hidden, weight, drafts, params, positions)
         theirs = reference.lm_head_verify(hidden, weight, drafts, params, positions)
         assert_same_verify(ours, theirs, hidden, weight, params, positions)
-    assert spy.lse == [full_normaliser] * 2
+    assert spy.lse == spy.sample == spy.draft == [full_normaliser] * 2
     if SMALL is not None:
         assert kernels.stats().rows_completed == 2  # batch row 2, in both calls
 

@@ -33,7 +33,9 @@ Verification (DRAFT) flattens ``[B, G+1]`` positions into rows: stage 1 leaves e
 drafted token out of the tile's best and writes the draft's scaled logit; stage 2 decides
 whether the draft is the target's own sample (its perturbed score against the best other
 token) and writes p(draft), the best other token and the logprobs; `verify_finalize_kernel`,
-one program per batch row, runs the acceptance chain over the G+1 positions.
+one program per batch row, runs the acceptance chain over the G+1 positions. Truncated rows
+decide all of this among their candidates in stage 2; where every row has a top-k, stage 1
+computes neither the noise nor the drafts' summaries (`ops._launch`).
 
 Candidate keys: ``(order_key(raw logit) << 32) | (2**31 - 1 - token id)``, so that a
 larger key means a larger logit, then a lower id (the preference order of argmax).
@@ -491,12 +493,15 @@ def lm_head_rows_kernel(
     token_ptr, logprob_ptr, lse_ptr, status_ptr,
     masked_ptr, masked_logprob_ptr, draft_prob_ptr, draft_logprob_ptr,
     V, NUM_VT, ROWS_PER_PARAM,
-    LSE: tl.constexpr, CAND: tl.constexpr, DRAFT: tl.constexpr, K_MAX: tl.constexpr,
+    LSE: tl.constexpr, CAND: tl.constexpr, DRAFT: tl.constexpr, TILE_DRAFTS: tl.constexpr,
+    K_MAX: tl.constexpr,
     TOP_TILES: tl.constexpr, VT_POW2: tl.constexpr, PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     """Per row: the token (the target's own sample), its logprob, the log-sum-exp and the
     status. With DRAFT (verification) also: the best token other than the draft (`masked`)
-    and its logprob, and the draft's probability and logprob."""
+    and its logprob, and the draft's probability and logprob. TILE_DRAFTS: stage 1 left each
+    row's draft out of its tiles and wrote its logit; without it (every row has a top-k: see
+    `ops._launch`) the candidates alone decide, and stage 1's best is the argmax."""
     if PDL:  # launched before stage 1 ended: wait for its summaries, let the finaliser in
         gdc_wait()
         gdc_launch_dependents()
@@ -528,10 +533,11 @@ def lm_head_rows_kernel(
     masked_logprob = logprob
     draft_logprob = float("-inf")
     if DRAFT:
+        draft = _row_drafts(draft_ptr, row, True, ROWS_PER_PARAM)
+    if TILE_DRAFTS:
         # Stage 1 left the draft out of every tile's best: `token` is the best other token.
         # The target's own sample is the draft iff its perturbed score beats that one (ties
         # go to the lower id, as everywhere); the noise is recomputed bit for bit.
-        draft = _row_drafts(draft_ptr, row, True, ROWS_PER_PARAM)
         has_draft = draft >= 0
         draft_s = tl.load(draft_s_ptr + row, mask=has_draft, other=0.0)
         draft_noise = gumbel_noise(seed, position, tl.maximum(draft, 0).to(tl.int64))

@@ -293,6 +293,12 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
     every_row_top_k = params is not None and params.top_k_everywhere(weight.shape[0])
     need_lse = (((want_lse or verify) and not every_row_top_k)
                 or (truncate and params.any_top_p_without_top_k))
+    # Rows with a top-k draw their token in stage 2, among their candidates and with the
+    # candidates' own noise, and judge their draft there too: stage 1's Gumbel-max and the
+    # draft's mask and logit serve only the other rows. Where every row has a top-k, stage 1
+    # runs the argmax epilogue beside the candidates (the noise was most of its work).
+    tile_noise = sample and not every_row_top_k
+    tile_drafts = verify and not every_row_top_k
     cand = config.candidates if truncate else 0
     if params is None:  # argmax: every row reads the one greedy parameter row
         do_sample, temperature, zeros = _greedy_row_params(device)
@@ -318,10 +324,10 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
     summaries = (best, best_id, best_s, tile_max, tile_sum, bad)
     if config.warp_specialized:
         lm_head_ws.launch(hidden, weight, row, summaries, candidates, drafts, draft_s, num_vt,
-                          rows_per_param, config, sample, need_lse, cand, verify)
+                          rows_per_param, config, tile_noise, need_lse, cand, tile_drafts)
     else:
         _launch_tiles(hidden, weight, row, summaries, candidates, drafts, draft_s, num_vt,
-                      rows_per_param, config, sample, need_lse, cand, verify)
+                      rows_per_param, config, tile_noise, need_lse, cand, tile_drafts)
     out = _Rows(torch.empty(num_rows, dtype=torch.int64, device=device), torch.empty(num_rows, **f32),
                 torch.empty(num_rows, **f32), torch.empty(num_rows, dtype=torch.int32, device=device),
                 *((torch.empty(num_rows, dtype=torch.int64, device=device),
@@ -338,7 +344,7 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
         *((out.masked, out.masked_logprobs, out.draft_probs, out.draft_logprobs) if verify
           else (out.tokens, unused, unused, unused)),
         vocab_size, num_vt, rows_per_param,
-        LSE=need_lse, CAND=cand, DRAFT=verify,
+        LSE=need_lse, CAND=cand, DRAFT=verify, TILE_DRAFTS=tile_drafts,
         K_MAX=min(config.max_support, top_tiles * max(cand, 1)),
         TOP_TILES=top_tiles, VT_POW2=vt_pow2,
         PAD=lm_head.PAD_KEY, PDL=pdl, num_warps=config.merge_warps if cand else 4,
