@@ -1,0 +1,17 @@
+# Scratch A/B of this session (2026-11-23, fifteenth): HEAD f44413f's flashspec/ and scripts/ unpacked
+# into ab_old/ (git archive f44413f flashspec scripts | tar -x -C ab_old), the working tree as new.
+# Scratch A/B (not committed): HEAD's kernels (ab_old/) against the working tree, one call.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+run() {  # tree label args...
+    local tree=$1 label=$2; shift 2
+    (cd "$tree" && PYTHONPATH=. python scripts/sweep_tiles.py "$@" --out "$OUT/$label") 2>&1 \
+        | grep -E "default|R=" | sed "s/^/$label /"
+}
+for tree in ab_old . ab_old .; do
+    name=$([ "$tree" = . ] && echo new || echo old)
+    run $tree ${name}_vq1 --kernel verify-qwen --drafts 1 --rows 24,32,64,128 --configs "128,32,128,8,3"
+    run $tree ${name}_vq5 --kernel verify-qwen --drafts 5 --rows 24 --configs "128,32,128,8,3"
+    run $tree ${name}_q --kernel qwen --rows 1,32,64,128 --configs "128,16,128,4,3"
+done
