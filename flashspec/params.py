@@ -54,10 +54,9 @@ class SamplingParams:
     any_min_p: bool = dataclasses.field(init=False, repr=False, compare=False)
     # Every row sampled with a top-k below the vocabulary (`max_top_k`: the largest top-k,
     # 0 where none): stage 1 of the fused kernels can leave out the full log-sum-exp (the
-    # candidates normalise the support), unless a top-p has no top-k.
+    # candidates normalise the support) and the noise (stage 2 draws among them).
     all_top_k: bool = dataclasses.field(init=False, repr=False, compare=False)
     max_top_k: int = dataclasses.field(init=False, repr=False, compare=False)
-    any_top_p_without_top_k: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         expected = {
@@ -98,15 +97,14 @@ class SamplingParams:
         _check_range("seed", self.seed, f"in [0, {rng.MAX_SEED}]", lambda s: s >= 0)
         sampled = ~self.is_greedy
         top_k, top_p = sampled & (self.top_k > 0), sampled & (self.top_p < 1)
-        rows = torch.stack([sampled, top_k, top_p, sampled & (self.min_p > 0), ~top_k,
-                            top_p & ~top_k]).any(dim=1).long()
+        rows = torch.stack([sampled, top_k, top_p, sampled & (self.min_p > 0),
+                            ~top_k]).any(dim=1).long()
         (any_sampled, any_top_k, any_top_p, any_min_p, any_without_top_k,
-         any_top_p_without_top_k, max_top_k) = torch.cat([rows, self.top_k.max()[None]]).tolist()
+         max_top_k) = torch.cat([rows, self.top_k.max()[None]]).tolist()
         flags = dict(all_greedy=not any_sampled, any_top_k=bool(any_top_k),
                      any_top_p=bool(any_top_p), any_min_p=bool(any_min_p),
                      any_truncation=bool(any_top_k or any_top_p or any_min_p),
-                     all_top_k=not any_without_top_k,
-                     any_top_p_without_top_k=bool(any_top_p_without_top_k), max_top_k=max_top_k)
+                     all_top_k=not any_without_top_k, max_top_k=max_top_k)
         for name, value in flags.items():  # one device read for all of them
             object.__setattr__(self, name, value)
 
@@ -127,7 +125,7 @@ class SamplingParams:
         """The host-side summaries that select the fused kernels' variants for a vocabulary
         of `vocab_size` (a cache key: parameters with the same flags share captured graphs)."""
         return (self.all_greedy, self.any_top_k, self.any_top_p, self.any_min_p,
-                self.top_k_everywhere(vocab_size), self.any_top_p_without_top_k)
+                self.top_k_everywhere(vocab_size))
 
     @property
     def is_greedy(self) -> torch.Tensor:

@@ -244,11 +244,13 @@ class StageOneSpy:
 @pytest.mark.parametrize("top_k, full_normaliser, completed", [
     # Every row has a top-k below V = 200; row 2's (150, under top-p) is longer than the
     # 32 candidates SMALL merges, so that row is completed.
-    ([10, 5, 150, 6, 1], False, 1),
-    ([10, 5, 200, 6, 1], True, 0),  # a top-k of V disables itself: row 2 needs the full sum
+    ([10, 5, 150, 6, 1, 3], False, 1),
+    # A top-k of V or more disables itself: row 2 (under top-p) needs the full sum, row 5
+    # (alone) the noise of stage 1.
+    ([10, 5, 200, 6, 1, 300], True, 0),
 ])
-def test_rows_with_a_top_k_leave_out_the_full_normaliser(monkeypatch, top_k, full_normaliser,
-                                                          completed):
+def test_rows_with_a_top_k_leave_out_the_normaliser_and_the_noise(monkeypatch, top_k,
+                                                                  full_normaliser, completed):
     """Where every row has a top-k below V, stage 1 skips the log-sum-exp and the noise:
     stage 2 draws each token among its candidates and normalises its support over them
     (logprobs and lse included); otherwise stage 1 computes both. Either way the results are
@@ -256,10 +258,10 @@ def test_rows_with_a_top_k_leave_out_the_full_normaliser(monkeypatch, top_k, ful
     spy = StageOneSpy(kernels.ops.lm_head.lm_head_tiles_kernel)
     monkeypatch.setattr(kernels.ops.lm_head, "lm_head_tiles_kernel", spy)
     g = torch.Generator().manual_seed(31)
-    hidden, weight, positions = random_problem(g, 5, 200, 32)
-    params = SamplingParams.create(5, temperature=[0.6, 1.0, 0.7, 0.6, 1.0], top_k=top_k,
-                                   top_p=[0.95, 1.0, 0.9, 1.0, 1.0],
-                                   min_p=[0.0, 0.0, 0.0, 0.05, 0.0], seed=3, device=DEVICE)
+    hidden, weight, positions = random_problem(g, 6, 200, 32)
+    params = SamplingParams.create(6, temperature=[0.6, 1.0, 0.7, 0.6, 1.0, 0.8], top_k=top_k,
+                                   top_p=[0.95, 1.0, 0.9, 1.0, 1.0, 1.0],
+                                   min_p=[0.0, 0.0, 0.0, 0.05, 0.0, 0.0], seed=3, device=DEVICE)
     kernels.reset_stats()
     ours, ours_lp, ours_lse = kernels.lm_head_sample(hidden, weight, params, positions, True,
                                                      return_lse=True, config=SMALL)
@@ -272,6 +274,19 @@ def test_rows_with_a_top_k_leave_out_the_full_normaliser(monkeypatch, top_k, ful
     same = ours == theirs
     assert torch.allclose(ours_lp[same], lp[same].float(), atol=2e-4, rtol=1e-4)
     assert torch.allclose(ours_lse, lse.float(), atol=2e-4, rtol=1e-5)
+
+
+def test_top_p_under_a_top_k_of_v_or_more_normalises_over_the_vocabulary():
+    """A top-k of V or more keeps everything, so a top-p under it needs stage 1's log-sum-exp
+    even where no logprob is asked for (it was left out there once, and the top-p cut fell
+    in the wrong place: 7 of these 16 tokens differed)."""
+    g = torch.Generator().manual_seed(33)
+    hidden, weight, positions = random_problem(g, 16, 200, 32)
+    params = SamplingParams.create(16, temperature=0.8, top_k=300, top_p=0.5, seed=5,
+                                   device=DEVICE)
+    ours = kernels.lm_head_sample(hidden, weight, params, positions, config=SMALL)
+    theirs = reference.lm_head_sample(hidden, weight, params, positions)
+    assert_same_tokens(ours, theirs, hidden, weight, params, positions)
 
 
 def test_tiles_chosen_by_32_bit_keys_leave_nothing_uncertified():

@@ -129,14 +129,13 @@ def test_repeat_interleave_and_to():
 
 
 @pytest.mark.parametrize("rows,flags", [
-    # (all_greedy, any_top_k, any_top_p, any_min_p, top-k everywhere below V = 30,
-    #  any_top_p_without_top_k)
-    (dict(do_sample=False, top_k=5), (True, False, False, False, False, False)),
-    (dict(top_k=[20, 5], top_p=[0.95, 1.0]), (False, True, True, False, True, False)),
-    (dict(top_k=[20, 30], top_p=[0.95, 1.0]), (False, True, True, False, False, False)),
-    (dict(top_k=[20, 0], top_p=[1.0, 0.9]), (False, True, True, False, False, True)),
-    (dict(do_sample=[True, False], top_k=20, min_p=0.1), (False, True, False, True, False, False)),
-    (dict(temperature=[0.7, 0.0], top_p=0.9), (False, False, True, False, False, True)),
+    # (all_greedy, any_top_k, any_top_p, any_min_p, top-k everywhere below V = 30)
+    (dict(do_sample=False, top_k=5), (True, False, False, False, False)),
+    (dict(top_k=[20, 5], top_p=[0.95, 1.0]), (False, True, True, False, True)),
+    (dict(top_k=[20, 30], top_p=[0.95, 1.0]), (False, True, True, False, False)),
+    (dict(top_k=[20, 0], top_p=[1.0, 0.9]), (False, True, True, False, False)),
+    (dict(do_sample=[True, False], top_k=20, min_p=0.1), (False, True, False, True, False)),
+    (dict(temperature=[0.7, 0.0], top_p=0.9), (False, False, True, False, False)),
 ])
 def test_kernel_flags(rows, flags):
     """The host-side summaries that pick kernel variants: greedy rows (do_sample off or

@@ -138,19 +138,22 @@ def test_verification_table_takes_64_row_tiles_for_65_to_128_rows(rows, verifica
             == kernels.default_config(rows, 2, truncation=True))
 
 
-@pytest.mark.parametrize("top_k, full_normaliser", [([10, 7, 150], False), ([10, 7, 300], True)])
-def test_rows_with_a_top_k_verify_without_the_full_normaliser(monkeypatch, top_k, full_normaliser):
+@pytest.mark.parametrize("top_k, full_normaliser", [([10, 7, 150, 4], False),
+                                                    ([10, 7, 300, 300], True)])
+def test_rows_with_a_top_k_verify_without_the_normaliser_and_the_noise(monkeypatch, top_k,
+                                                                       full_normaliser):
     """Where every row has a top-k below V, stage 1 skips the log-sum-exp, the noise and the
     drafts: p(draft), the logprobs and the acceptance come from the candidates. A top-k of V
-    or more disables itself and stage 1 computes all three. Batch row 2 is completed exactly either way: its top-k of 150
-    under top-p is longer than SMALL's 32 merged candidates, and so is its top-p support."""
+    or more disables itself and stage 1 computes all three (batch row 3 keeps everything).
+    Batch row 2 is completed exactly either way: its top-k of 150 under top-p is longer than
+    SMALL's 32 merged candidates, and so is its top-p support."""
     spy = StageOneSpy(kernels.ops.lm_head.lm_head_tiles_kernel)
     monkeypatch.setattr(kernels.ops.lm_head, "lm_head_tiles_kernel", spy)
     g = torch.Generator().manual_seed(8)
-    batch, num_drafts, vocab_size = 3, 3, 200
+    batch, num_drafts, vocab_size = 4, 3, 200
     hidden, weight, positions = verify_problem(g, batch, num_drafts, vocab_size, 32)
-    params = SamplingParams.create(batch, temperature=[0.6, 1.2, 0.8], top_k=top_k,
-                                   top_p=[0.95, 1.0, 0.9], seed=4)
+    params = SamplingParams.create(batch, temperature=[0.6, 1.2, 0.8, 0.9], top_k=top_k,
+                                   top_p=[0.95, 1.0, 0.9, 1.0], seed=4)
     plain = plain_samples(hidden, weight, params, positions)
     kernels.reset_stats()
     for drafts in (plain[:, :-1], random_drafts(g, plain, vocab_size)):

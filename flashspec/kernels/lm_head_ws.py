@@ -352,10 +352,11 @@ def descriptors(hidden: torch.Tensor, weight: torch.Tensor, block_r: int, block_
 
 
 def launch(hidden, weight, row, summaries, candidates, drafts, draft_s, num_vt, rows_per_param,
-           config, sample, need_lse, cand, verify) -> None:
+           config, noise, need_lse, cand, leave_out_drafts) -> None:
     """Stage 1 through the warp-specialized kernel, writing what `ops._launch_tiles` writes:
-    `summaries` (best, best_id, best_s, tile_max, tile_sum, bad), with `cand` > 0 the
-    `candidates` of interleaved tiles, and, verifying, `draft_s`."""
+    `summaries` (best, best_id, best_s, tile_max, tile_sum, bad; with `noise` the best is the
+    Gumbel-max of sampled rows), with `cand` > 0 the `candidates` of interleaved tiles, and,
+    with `leave_out_drafts`, `draft_s`."""
     num_rows, dim = hidden.shape
     vocab_size = weight.shape[0]
     interleave = cand > 0
@@ -375,7 +376,7 @@ def launch(hidden, weight, row, summaries, candidates, drafts, draft_s, num_vt, 
         h_desc, w_desc, row["do_sample"], row["temperature"], row["seed"], row["position"],
         *summaries, drafts, draft_s, candidates,
         num_rows, vocab_size, dim, num_vt, rows_per_param,
-        SAMPLE=sample, LSE=need_lse, DRAFT=verify, CAND=cand, INTERLEAVE=interleave,
+        SAMPLE=noise, LSE=need_lse, DRAFT=leave_out_drafts, CAND=cand, INTERLEAVE=interleave,
         EVEN_V=vocab_size % config.block_v == 0, SCREEN=config.screen, BLOCK_V=config.block_v,
         NUM_STAGES=config.num_stages, CHUNK_R=8 * config.num_warps,  # rows its layout covers
         num_warps=config.num_warps, maxnreg=max_registers(config.num_warps),

@@ -287,16 +287,17 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
                          "(not Triton's interpreter), Triton " + lm_head_ws.TESTED_TRITON + "x "
                          "with Gluon, and bf16 or fp16 operands with 16-byte aligned rows; use "
                          "another TileConfig")
-    # Stage 1's full log-sum-exp: for the logprobs of rows without a top-k (verification
-    # always reports them) and for top-p without top-k. Rows with a top-k below V
-    # normalise over their candidates in stage 2 (one `exp` per logit less).
-    every_row_top_k = params is not None and params.top_k_everywhere(weight.shape[0])
-    need_lse = (((want_lse or verify) and not every_row_top_k)
-                or (truncate and params.any_top_p_without_top_k))
-    # Rows with a top-k draw their token in stage 2, among their candidates and with the
+    # Stage 1's full log-sum-exp: for the logprobs of rows without a top-k below V
+    # (verification always reports them) and for a top-p without one (a top-k of V or more
+    # keeps everything: the top-p then needs the whole sum). Where every row has a top-k below
+    # V, each support is normalised over its candidates in stage 2 (one `exp` per logit less).
+    every_row_top_k = params is not None and params.top_k_everywhere(vocab_size)
+    need_lse = not every_row_top_k and (want_lse or verify or (truncate and params.any_top_p))
+    # Truncated rows draw their token in stage 2, among their candidates and with the
     # candidates' own noise, and judge their draft there too: stage 1's Gumbel-max and the
-    # draft's mask and logit serve only the other rows. Where every row has a top-k, stage 1
-    # runs the argmax epilogue beside the candidates (the noise was most of its work).
+    # draft's mask and logit serve only the other rows. Where every row has a top-k below V
+    # (every row truncated), stage 1 runs the argmax epilogue beside the candidates (the
+    # noise was most of its work).
     tile_noise = sample and not every_row_top_k
     tile_drafts = verify and not every_row_top_k
     cand = config.candidates if truncate else 0
@@ -319,7 +320,7 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
                                   for _ in range(3))
     candidates = (torch.empty(num_rows, num_vt, cand, dtype=torch.int64, device=device)
                   if cand else best_id)
-    draft_s = torch.empty(num_rows, **f32) if verify else best
+    draft_s = torch.empty(num_rows, **f32) if tile_drafts else best
     drafts = drafts if verify else best_id
     summaries = (best, best_id, best_s, tile_max, tile_sum, bad)
     if config.warp_specialized:
@@ -354,9 +355,11 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
 
 
 def _launch_tiles(hidden, weight, row, summaries, candidates, drafts, draft_s, num_vt,
-                  rows_per_param, config, sample, need_lse, cand, verify):
+                  rows_per_param, config, noise, need_lse, cand, leave_out_drafts):
     """Stage 1 through the Triton kernel (`lm_head.lm_head_tiles_kernel`): the per-(row, vocab
-    tile) `summaries` (best, best_id, best_s, tile_max, tile_sum, bad) and `candidates`."""
+    tile) `summaries` (best, best_id, best_s, tile_max, tile_sum, bad) and `candidates`; with
+    `noise` the best is the Gumbel-max of sampled rows, with `leave_out_drafts` it leaves each
+    row's draft out and writes the draft's logit to `draft_s`."""
     num_rows, dim = hidden.shape
     vocab_size = weight.shape[0]
     grid = (num_vt * triton.cdiv(num_rows, config.block_r),)
@@ -370,7 +373,7 @@ def _launch_tiles(hidden, weight, row, summaries, candidates, drafts, draft_s, n
         hidden, weight, hidden_desc, weight_desc, row["do_sample"], row["temperature"], row["seed"], row["position"],
         *summaries, candidates, drafts, draft_s,
         num_rows, vocab_size, dim, hidden.stride(0), weight.stride(0), num_vt, rows_per_param,
-        SAMPLE=sample, LSE=need_lse, CAND=cand, DRAFT=verify,
+        SAMPLE=noise, LSE=need_lse, CAND=cand, DRAFT=leave_out_drafts,
         IEEE_DOT=hidden.dtype == torch.float32, INTERLEAVE=interleave,
         EVEN_V=vocab_size % config.block_v == 0, EVEN_D=dim % config.block_d == 0, TMA=tma,
         PARTS=config.epilogue_parts, SCREEN=config.screen,
