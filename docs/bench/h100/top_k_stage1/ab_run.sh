@@ -1,6 +1,8 @@
-# Scratch A/B of this session (2026-11-23, fifteenth): HEAD f44413f's flashspec/ and scripts/ unpacked
-# into ab_old/ (git archive f44413f flashspec scripts | tar -x -C ab_old), the working tree as new.
-# Scratch A/B (not committed): HEAD's kernels (ab_old/) against the working tree, one call.
+#!/usr/bin/env bash
+# The fifteenth session's A/B (2026-11-23), one device call from the repository root: f44413f's
+# flashspec/ and scripts/ unpacked into ab_old/ (git archive f44413f flashspec scripts | tar -x
+# -C ab_old) against the working tree (54211ba), each timed twice in turn. Both passes write the
+# same labels: the second pass's files are what docs/bench/h100/top_k_stage1/ab_*.json hold.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
