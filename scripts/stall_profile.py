@@ -33,7 +33,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-KERNELS = ("argmax", "sample", "qwen", "verify", "verify-qwen")  # as scripts/sweep_tiles.py
+# As scripts/sweep_tiles.py's (not imported: --summarize runs without torch).
+KERNELS = ("argmax", "sample", "qwen", "topp", "verify", "verify-qwen", "verify-topp")
 MARKERS = ("HGMMA", "UTMALDG", "TRYWAIT", "BAR", "MUFU", "LDS", "STS", "LDG", "STG", "LDL", "STL")
 SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"

@@ -7,8 +7,9 @@ How the fixed tile tables in `flashspec/kernels/ops.py::default_config` are chos
         --configs "128,64,64,8,4 128,128,128,8,3,2"
     PYTHONPATH=. TRITON_INTERPRET=1 python scripts/sweep_tiles.py --quick   # CPU smoke run
 
---kernel: argmax; sample (T 0.7); qwen (T 0.6, top-k 20, top-p 0.95); verify and
-verify-qwen (the same settings, random drafts; rows = B * (G + 1) with G = --drafts).
+--kernel: argmax; sample (T 0.7); qwen (T 0.6, top-k 20, top-p 0.95); topp (T 0.8, top-p 0.9
+with no top-k, as vLLM's defaults leave it); verify, verify-qwen and verify-topp (the same
+settings, random drafts; rows = B * (G + 1) with G = --drafts).
 Each configuration, the default table's and cuBLAS matmul of the same rows are timed in one
 run and the same way as scripts/bench_kernels.py (CUDA-graph replay, do_bench median, L2
 flushed), so their ratios are what a choice can rest on: the same verification timed by two
@@ -34,8 +35,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kernels as bk  # noqa: E402 - a sibling script, not a package
 
-KERNELS = ("argmax", "sample", "qwen", "verify", "verify-qwen")
-SETTINGS = {"sample": dict(temperature=0.7), "qwen": dict(temperature=0.6, top_k=20, top_p=0.95)}
+KERNELS = ("argmax", "sample", "qwen", "topp", "verify", "verify-qwen", "verify-topp")
+SETTINGS = {"sample": dict(temperature=0.7), "qwen": dict(temperature=0.6, top_k=20, top_p=0.95),
+            "topp": dict(temperature=0.8, top_p=0.9)}
+
+
+def setting_of(kernel: str) -> str:
+    """The SETTINGS entry of a sampling or verification kernel ("verify-qwen" -> "qwen")."""
+    return kernel.removeprefix("verify").removeprefix("-") or "sample"
 QUICK_SHAPE = (32, 200)
 
 
@@ -85,7 +92,7 @@ def default_config_of(kernel: str, rows: int, hidden: torch.Tensor, weight: torc
     """The tile configuration flashspec picks for `rows` rows of this kernel and operands."""
     from flashspec.kernels import default_config, ops
 
-    return default_config(rows, 2, truncation=kernel.endswith("qwen"),
+    return default_config(rows, 2, truncation=setting_of(kernel) != "sample",
                           verification=kernel.startswith("verify"),
                           warp_specialized=ops.warp_specialized_ready(hidden, weight))
 
@@ -112,7 +119,7 @@ def make_launch(kernel: str, rows: int, drafts: int, weight: torch.Tensor):
     positions = torch.zeros(batch, dtype=torch.long, device=device)
     if kernel == "argmax":
         return (lambda config: argmax_unchecked(hidden, weight, config=config)), hidden
-    setting = SETTINGS["qwen" if kernel.endswith("qwen") else "sample"]
+    setting = SETTINGS[setting_of(kernel)]
     params = flashspec.SamplingParams.create(batch, seed=0, device=device, **setting)
     if not verify:
         return (lambda config: sample_unchecked(hidden, weight, params, positions,

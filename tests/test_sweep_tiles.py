@@ -9,6 +9,8 @@ import torch
 
 from script_module import load_script
 
+from flashspec import kernels
+
 sweep = load_script("sweep_tiles")
 
 
@@ -18,7 +20,8 @@ def _run(tmp_path, *args):
     return code, json.loads((tmp_path / "sweep_tiles.json").read_text())
 
 
-@pytest.mark.parametrize("kernel, rows, drafts", [("sample", "2", "3"), ("verify-qwen", "4", "1")])
+@pytest.mark.parametrize("kernel, rows, drafts", [("sample", "2", "3"), ("verify-qwen", "4", "1"),
+                                                  ("topp", "3", "1")])
 def test_quick_run_times_default_and_given_configs(tmp_path, kernel, rows, drafts):
     code, report = _run(tmp_path, "--kernel", kernel, "--rows", rows, "--drafts", drafts,
                         "--configs", "64,16,16,4,2 128,16,32,4,3,2")
@@ -32,6 +35,16 @@ def test_quick_run_times_default_and_given_configs(tmp_path, kernel, rows, draft
     for r in results:
         assert r["error"] is None and r["ms"] > 0 and r["matmul_ms"] > 0 and r["rows"] == int(rows)
         assert r["timing"] == ("graph" if torch.cuda.is_available() else "eager")
+
+
+@pytest.mark.parametrize("kernel, setting, truncation", [
+    ("sample", "sample", False), ("verify", "sample", False), ("qwen", "qwen", True),
+    ("verify-qwen", "qwen", True), ("topp", "topp", True), ("verify-topp", "topp", True)])
+def test_each_kernel_names_its_setting_and_tile_table(kernel, setting, truncation):
+    assert sweep.setting_of(kernel) == setting
+    weight = torch.empty(8, 8, dtype=torch.bfloat16)
+    assert sweep.default_config_of(kernel, 40, weight, weight) == kernels.default_config(
+        40, 2, truncation=truncation, verification=kernel.startswith("verify"))
 
 
 def test_suffixes_ask_for_the_warp_specialized_kernel_and_the_screen():
