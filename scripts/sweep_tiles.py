@@ -38,12 +38,12 @@ import bench_kernels as bk  # noqa: E402 - a sibling script, not a package
 KERNELS = ("argmax", "sample", "qwen", "topp", "verify", "verify-qwen", "verify-topp")
 SETTINGS = {"sample": dict(temperature=0.7), "qwen": dict(temperature=0.6, top_k=20, top_p=0.95),
             "topp": dict(temperature=0.8, top_p=0.9)}
+QUICK_SHAPE = (32, 200)
 
 
 def setting_of(kernel: str) -> str:
     """The SETTINGS entry of a sampling or verification kernel ("verify-qwen" -> "qwen")."""
     return kernel.removeprefix("verify").removeprefix("-") or "sample"
-QUICK_SHAPE = (32, 200)
 
 
 FLAGS = ("ws", "screen")

@@ -14,9 +14,10 @@ from script_module import SCRIPTS, load_script
 probe = load_script("epilogue_probe")
 
 # Compiles stage 1 for sampling (128x128 tiles, 4 epilogue warps, the screen; "variant@kernel"
-# for another kernel) under each variant named on the command line, and prints what its PTX holds: wgmma instructions, TMA
-# copies, Philox's second multiplier (0xD2511F53 as PTX's signed decimal), the stand-in
-# words' multiplier and the up-shuffles of a scan (grouped noise's inverse CDF).
+# for another kernel) under each variant named on the command line, and prints what its PTX
+# holds: wgmma instructions, TMA copies, Philox's second multiplier (0xD2511F53 as PTX's signed
+# decimal), the stand-in words' multiplier and the up-shuffles of a scan (grouped noise's
+# inverse CDF).
 COMPILE = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
