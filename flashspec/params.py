@@ -57,6 +57,11 @@ class SamplingParams:
     # candidates normalise the support) and the noise (stage 2 draws among them).
     all_top_k: bool = dataclasses.field(init=False, repr=False, compare=False)
     max_top_k: int = dataclasses.field(init=False, repr=False, compare=False)
+    # Greedy rows, and the largest top-k of sampled rows without top-p or min-p (top-k 0,
+    # which keeps everything, counted as 2**63 - 1; 0 where there are none): every sampled
+    # row is truncated below a vocabulary of more than `max_plain_top_k` tokens.
+    any_greedy: bool = dataclasses.field(init=False, repr=False, compare=False)
+    max_plain_top_k: int = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         expected = {
@@ -98,13 +103,20 @@ class SamplingParams:
         sampled = ~self.is_greedy
         top_k, top_p = sampled & (self.top_k > 0), sampled & (self.top_p < 1)
         rows = torch.stack([sampled, top_k, top_p, sampled & (self.min_p > 0),
-                            ~top_k]).any(dim=1).long()
-        (any_sampled, any_top_k, any_top_p, any_min_p, any_without_top_k,
-         max_top_k) = torch.cat([rows, self.top_k.max()[None]]).tolist()
+                            ~top_k, ~sampled]).any(dim=1).long()
+        # Top-p and min-p as the kernels read them, in float32: a top-p that rounds to 1 or
+        # a min-p that rounds to 0 truncates nothing there.
+        kernel_truncated = (self.top_p.float() < 1) | (self.min_p.float() > 0)
+        plain_top_k = torch.where(self.top_k > 0, self.top_k, torch.iinfo(torch.int64).max)
+        plain_top_k = torch.where(sampled & ~kernel_truncated, plain_top_k, 0)
+        (any_sampled, any_top_k, any_top_p, any_min_p, any_without_top_k, any_greedy,
+         max_top_k, max_plain_top_k) = torch.cat(
+            [rows, self.top_k.max()[None], plain_top_k.max()[None]]).tolist()
         flags = dict(all_greedy=not any_sampled, any_top_k=bool(any_top_k),
                      any_top_p=bool(any_top_p), any_min_p=bool(any_min_p),
                      any_truncation=bool(any_top_k or any_top_p or any_min_p),
-                     all_top_k=not any_without_top_k, max_top_k=max_top_k)
+                     all_top_k=not any_without_top_k, max_top_k=max_top_k,
+                     any_greedy=bool(any_greedy), max_plain_top_k=max_plain_top_k)
         for name, value in flags.items():  # one device read for all of them
             object.__setattr__(self, name, value)
 
@@ -121,11 +133,17 @@ class SamplingParams:
         everything): the fused kernels then normalise each row over its candidates."""
         return self.all_top_k and self.max_top_k < vocab_size
 
+    def sampled_rows_truncated(self, vocab_size: int) -> bool:
+        """Every sampled row keeps a truncated support (a top-k below `vocab_size`, a top-p
+        or a min-p): the fused kernels then draw each sampled token among its candidates."""
+        return self.max_plain_top_k < vocab_size
+
     def kernel_flags(self, vocab_size: int) -> tuple[bool, ...]:
         """The host-side summaries that select the fused kernels' variants for a vocabulary
         of `vocab_size` (a cache key: parameters with the same flags share captured graphs)."""
         return (self.all_greedy, self.any_top_k, self.any_top_p, self.any_min_p,
-                self.top_k_everywhere(vocab_size))
+                self.top_k_everywhere(vocab_size), self.sampled_rows_truncated(vocab_size),
+                self.any_greedy)
 
     @property
     def is_greedy(self) -> torch.Tensor:
@@ -147,9 +165,10 @@ class SamplingParams:
         ``validate=False`` skips the range checks (rows of valid parameters are valid) and
         keeps this batch's host flags: they hold for every subset of rows (the `any_` flags
         only switch work on: truncation candidates, the sampling epilogue, the warpers of
-        the reference; `all_top_k` holds for each row, `max_top_k` bounds each row's), so
-        the whole batch's flags give the subset the same results. A decode loop then
-        selects its running rows without a device read, and a CUDA graph can capture it."""
+        the reference; `all_top_k` holds for each row, `max_top_k` and `max_plain_top_k`
+        bound each row's), so the whole batch's flags give the subset the same results. A
+        decode loop then selects its running rows without a device read, and a CUDA graph
+        can capture it."""
         return self._map(lambda t: t[rows.to(t.device)], validate)
 
     def _map(self, fn, validate: bool = True) -> "SamplingParams":

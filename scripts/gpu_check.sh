@@ -12,6 +12,8 @@
 #   PARTS=tests bash scripts/gpu_check.sh tests/test_rng.py tests/test_verify_kernel.py \
 #       tests/test_kernels.py tests/test_generate_gpu.py        # 124 tests, 471-520 s
 #   PARTS="kernels verify" bash scripts/gpu_check.sh            # both benchmark tables, 232-294 s
+# PARALLEL=1 runs each test file (the arguments must then be files) in its own pytest process,
+# all at once, logs in $OUT/pytest_<file>.log; TEST_TIMEOUT=<s> stops each after that long.
 # PARTS=probe: scripts/epilogue_probe.py at R = 256 on the default 4-warp entry (needs ncu; 17
 # points, 536 s on an H100, fourteenth session). The grouped-noise cost model is a call of its own
 # (157 s): python scripts/epilogue_probe.py --kernels sample,verify --rows 256 \
@@ -36,7 +38,22 @@ if [ $# -eq 0 ]; then
 fi
 for part in $PARTS; do
     case $part in
-        tests) python -m pytest -q -x -p no:cacheprovider --durations=15 "$@" 2>&1 | tee "$OUT/pytest.log" | tail -5 ;;
+        tests)
+            if [ "${PARALLEL:-0}" = 1 ]; then
+                # One pytest process per test file, all at once: the GPU tests spend most of
+                # their time compiling kernels on the CPU (16 cores on the device machine).
+                for file in "$@"; do
+                    timeout "${TEST_TIMEOUT:-0}" python -m pytest -q -p no:cacheprovider \
+                        --durations=5 "$file" > "$OUT/pytest_$(basename "$file" .py).log" 2>&1 &
+                done
+                wait
+                for file in "$@"; do
+                    echo "$file: $(tail -1 "$OUT/pytest_$(basename "$file" .py).log")"
+                done
+            else
+                python -m pytest -q -x -p no:cacheprovider --durations=15 "$@" 2>&1 \
+                    | tee "$OUT/pytest.log" | tail -5
+            fi ;;
         kernels) python scripts/bench_kernels.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
         verify) python scripts/bench_verify.py --out "$OUT" 2>&1 | tee "$OUT/bench_verify.log" | tail -28 ;;
         probe)

@@ -289,6 +289,33 @@ def test_top_p_under_a_top_k_of_v_or_more_normalises_over_the_vocabulary():
     assert_same_tokens(ours, theirs, hidden, weight, params, positions)
 
 
+@pytest.mark.parametrize("top_p, noise", [
+    # Greedy rows beside rows truncated by a top-p alone, a min-p alone, a top-k: stage 1
+    # draws no noise (and keeps the log-sum-exp for the top-p rows).
+    ([1.0, 0.9, 1.0, 1.0, 0.8], False),
+    # Row 1 keeps everything: its top-p rounds to 1 in float32, as the kernels read it.
+    ([1.0, 1 - 1e-9, 1.0, 1.0, 0.8], True),
+])
+def test_stage_one_draws_noise_only_for_untruncated_sampled_rows(monkeypatch, top_p, noise):
+    """Truncated rows draw their token among their candidates in stage 2, with the
+    candidates' own noise: stage 1's Gumbel-max serves only sampled rows without truncation.
+    Either way the tokens and logprobs are the reference's."""
+    spy = StageOneSpy(kernels.ops.lm_head.lm_head_tiles_kernel)
+    monkeypatch.setattr(kernels.ops.lm_head, "lm_head_tiles_kernel", spy)
+    g = torch.Generator().manual_seed(32)
+    hidden, weight, positions = random_problem(g, 5, 200, 32)
+    params = SamplingParams.create(5, do_sample=[False, True, True, True, True],
+                                   temperature=[0.0, 0.6, 1.0, 0.7, 1.3], top_k=[0, 0, 0, 7, 0],
+                                   top_p=top_p, min_p=[0.0, 0.0, 0.1, 0.0, 0.05], seed=3,
+                                   device=DEVICE)
+    ours, ours_lp = kernels.lm_head_sample(hidden, weight, params, positions, True, config=SMALL)
+    assert spy.sample == [noise] and spy.lse == [True]
+    theirs, lp = reference.lm_head_sample(hidden, weight, params, positions, True)
+    assert_same_tokens(ours, theirs, hidden, weight, params, positions)
+    same = ours == theirs
+    assert torch.allclose(ours_lp[same], lp[same].float(), atol=2e-4, rtol=1e-4)
+
+
 def test_tiles_chosen_by_32_bit_keys_leave_nothing_uncertified():
     """Stage 2 picks the tiles to merge by a 32-bit key whose low bits hold the tile index,
     so tiles with maxima a few ulps apart are ordered by index, not value. Here 40 tiles

@@ -199,3 +199,37 @@ def test_truncated_verification_equals_the_triton_kernel(batch, config):
     ws = _verify_like_triton(hidden.view(batch, drafts + 1, dim), weight, draft_tokens, params,
                              positions, config)
     assert (ws.num_accepted[ws.status == 0] >= 1).all() and (ws.status == 0).sum() > batch // 2
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("config", [WS_TRUNCATION, WS64_TRUNCATION],
+                         ids=["128-row tiles", "64-row tiles"])
+def test_truncated_rows_without_stage_one_noise_equal_the_triton_kernel(config):
+    """Greedy rows beside rows truncated by a top-p alone or a min-p alone: stage 1 draws no
+    noise but keeps the log-sum-exp, and leaves out the greedy rows' drafts (the variants
+    tests/test_kernels.py and tests/test_verify_kernel.py check through the interpreter).
+    Sampling and verification equal the Triton kernel's, sampling the reference's."""
+    batch, drafts, vocab, dim = 24, 3, 151_936, 4096
+    rows = batch * (drafts + 1)
+    hidden, weight, _, _ = _problem(rows, vocab, dim, 8)
+    odd = torch.arange(rows) % 2 == 1
+    params = SamplingParams.create(
+        rows, do_sample=(torch.arange(rows) % 3 != 0).tolist(), temperature=0.8,
+        top_p=torch.where(odd, 0.9, 1.0).tolist(), min_p=torch.where(odd, 0.0, 0.05).tolist(),
+        seed=2, device="cuda")
+    assert params.sampled_rows_truncated(vocab) and params.any_greedy
+    positions = torch.arange(rows, device="cuda") * 5
+    ws = kernels.sample_unchecked(hidden, weight, params, positions, want_lse=True, config=config)
+    tr = kernels.sample_unchecked(hidden, weight, params, positions, want_lse=True, config=TRITON)
+    assert torch.equal(ws.status, tr.status) and torch.equal(ws.tokens, tr.tokens)
+    assert_rounding_close(ws.lse, tr.lse)
+    assert_rounding_close(ws.logprobs, tr.logprobs)
+    ours = kernels.lm_head_sample(hidden, weight, params, positions)
+    theirs = reference.lm_head_sample(hidden, weight, params, positions)
+    assert_same_tokens(ours, theirs, hidden, weight, params, positions, "top-p / min-p rows")
+    verify_params = params.select(torch.arange(0, rows, drafts + 1, device="cuda"))
+    draft_tokens = torch.randint(0, vocab, (batch, drafts),
+                                 generator=torch.Generator().manual_seed(3)).cuda()
+    _verify_like_triton(hidden.view(batch, drafts + 1, dim), weight, draft_tokens, verify_params,
+                        positions[::drafts + 1], config)

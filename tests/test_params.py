@@ -129,18 +129,27 @@ def test_repeat_interleave_and_to():
 
 
 @pytest.mark.parametrize("rows,flags", [
-    # (all_greedy, any_top_k, any_top_p, any_min_p, top-k everywhere below V = 30)
-    (dict(do_sample=False, top_k=5), (True, False, False, False, False)),
-    (dict(top_k=[20, 5], top_p=[0.95, 1.0]), (False, True, True, False, True)),
-    (dict(top_k=[20, 30], top_p=[0.95, 1.0]), (False, True, True, False, False)),
-    (dict(top_k=[20, 0], top_p=[1.0, 0.9]), (False, True, True, False, False)),
-    (dict(do_sample=[True, False], top_k=20, min_p=0.1), (False, True, False, True, False)),
-    (dict(temperature=[0.7, 0.0], top_p=0.9), (False, False, True, False, False)),
+    # (all_greedy, any_top_k, any_top_p, any_min_p, top-k everywhere below V = 30, every
+    #  sampled row truncated at V = 30, any_greedy)
+    (dict(do_sample=False, top_k=5), (True, False, False, False, False, True, True)),
+    (dict(top_k=[20, 5], top_p=[0.95, 1.0]), (False, True, True, False, True, True, False)),
+    (dict(top_k=[20, 30], top_p=[0.95, 1.0]), (False, True, True, False, False, False, False)),
+    (dict(top_k=[20, 0], top_p=[1.0, 0.9]), (False, True, True, False, False, True, False)),
+    (dict(do_sample=[True, False], top_k=20, min_p=0.1),
+     (False, True, False, True, False, True, True)),
+    (dict(temperature=[0.7, 0.0], top_p=0.9), (False, False, True, False, False, True, True)),
+    (dict(top_k=0, top_p=[0.9, 1.0]), (False, False, True, False, False, False, False)),
+    # A top-p that rounds to 1 in float32, a min-p that rounds to 0: the kernels, which read
+    # them in float32, truncate nothing with them.
+    (dict(top_k=0, top_p=[1 - 1e-9, 0.9]), (False, False, True, False, False, False, False)),
+    (dict(top_k=0, min_p=[1e-50, 0.1]), (False, False, False, True, False, False, False)),
 ])
 def test_kernel_flags(rows, flags):
     """The host-side summaries that pick kernel variants: greedy rows (do_sample off or
     temperature 0) use no warper; a top-k "everywhere" needs every row sampled with one
-    below the vocabulary. A subset selected without validation keeps flags that hold for it."""
+    below the vocabulary; a sampled row is truncated by such a top-k, a top-p or a min-p
+    (as float32 reads them). A subset selected without validation keeps flags that hold for
+    it."""
     params = SamplingParams.create(2, seed=0, **rows)
     assert params.kernel_flags(30) == flags
     assert params.select(torch.tensor([1]), validate=False).kernel_flags(30) == flags

@@ -34,8 +34,8 @@ drafted token out of the tile's best and writes the draft's scaled logit; stage 
 whether the draft is the target's own sample (its perturbed score against the best other
 token) and writes p(draft), the best other token and the logprobs; `verify_finalize_kernel`,
 one program per batch row, runs the acceptance chain over the G+1 positions. Truncated rows
-decide all of this among their candidates in stage 2; where every row has a top-k below V,
-stage 1 computes neither the noise nor the drafts' summaries (`ops._launch`).
+decide all of this among their candidates in stage 2; where every sampled row is truncated,
+stage 1 computes no noise, and where every row is, no drafts' summaries (`ops._launch`).
 
 Candidate keys: ``(order_key(raw logit) << 32) | (2**31 - 1 - token id)``, so that a
 larger key means a larger logit, then a lower id (the preference order of argmax).
@@ -500,8 +500,8 @@ def lm_head_rows_kernel(
     """Per row: the token (the target's own sample), its logprob, the log-sum-exp and the
     status. With DRAFT (verification) also: the best token other than the draft (`masked`)
     and its logprob, and the draft's probability and logprob. TILE_DRAFTS: stage 1 left each
-    row's draft out of its tiles and wrote its logit; without it (every row has a top-k below
-    V: see `ops._launch`) the candidates alone decide, and stage 1's best is the argmax."""
+    row's draft out of its tiles and wrote its logit; without it (every row sampled and
+    truncated: see `ops._launch`) the candidates alone decide, and stage 1's best is the argmax."""
     if PDL:  # launched before stage 1 ended: wait for its summaries, let the finaliser in
         gdc_wait()
         gdc_launch_dependents()

@@ -294,12 +294,13 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
     every_row_top_k = params is not None and params.top_k_everywhere(vocab_size)
     need_lse = not every_row_top_k and (want_lse or verify or (truncate and params.any_top_p))
     # Truncated rows draw their token in stage 2, among their candidates and with the
-    # candidates' own noise, and judge their draft there too: stage 1's Gumbel-max and the
-    # draft's mask and logit serve only the other rows. Where every row has a top-k below V
-    # (every row truncated), stage 1 runs the argmax epilogue beside the candidates (the
-    # noise was most of its work).
-    tile_noise = sample and not every_row_top_k
-    tile_drafts = verify and not every_row_top_k
+    # candidates' own noise, and judge their draft there too: stage 1's Gumbel-max serves
+    # only sampled rows without truncation, the draft's mask and logit only those and greedy
+    # rows. Where every sampled row is truncated, stage 1 runs the argmax epilogue beside the
+    # candidates (the noise was most of its work).
+    sampled_rows_truncated = params is not None and params.sampled_rows_truncated(vocab_size)
+    tile_noise = sample and not sampled_rows_truncated
+    tile_drafts = verify and (params.any_greedy or not sampled_rows_truncated)
     cand = config.candidates if truncate else 0
     if params is None:  # argmax: every row reads the one greedy parameter row
         do_sample, temperature, zeros = _greedy_row_params(device)
