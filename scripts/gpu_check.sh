@@ -5,15 +5,13 @@
 #   PARTS="kernels verify" bash scripts/gpu_check.sh     # a subset: tests, kernels, verify, probe
 # Without arguments the tests are the kernels compiled for the GPU (Triton, and the Gluon
 # stage 1 on Hopper) and the engine's GPU tests (the rest of the suite is CPU code, which CI
-# runs). Measured durations, H100 (2026-11-23, eleventh and twelfth sessions): more than
-# the device tool's 10-minute call, so three calls:
-#   PARTS=tests bash scripts/gpu_check.sh tests/test_kernels_ws.py tests/test_screen.py
-#                                                               # 60 tests, 330-420 s
-#   PARTS=tests bash scripts/gpu_check.sh tests/test_rng.py tests/test_verify_kernel.py \
-#       tests/test_kernels.py tests/test_generate_gpu.py        # 124 tests, 471-520 s
-#   PARTS="kernels verify" bash scripts/gpu_check.sh            # both benchmark tables, 232-294 s
-# PARALLEL=1 runs each test file (the arguments must then be files) in its own pytest process,
-# all at once, logs in $OUT/pytest_<file>.log; TEST_TIMEOUT=<s> stops each after that long.
+# runs). Measured durations, H100: the tests one file after another take more than the device
+# tool's 10-minute call (800-940 s, eleventh and twelfth sessions); with PARALLEL=1 each test
+# file runs in its own pytest process, all at once (the arguments must then be files; logs in
+# $OUT/pytest_<file>.log; TEST_TIMEOUT=<s> stops each after that long), and the whole suite,
+# 194 tests, took 378 s (sixteenth session, 2026-11-23). So two calls:
+#   PARALLEL=1 TEST_TIMEOUT=540 PARTS=tests bash scripts/gpu_check.sh
+#   PARTS="kernels verify" bash scripts/gpu_check.sh            # both benchmark tables, 232-312 s
 # PARTS=probe: scripts/epilogue_probe.py at R = 256 on the default 4-warp entry (needs ncu; 17
 # points, 536 s on an H100, fourteenth session). The grouped-noise cost model is a call of its own
 # (157 s): python scripts/epilogue_probe.py --kernels sample,verify --rows 256 \
