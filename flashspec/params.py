@@ -54,7 +54,7 @@ class SamplingParams:
     any_min_p: bool = dataclasses.field(init=False, repr=False, compare=False)
     # Every row sampled with a top-k below the vocabulary (`max_top_k`: the largest top-k,
     # 0 where none): stage 1 of the fused kernels can leave out the full log-sum-exp (the
-    # candidates normalise the support) and the noise (stage 2 draws among them).
+    # candidates normalise the support).
     all_top_k: bool = dataclasses.field(init=False, repr=False, compare=False)
     max_top_k: int = dataclasses.field(init=False, repr=False, compare=False)
     # Greedy rows, and the largest top-k of sampled rows without top-p or min-p (top-k 0,
@@ -105,7 +105,8 @@ class SamplingParams:
         rows = torch.stack([sampled, top_k, top_p, sampled & (self.min_p > 0),
                             ~top_k, ~sampled]).any(dim=1).long()
         # Top-p and min-p as the kernels read them, in float32: a top-p that rounds to 1 or
-        # a min-p that rounds to 0 truncates nothing there.
+        # a min-p that rounds to 0 truncates nothing there (the float64 reference may drop a
+        # tail of mass 1 - top_p < 2**-25: the parameters' rounding).
         kernel_truncated = (self.top_p.float() < 1) | (self.min_p.float() > 0)
         plain_top_k = torch.where(self.top_k > 0, self.top_k, torch.iinfo(torch.int64).max)
         plain_top_k = torch.where(sampled & ~kernel_truncated, plain_top_k, 0)
@@ -135,7 +136,8 @@ class SamplingParams:
 
     def sampled_rows_truncated(self, vocab_size: int) -> bool:
         """Every sampled row keeps a truncated support (a top-k below `vocab_size`, a top-p
-        or a min-p): the fused kernels then draw each sampled token among its candidates."""
+        or a min-p, the last two as read in float32), or no row is sampled: the fused kernels
+        then draw each sampled token among its candidates."""
         return self.max_plain_top_k < vocab_size
 
     def kernel_flags(self, vocab_size: int) -> tuple[bool, ...]:

@@ -253,7 +253,8 @@ def test_rows_with_a_top_k_leave_out_the_normaliser_and_the_noise(monkeypatch, t
                                                                   full_normaliser, completed):
     """Where every row has a top-k below V, stage 1 skips the log-sum-exp and the noise:
     stage 2 draws each token among its candidates and normalises its support over them
-    (logprobs and lse included); otherwise stage 1 computes both. Either way the results are
+    (logprobs and lse included); otherwise stage 1 computes both (the next test covers the
+    noise where every sampled row is truncated some other way). Either way the results are
     the reference's."""
     spy = StageOneSpy(kernels.ops.lm_head.lm_head_tiles_kernel)
     monkeypatch.setattr(kernels.ops.lm_head, "lm_head_tiles_kernel", spy)
@@ -276,6 +277,29 @@ def test_rows_with_a_top_k_leave_out_the_normaliser_and_the_noise(monkeypatch, t
     assert torch.allclose(ours_lse, lse.float(), atol=2e-4, rtol=1e-5)
 
 
+def test_a_subset_keeps_its_results_under_the_whole_batchs_flags(monkeypatch):
+    """`select(validate=False)` keeps the whole batch's host flags, as a decode loop's captured
+    graphs do. Here they switch stage 1's noise on for a subset whose own flags leave it out
+    (the greedy row and the untruncated one are not in it): the subset's tokens, logprobs and
+    log-sum-exps are the same either way."""
+    spy = StageOneSpy(kernels.ops.lm_head.lm_head_tiles_kernel)
+    monkeypatch.setattr(kernels.ops.lm_head, "lm_head_tiles_kernel", spy)
+    g = torch.Generator().manual_seed(34)
+    hidden, weight, positions = random_problem(g, 4, 200, 32)
+    params = SamplingParams.create(4, do_sample=[False, True, True, True],
+                                   temperature=[0.0, 0.9, 0.7, 1.1], top_p=[1.0, 1.0, 0.5, 1.0],
+                                   min_p=[0.0, 0.0, 0.0, 0.3], seed=6, device=DEVICE)
+    rows = torch.tensor([2, 3], device=DEVICE)
+    kept, own = params.select(rows, validate=False), params.select(rows)
+    assert kept.kernel_flags(200) != own.kernel_flags(200)
+    a, b = (kernels.sample_unchecked(hidden[rows], weight, p, positions[rows], want_lse=True,
+                                     config=SMALL) for p in (kept, own))
+    assert spy.sample == [True, False]
+    assert (a.status == 0).all() and torch.equal(a.status, b.status)
+    assert torch.equal(a.tokens, b.tokens)
+    assert torch.equal(a.logprobs, b.logprobs) and torch.equal(a.lse, b.lse)
+
+
 def test_top_p_under_a_top_k_of_v_or_more_normalises_over_the_vocabulary():
     """A top-k of V or more keeps everything, so a top-p under it needs stage 1's log-sum-exp
     even where no logprob is asked for (it was left out there once, and the top-p cut fell
@@ -293,7 +317,8 @@ def test_top_p_under_a_top_k_of_v_or_more_normalises_over_the_vocabulary():
     # Greedy rows beside rows truncated by a top-p alone, a min-p alone, a top-k: stage 1
     # draws no noise (and keeps the log-sum-exp for the top-p rows).
     ([1.0, 0.9, 1.0, 1.0, 0.8], False),
-    # Row 1 keeps everything: its top-p rounds to 1 in float32, as the kernels read it.
+    # Row 1 keeps everything in the kernels: its top-p rounds to 1 in float32, as they read
+    # it (the reference's float64 cut drops a tail of mass < 1e-9 at most).
     ([1.0, 1 - 1e-9, 1.0, 1.0, 0.8], True),
 ])
 def test_stage_one_draws_noise_only_for_untruncated_sampled_rows(monkeypatch, top_p, noise):

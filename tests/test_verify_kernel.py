@@ -172,21 +172,25 @@ def test_rows_with_a_top_k_verify_without_the_normaliser_and_the_noise(monkeypat
 def test_truncated_rows_verify_without_stage_one_noise(monkeypatch, do_sample, drafts_in_tiles):
     """Rows truncated by a top-p alone, a min-p alone or a top-k draw and judge their drafts
     among their candidates in stage 2: stage 1 draws no noise, and leaves the drafts out
-    only for greedy rows. Results are the reference's for right, wrong and padded drafts."""
+    only for greedy rows. Results are the reference's for right, wrong and padded drafts, and
+    every row is decided by the fused kernels (supports within SMALL's candidates)."""
     spy = StageOneSpy(kernels.ops.lm_head.lm_head_tiles_kernel)
     monkeypatch.setattr(kernels.ops.lm_head, "lm_head_tiles_kernel", spy)
     g = torch.Generator().manual_seed(9)
     batch, num_drafts, vocab_size = 3, 3, 200
     hidden, weight, positions = verify_problem(g, batch, num_drafts, vocab_size, 32)
     params = SamplingParams.create(batch, do_sample=do_sample, temperature=[0.6, 1.2, 0.8],
-                                   top_k=[0, 0, 9], top_p=[0.9, 1.0, 1.0], min_p=[0.0, 0.1, 0.0],
+                                   top_k=[0, 0, 3], top_p=[0.7, 1.0, 1.0], min_p=[0.0, 0.3, 0.0],
                                    seed=4)
     plain = plain_samples(hidden, weight, params, positions)
+    kernels.reset_stats()
     for drafts in (plain[:, :-1], random_drafts(g, plain, vocab_size)):
         ours = kernel_verify(hidden, weight, drafts, params, positions)
         theirs = reference.lm_head_verify(hidden, weight, drafts, params, positions)
         assert_same_verify(ours, theirs, hidden, weight, params, positions)
     assert spy.sample == [False] * 2 and spy.draft == [drafts_in_tiles] * 2
+    if SMALL is not None:
+        assert kernels.stats().rows_completed == 0
 
 
 def test_verify_probabilities_match_float64():

@@ -298,9 +298,10 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
     # only sampled rows without truncation, the draft's mask and logit only those and greedy
     # rows. Where every sampled row is truncated, stage 1 runs the argmax epilogue beside the
     # candidates (the noise was most of its work).
-    sampled_rows_truncated = params is not None and params.sampled_rows_truncated(vocab_size)
-    tile_noise = sample and not sampled_rows_truncated
-    tile_drafts = verify and (params.any_greedy or not sampled_rows_truncated)
+    every_sampled_row_truncated = (params is not None
+                                   and params.sampled_rows_truncated(vocab_size))
+    tile_noise = sample and not every_sampled_row_truncated
+    tile_drafts = verify and (params.any_greedy or not every_sampled_row_truncated)
     cand = config.candidates if truncate else 0
     if params is None:  # argmax: every row reads the one greedy parameter row
         do_sample, temperature, zeros = _greedy_row_params(device)
