@@ -45,6 +45,19 @@ def random_drafts(g, plain, vocab_size):
     return torch.where(torch.arange(num_drafts)[None, :] < lengths[:, None], drafts, -1)
 
 
+def check_right_and_random_drafts(g, hidden, weight, params, positions, **kwargs):
+    """The fused verification (`kwargs`: its config) equals the reference's with the plain
+    samples as drafts (all right) and with `random_drafts`; kernel stats are reset first.
+    Returns the last fused output."""
+    plain = plain_samples(hidden, weight, params, positions)
+    kernels.reset_stats()
+    for drafts in (plain[:, :-1], random_drafts(g, plain, weight.shape[0])):
+        ours = kernel_verify(hidden, weight, drafts, params, positions, **kwargs)
+        theirs = reference.lm_head_verify(hidden, weight, drafts, params, positions)
+        assert_same_verify(ours, theirs, hidden, weight, params, positions)
+    return ours
+
+
 def assert_same_verify(ours, theirs, hidden, weight, params, positions):
     """Equal outputs, except rows whose first differing token is a float64 near-tie there."""
     flat = hidden.reshape(-1, hidden.shape[-1]).double()
@@ -99,12 +112,7 @@ def test_speculation_invariance_per_truncation_mode(case):
     hidden, weight = flat_hidden.view(batch, num_drafts + 1, dim).cpu(), weight.cpu()
     positions = torch.randint(0, 1000, (batch,), generator=g)
     params = SamplingParams.create(batch, seed=9, **semantics.TRUNCATION_CASES[case])
-    plain = torch.stack([reference.lm_head_sample(hidden[:, j], weight, params, positions + j)
-                         for j in range(num_drafts + 1)], dim=1)
-    for drafts in (plain[:, :-1], random_drafts(g, plain, vocab_size)):
-        ours = kernel_verify(hidden, weight, drafts, params, positions, config=OTHER)
-        theirs = reference.lm_head_verify(hidden, weight, drafts, params, positions)
-        assert_same_verify(ours, theirs, hidden, weight, params, positions)
+    ours = check_right_and_random_drafts(g, hidden, weight, params, positions, config=OTHER)
     assert (ours.num_accepted >= 0).all()
 
 
@@ -154,12 +162,7 @@ def test_rows_with_a_top_k_verify_without_the_normaliser_and_the_noise(monkeypat
     hidden, weight, positions = verify_problem(g, batch, num_drafts, vocab_size, 32)
     params = SamplingParams.create(batch, temperature=[0.6, 1.2, 0.8, 0.9], top_k=top_k,
                                    top_p=[0.95, 1.0, 0.9, 1.0], seed=4)
-    plain = plain_samples(hidden, weight, params, positions)
-    kernels.reset_stats()
-    for drafts in (plain[:, :-1], random_drafts(g, plain, vocab_size)):
-        ours = kernel_verify(hidden, weight, drafts, params, positions)
-        theirs = reference.lm_head_verify(hidden, weight, drafts, params, positions)
-        assert_same_verify(ours, theirs, hidden, weight, params, positions)
+    check_right_and_random_drafts(g, hidden, weight, params, positions)
     assert spy.lse == spy.sample == spy.draft == [full_normaliser] * 2
     if SMALL is not None:
         assert kernels.stats().rows_completed == 2  # batch row 2, in both calls
@@ -182,12 +185,7 @@ def test_truncated_rows_verify_without_stage_one_noise(monkeypatch, do_sample, d
     params = SamplingParams.create(batch, do_sample=do_sample, temperature=[0.6, 1.2, 0.8],
                                    top_k=[0, 0, 3], top_p=[0.7, 1.0, 1.0], min_p=[0.0, 0.3, 0.0],
                                    seed=4)
-    plain = plain_samples(hidden, weight, params, positions)
-    kernels.reset_stats()
-    for drafts in (plain[:, :-1], random_drafts(g, plain, vocab_size)):
-        ours = kernel_verify(hidden, weight, drafts, params, positions)
-        theirs = reference.lm_head_verify(hidden, weight, drafts, params, positions)
-        assert_same_verify(ours, theirs, hidden, weight, params, positions)
+    check_right_and_random_drafts(g, hidden, weight, params, positions)
     assert spy.sample == [False] * 2 and spy.draft == [drafts_in_tiles] * 2
     if SMALL is not None:
         assert kernels.stats().rows_completed == 0
