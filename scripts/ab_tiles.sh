@@ -20,7 +20,7 @@ for tree in "$old" . "$old" .; do
     name=$([ "$tree" = . ] && echo new || echo old)
     for spec in "$@"; do
         read -r label args <<< "$spec"
-        # shellcheck disable=SC2086 - the spec's arguments are split on purpose
+        # $args unquoted: the spec's arguments are split into words on purpose.
         run "$tree" "${name}_$label" $args
     done
 done
