@@ -208,6 +208,7 @@ def main(argv=None) -> int:
               f"{report['spill_store_bytes']}/{report['spill_load_bytes']} B, shared "
               f"{report['shared_bytes'] // 1024} KB, {report['programs_per_sm']} per SM, "
               f"{report['sass_instructions']} SASS instructions", flush=True)
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "kernel_registers.json"), "w") as f:
         json.dump(dict(target="sm_90a", triton=triton.__version__, reports=reports), f, indent=1)
     return 0
