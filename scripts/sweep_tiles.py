@@ -92,7 +92,8 @@ def default_config_of(kernel: str, rows: int, hidden: torch.Tensor, weight: torc
     """The tile configuration flashspec picks for `rows` rows of this kernel and operands."""
     from flashspec.kernels import default_config, ops
 
-    return default_config(rows, 2, truncation=setting_of(kernel) != "sample",
+    truncates = bool(SETTINGS.get(setting_of(kernel), {}).keys() & {"top_k", "top_p"})
+    return default_config(rows, 2, truncation=truncates,
                           verification=kernel.startswith("verify"),
                           warp_specialized=ops.warp_specialized_ready(hidden, weight))
 

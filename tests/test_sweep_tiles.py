@@ -38,10 +38,12 @@ def test_quick_run_times_default_and_given_configs(tmp_path, kernel, rows, draft
 
 
 @pytest.mark.parametrize("kernel, setting, truncation", [
-    ("sample", "sample", False), ("verify", "sample", False), ("qwen", "qwen", True),
-    ("verify-qwen", "qwen", True), ("topp", "topp", True), ("verify-topp", "topp", True)])
+    ("argmax", None, False), ("sample", "sample", False), ("verify", "sample", False),
+    ("qwen", "qwen", True), ("verify-qwen", "qwen", True), ("topp", "topp", True),
+    ("verify-topp", "topp", True)])
 def test_each_kernel_names_its_setting_and_tile_table(kernel, setting, truncation):
-    assert sweep.setting_of(kernel) == setting
+    if setting is not None:  # argmax has none
+        assert sweep.setting_of(kernel) == setting
     weight = torch.empty(8, 8, dtype=torch.bfloat16)
     assert sweep.default_config_of(kernel, 40, weight, weight) == kernels.default_config(
         40, 2, truncation=truncation, verification=kernel.startswith("verify"))
