@@ -186,11 +186,11 @@ if lm_head_ws.gluon is not None:
 
     @gluon.jit
     def _summarise_chunk_grouped(acc, rows, pid_v, V, NUM_VT, best_ptr, best_id_ptr, best_s_ptr,
-                                 max_ptr, sumexp_ptr, bad_ptr, draft_s_ptr, cand_ptr,
+                                 max_ptr, sumexp_ptr, bad_ptr, draft_s_ptr, cand_ptr, bound_ptr,
                                  SAMPLE: gl.constexpr, LSE: gl.constexpr, DRAFT: gl.constexpr,
                                  CAND: gl.constexpr, INTERLEAVE: gl.constexpr,
                                  EVEN_V: gl.constexpr, SCREEN: gl.constexpr,
-                                 layout: gl.constexpr):
+                                 RACE: gl.constexpr, layout: gl.constexpr):
         """Stand-in for `lm_head_ws._summarise_chunk` with the work of
         docs/proposals/grouped_gumbel_noise.md (timing only; untruncated launches): per
         16-token group a log-sum-exp and an exact Gumbel from Philox, the best group per row,
@@ -199,7 +199,7 @@ if lm_head_ws.gluon is not None:
         CR: gl.constexpr = acc.shape[0]
         BV: gl.constexpr = acc.shape[1]
         A: gl.constexpr = BV // 16
-        offs_r, r_ok, sampled, temperature, seed, position, draft = rows
+        offs_r, r_ok, sampled, temperature, seed, position, draft, _ = rows
         inv_t = 1.0 / temperature
         columns = gl.arange(0, BV, layout=gl.SliceLayout(0, layout))
         s, row_sum, offs_v = lm_head._scaled_logits(acc, columns, pid_v, NUM_VT, V, inv_t, BV,

@@ -13,7 +13,8 @@ at large B; this answers both before a device is lent:
 Prints one line per configuration; writes kernel_registers.json to --out, and with --sass
 each configuration's disassembly (nvdisasm -c) beside it, for counting what an epilogue
 executes per logit (BENCHMARKS.md, thirteenth session). Configurations
-are "bv,br,bd,warps,stages[,parts][,ws][,screen]" as in scripts/sweep_tiles.py; "ws" compiles the
+are "bv,br,bd,warps,stages[,parts][,ws][,screen][,race]" as in scripts/sweep_tiles.py; "ws"
+compiles the
 warp-specialized Gluon stage 1 (`flashspec/kernels/lm_head_ws.py`) and also reports the
 setmaxnreg values in its PTX (what the load warp, the MMA warpgroup and the epilogue warps set
 for themselves, with the steps in between; for the default table the load warp works with 24,
@@ -69,7 +70,8 @@ def signature(config, cand: int, draft: bool) -> dict[str, str]:
             "position_ptr": "*i64", "best_ptr": "*fp32", "best_id_ptr": "*i32",
             "best_s_ptr": "*fp32", "max_ptr": "*fp32", "sumexp_ptr": "*fp32", "bad_ptr": "*i32",
             "cand_ptr": "*i64" if cand else "*i32", "draft_ptr": "*i64" if draft else "*i32",
-            "draft_s_ptr": "*fp32", "R": "i32", "V": "i32", "D": "i32", "stride_hidden": "i32",
+            "draft_s_ptr": "*fp32", "bound_ptr": "*i32", "R": "i32", "V": "i32", "D": "i32",
+            "stride_hidden": "i32",
             "stride_weight": "i32", "NUM_VT": "i32", "ROWS_PER_PARAM": "i32"}
 
 
@@ -89,7 +91,8 @@ def compile_report(kernel: str, config, sass_dir: str | None = None) -> dict:
         c = config
         path = Path(sass_dir) / (f"{kernel}_{c.block_v}x{c.block_r}_d{c.block_d}_{c.num_warps}w_"
                                  f"{c.num_stages}s_{c.epilogue_parts}p"
-                                 + "_ws" * c.warp_specialized + "_screen" * c.screen + ".sass")
+                                 + "_ws" * c.warp_specialized + "_screen" * c.screen + "_race" * c.race
+                                 + ".sass")
         path.write_text(sass)
         report["sass_path"] = str(path)
     return report
@@ -101,7 +104,8 @@ def _triton_report(kernel: str, config, sample: bool, lse: bool, cand: int,
     kernel)."""
     constants = dict(SAMPLE=sample, LSE=lse, CAND=cand, DRAFT=draft, IEEE_DOT=False,
                      INTERLEAVE=cand > 0, EVEN_V=True, EVEN_D=True, TMA=True,
-                     PARTS=config.epilogue_parts, SCREEN=config.screen, BLOCK_V=config.block_v,
+                     PARTS=config.epilogue_parts, SCREEN=config.screen,
+                     RACE=config.race and sample, BLOCK_V=config.block_v,
                      BLOCK_R=config.block_r, BLOCK_D=config.block_d,
                      NUM_STAGES=config.num_stages, PDL=True)
     sig = signature(config, cand, draft) | {name: "constexpr" for name in constants}
@@ -135,11 +139,11 @@ def _warp_specialized_report(kernel: str, config, sample: bool, lse: bool, cand:
            "position_ptr": "*i64", "best_ptr": "*fp32", "best_id_ptr": "*i32",
            "best_s_ptr": "*fp32", "max_ptr": "*fp32", "sumexp_ptr": "*fp32", "bad_ptr": "*i32",
            "draft_ptr": "*i64" if draft else "*i32", "draft_s_ptr": "*fp32",
-           "cand_ptr": "*i64" if cand else "*i32", "R": "i32", "V": "i32", "D": "i32",
-           "NUM_VT": "i32", "ROWS_PER_PARAM": "i32"}
+           "cand_ptr": "*i64" if cand else "*i32", "bound_ptr": "*i32", "R": "i32", "V": "i32",
+           "D": "i32", "NUM_VT": "i32", "ROWS_PER_PARAM": "i32"}
     constants = dict(SAMPLE=sample, LSE=lse, DRAFT=draft, CAND=cand, INTERLEAVE=cand > 0,
-                     EVEN_V=True, SCREEN=config.screen, BLOCK_V=config.block_v,
-                     NUM_STAGES=config.num_stages, CHUNK_R=8 * config.num_warps)
+                     EVEN_V=True, SCREEN=config.screen, RACE=config.race and sample,
+                     BLOCK_V=config.block_v, NUM_STAGES=config.num_stages, CHUNK_R=8 * config.num_warps)
     sig |= {name: "constexpr" for name in constants}
     compiled = triton.compile(
         GluonASTSource(lm_head_ws.lm_head_tiles_ws_kernel, sig, constants), target=TARGET,
@@ -187,7 +191,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernel", choices=tuple(KERNELS), default="sample")
     parser.add_argument("--configs", type=parse_configs, required=True,
-                        help='"bv,br,bd,warps,stages[,parts][,ws][,screen] ..."')
+                        help='"bv,br,bd,warps,stages[,parts][,ws][,screen][,race] ..."')
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--sass", action="store_true",
                         help="also write each configuration's disassembly (nvdisasm) to --out")

@@ -46,13 +46,13 @@ def setting_of(kernel: str) -> str:
     return kernel.removeprefix("verify").removeprefix("-") or "sample"
 
 
-FLAGS = ("ws", "screen")
+FLAGS = ("ws", "screen", "race")
 
 
 def parse_configs(text: str):
-    """TileConfigs from "bv,br,bd,warps,stages[,parts][,ws][,screen]" items separated by spaces
-    or ';' ("ws": the warp-specialized Gluon stage 1, Hopper only; "screen": the noise screen,
-    TileConfig.screen)."""
+    """TileConfigs from "bv,br,bd,warps,stages[,parts][,ws][,screen][,race]" items separated by
+    spaces or ';' ("ws": the warp-specialized Gluon stage 1, Hopper only; "screen": the noise
+    screen, TileConfig.screen; "race": the race bound, TileConfig.race)."""
     from flashspec.kernels import TileConfig
 
     configs = []
@@ -67,10 +67,10 @@ def parse_configs(text: str):
                 raise ValueError("expected 5 or 6 integers")
             names = ("block_v", "block_r", "block_d", "num_warps", "num_stages", "epilogue_parts")
             configs.append(TileConfig(**dict(zip(names, fields)), warp_specialized="ws" in flags,
-                                      screen="screen" in flags))
+                                      screen="screen" in flags, race="race" in flags))
         except (ValueError, TypeError) as error:
             raise argparse.ArgumentTypeError(
-                f"--configs item {item!r}: {error} (bv,br,bd,warps,stages[,parts][,ws][,screen])"
+                f"--configs item {item!r}: {error} (bv,br,bd,warps,stages[,parts][,ws][,screen][,race])"
             ) from None
     return configs
 
@@ -155,7 +155,7 @@ def parse_args(argv):
                         help="row counts (verify: B * (G + 1))")
     parser.add_argument("--drafts", type=int, default=3, help="G, for verify kernels")
     parser.add_argument("--configs", type=parse_configs, default=None,
-                        help='"bv,br,bd,warps,stages[,parts][,ws][,screen] ..." '
+                        help='"bv,br,bd,warps,stages[,parts][,ws][,screen][,race] ..." '
                              "(default: a grid per row count)")
     parser.add_argument("--quick", action="store_true", help="tiny shape, CPU interpreter too")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))

@@ -19,7 +19,7 @@ from test_kernels import assert_same_tokens
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="the warp-specialized kernel needs a Hopper GPU")
-WS = kernels.default_config(256, warp_specialized=True)  # 4 epilogue warps, noise screen
+WS = kernels.default_config(256, warp_specialized=True)  # 4 epilogue warps, screen, race
 WS64_EXACT = kernels.default_config(128, warp_specialized=True)  # 64-row tiles, exact
 WS8 = kernels.default_config(512, warp_specialized=True)  # 8 epilogue warps, noise screen
 WS_TRUNCATION = kernels.default_config(256, truncation=True, warp_specialized=True)  # 8, exact
@@ -46,6 +46,7 @@ def test_default_table_takes_it_only_where_it_runs():
     assert kernels.default_config(256, verification=True, warp_specialized=True) == WS
     assert WS.warp_specialized and WS.num_warps == 4 and WS8.num_warps == 8
     assert WS.screen and WS8.screen and not WS_TRUNCATION.screen
+    assert WS.race and not (WS8.race or WS64_EXACT.race or WS_TRUNCATION.race)
     assert kernels.default_config(512, verification=True, warp_specialized=True) == WS8
     assert kernels.default_config(129, truncation=True, warp_specialized=True) == WS_TRUNCATION
     assert kernels.default_config(33, truncation=True, warp_specialized=True) == WS64_TRUNCATION

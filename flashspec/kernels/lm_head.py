@@ -45,8 +45,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .noise import (_SCREEN_ERROR, ACCEPT_STREAM, NEG_LN2, gumbel_from_bits, gumbel_noise,
-                    gumbel_screen_log2, opaque, philox_bits, philox_blocks, philox_tile_bits)
+from .noise import (_SCREEN_ERROR, ACCEPT_STREAM, LOG2E, NEG_LN2, exp2_ftz, gumbel_from_bits,
+                    gumbel_noise, gumbel_screen_log2, opaque, philox_bits, philox_blocks,
+                    philox_tile_bits)
 
 STATUS_OK = 0
 STATUS_NEEDS_COMPLETION = 1
@@ -59,6 +60,15 @@ _NON_FINITE = tl.constexpr(STATUS_NON_FINITE)
 PAD_KEY = -2139095041 * 2**32
 # 2**-21: rounding allowance per unit of score magnitude in the screen's margin (`_screen`).
 _ULPS = tl.constexpr(4.76837158203125e-07)
+# The race (`_race_beaten`): each sampled row's best score found so far, shared by every
+# program through global memory as an int32 order key (`_order_key`); NO_BOUND: none yet.
+NO_BOUND = -2**31
+_NO_BOUND = tl.constexpr(NO_BOUND)
+# Bound's margin per unit of (1 + |bound|), far above the rounding it must cover (2**-16).
+_RACE_MARGIN = tl.constexpr(2.0**-12)
+# Cap on max(s) - the bound's lower edge: past it the row's max column survives anyway, and
+# below it every column that matters has a normal exp(s - max) (>= e**-66).
+_RACE_SPAN = tl.constexpr(40.0)
 
 
 @triton.jit
@@ -252,6 +262,88 @@ def _screened_best(top, leader, leader_s, sampled, seed, position, pid_v, NUM_VT
 
 
 @triton.jit
+def _row_bounds(bound_ptr, rows, ok):
+    """Each row's race bound (`_race_beaten`): -inf where none is known yet. Read through L2
+    (``.cg``): other programs raise it with atomics, and a stale value is only weaker."""
+    key = tl.load(bound_ptr + rows, mask=ok, other=_NO_BOUND, cache_modifier=".cg")
+    value = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    return tl.where(key == _NO_BOUND, float("-inf"), value)
+
+
+@triton.jit
+def _publish_bounds(bound_ptr, rows, ok, sampled, best, bound):
+    """Raise sampled rows' race bounds to their tile's best where it is finite and higher."""
+    better = ok & sampled & (best > bound) & (tl.abs(best) < float("inf"))
+    tl.atomic_max(bound_ptr + rows, _order_key(best), mask=better, sem="relaxed")
+
+
+@triton.jit
+def _exp_below_max(s, tile_max):
+    """Each row's terms ``exp(s - max)`` of its log-sum-exp (one SFU instruction each; terms
+    below 2**-126, which no sum of them can feel, are 0)."""
+    return exp2_ftz((s - tile_max[:, None]) * LOG2E)
+
+
+@triton.jit
+def _race_beaten(s, row_sum, bits, bound, sampled, r_ok, LSE: tl.constexpr):
+    """Whether no column of any (in-bounds) row can beat `bound`, a score that some column of
+    that row already has (`_publish_bounds`): the tile's best is then not needed. With LSE
+    also each row's max of s and its terms exp(s - max) (`_exp_below_max`, as
+    `_tile_summary` computes them, so that these summaries do not depend on the path).
+
+    The test costs a few instructions per column and no logarithm: with ``u`` the column's
+    uniform, ``-log(u) >= 1 - u``, and ``2**32 (1 - u) = ~bits + 0.5``. A column with
+    ``float(~bits) > 2**32 exp(s - lower)`` (``lower`` = the bound less a margin) thus has
+    ``-log(u) > exp(s - lower)`` (up to rounding, below), so its noise ``g = -log(-log(u))``
+    is below ``lower - s`` and its score below the bound. Columns near the top pass only with
+    ``u`` close to 1, where the inequality is tight: the chance that any column of a row
+    escapes a bound that is the row's best score is about the chance that it beats it,
+    ``exp(logsumexp(tile) - bound)``.
+
+    Rounding, as a shift of s: the SFU's 2**x (2**-22 relative), the products, the sums
+    and the conversion of ~bits (2**-24 each) on arguments within about 70 of 0 for every
+    column with ``s - lower >= -26`` (below that, ``g <= 33 ln 2 < 23`` keeps the score
+    below the bound anyway; with LSE the cap `_RACE_SPAN` keeps ``s - max`` there within 66
+    of 0, so exp(s - max) is normal): under 2**-17 + 2**-23 |bound| in all. The exact noise
+    and the rounding of ``s + g`` (`_exact_best`) add under 2**-16 + 2**-23 |bound|. The
+    margin, 2**-12 (1 + |bound|), covers both many times over: a beaten column's exact score
+    is strictly below the bound, so it can be neither the row's best nor tied with it.
+    Greedy rows, non-finite rows and rows without a bound (-inf) are never beaten."""
+    lower = bound - (1.0 + tl.abs(bound)) * _RACE_MARGIN
+    not_beaten = (bits ^ 0xFFFFFFFF).to(tl.float32)  # 2**32 (1 - u), rounded down by < 1
+    tile_max = row_sum
+    exp_s = s
+    if LSE:  # 2**32 exp(s - lower) from the log-sum-exp's terms
+        tile_max = tl.max(s, axis=1)
+        exp_s = _exp_below_max(s, tile_max)
+        # -inf bound: e**40 2**32, which the max column (exp_s = 1) cannot pass.
+        scale = exp2_ftz(tl.minimum(tile_max - lower, _RACE_SPAN) * LOG2E + 32.0)
+        slack = not_beaten - exp_s * scale[:, None]
+    else:  # 2**32 exp(s - lower) directly; -inf bound: +inf for every column
+        slack = not_beaten - exp2_ftz(s * LOG2E - (lower * LOG2E - 32.0)[:, None])
+    beaten = (tl.min(slack, axis=1) > 0.0) & sampled & (tl.abs(row_sum) < float("inf"))
+    if LSE:  # a part wholly past V has no terms (its slack is NaN)
+        beaten = beaten & (tile_max > float("-inf"))
+    return tl.min((beaten | ~r_ok).to(tl.int32), axis=0) > 0, tile_max, exp_s
+
+
+@triton.jit
+def _beaten_summary(row_sum, tile_max, exp_s, LSE: tl.constexpr):
+    """`_tile_summary` of a part that `_race_beaten` beat: best -inf (stage 2 never picks
+    it), its id 0; the log-sum-exp terms as `_tile_summary` computes them."""
+    best = tl.where(tile_max > 0.0, float("-inf"), float("-inf"))
+    best_id = tl.where(tile_max > 0.0, 0, 0)
+    tile_sum = best
+    tile_max_out = best
+    best_s = best
+    if LSE:
+        tile_sum = tl.sum(exp_s, axis=1)
+        tile_max_out = tile_max
+        best_s = tl.where(tile_max > 0.0, 0.0, 0.0)
+    return best, best_id, row_sum, tile_max_out, tile_sum, best_s, row_sum
+
+
+@triton.jit
 def _tile_summary(s, row_sum, best, best_column, best_s, draft_s, pid_v, NUM_VT,
                   BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr, LSE: tl.constexpr):
     """Per-row summaries of `_scaled_logits` (s, row_sum) given each row's best score, column
@@ -265,19 +357,52 @@ def _tile_summary(s, row_sum, best, best_column, best_s, draft_s, pid_v, NUM_VT,
     sumexp = best
     if LSE:
         tile_max = tl.max(s, axis=1)
-        sumexp = tl.sum(tl.exp(s - tile_max[:, None]), axis=1)
+        sumexp = tl.sum(_exp_below_max(s, tile_max), axis=1)
     return best, best_id, row_sum, tile_max, sumexp, best_s, draft_s
 
 
 @triton.jit
+def _noise_summary(s, row_sum, offs_v, columns, bits, blocks, pid_v, NUM_VT, sampled, seed,
+                   position, draft, BLOCK_R: tl.constexpr, PART_V: tl.constexpr,
+                   BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr, LSE: tl.constexpr,
+                   DRAFT: tl.constexpr, SCREEN: tl.constexpr):
+    """`_tile_summary` of a part with sampled rows, from the Philox words `bits` of its
+    columns (`blocks`: their Philox blocks); with SCREEN through `_screen`."""
+    if SCREEN:
+        unsure, top, leader, leader_s = _screen(s, row_sum, columns, bits, sampled, BLOCK_V)
+        draft_s = row_sum  # unused: a screened tile holds no draft (`_store_summary`)
+        if DRAFT:  # the tile that holds a row's draft: exact (`_screen`)
+            unsure |= _drafts_in_tile(draft, pid_v, NUM_VT, BLOCK_V, INTERLEAVE)
+        if unsure:
+            # The words anew (`opaque`: not merged with the screen's): kept, they would
+            # stay live through the screen (64x128 tiles: 116 -> 195 registers).
+            bits = philox_tile_bits(opaque(seed)[:, None, None], position[:, None, None],
+                                    blocks, BLOCK_R, PART_V)
+            best, best_column, best_s, draft_s = _exact_best(
+                s, row_sum, offs_v, columns, gumbel_from_bits(bits), sampled, draft, True,
+                LSE, DRAFT)
+        else:
+            best, best_column, best_s = _screened_best(top, leader, leader_s, sampled, seed,
+                                                       position, pid_v, NUM_VT, BLOCK_V,
+                                                       INTERLEAVE)
+    else:
+        best, best_column, best_s, draft_s = _exact_best(
+            s, row_sum, offs_v, columns, gumbel_from_bits(bits), sampled, draft, True, LSE,
+            DRAFT)
+    return _tile_summary(s, row_sum, best, best_column, best_s, draft_s, pid_v, NUM_VT, BLOCK_V,
+                         INTERLEAVE, LSE)
+
+
+@triton.jit
 def _part_summary(acc, first_column, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
-                  BLOCK_R: tl.constexpr, PART_V: tl.constexpr, BLOCK_V: tl.constexpr,
-                  INTERLEAVE: tl.constexpr, EVEN_V: tl.constexpr,
+                  bound, r_ok, BLOCK_R: tl.constexpr, PART_V: tl.constexpr,
+                  BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr, EVEN_V: tl.constexpr,
                   SAMPLE: tl.constexpr, LSE: tl.constexpr, DRAFT: tl.constexpr,
-                  SCREEN: tl.constexpr):
+                  SCREEN: tl.constexpr, RACE: tl.constexpr):
     """`_tile_summary` of columns first_column + [0, PART_V) of vocab tile `pid_v`; with SCREEN
     sampled rows through `_screen` (fewer instructions, more registers: for tiles where the
-    epilogue, not the weight's stream, bounds the time)."""
+    epilogue, not the weight's stream, bounds the time); with RACE a part whose every row
+    is beaten by its bound (`_race_beaten`) skips the search for its best."""
     columns = first_column + tl.arange(0, PART_V)
     s, row_sum, offs_v = _scaled_logits(acc, columns, pid_v, NUM_VT, V, inv_t, BLOCK_V,
                                         INTERLEAVE, EVEN_V)
@@ -289,32 +414,26 @@ def _part_summary(acc, first_column, pid_v, NUM_VT, V, inv_t, sampled, seed, pos
         blocks = philox_blocks(groups, tl.arange(0, 4))
         bits = philox_tile_bits(seed[:, None, None], position[:, None, None], blocks, BLOCK_R,
                                 PART_V)
-        if SCREEN:
-            unsure, top, leader, leader_s = _screen(s, row_sum, columns, bits, sampled, BLOCK_V)
-            draft_s = row_sum  # unused: a screened tile holds no draft (`_store_summary`)
-            if DRAFT:  # the tile that holds a row's draft: exact (`_screen`)
-                unsure |= _drafts_in_tile(draft, pid_v, NUM_VT, BLOCK_V, INTERLEAVE)
-            if unsure:
-                # The words anew (`opaque`: not merged with the screen's): kept, they would
-                # stay live through the screen (64x128 tiles: 116 -> 195 registers).
-                bits = philox_tile_bits(opaque(seed)[:, None, None], position[:, None, None],
-                                        blocks, BLOCK_R, PART_V)
-                best, best_column, best_s, draft_s = _exact_best(
-                    s, row_sum, offs_v, columns, gumbel_from_bits(bits), sampled, draft, SAMPLE,
-                    LSE, DRAFT)
+        if RACE:
+            beaten, tile_max, exp_s = _race_beaten(s, row_sum, bits, bound, sampled, r_ok, LSE)
+            if DRAFT:  # the draft's logit comes from the tile that holds it
+                beaten = beaten & ~_drafts_in_tile(draft, pid_v, NUM_VT, BLOCK_V, INTERLEAVE)
+            if beaten:
+                summary = _beaten_summary(row_sum, tile_max, exp_s, LSE)
             else:
-                best, best_column, best_s = _screened_best(top, leader, leader_s, sampled, seed,
-                                                           position, pid_v, NUM_VT, BLOCK_V,
-                                                           INTERLEAVE)
+                summary = _noise_summary(s, row_sum, offs_v, columns, bits, blocks, pid_v,
+                                         NUM_VT, sampled, seed, position, draft, BLOCK_R, PART_V,
+                                         BLOCK_V, INTERLEAVE, LSE, DRAFT, SCREEN)
         else:
-            best, best_column, best_s, draft_s = _exact_best(
-                s, row_sum, offs_v, columns, gumbel_from_bits(bits), sampled, draft, SAMPLE, LSE,
-                DRAFT)
+            summary = _noise_summary(s, row_sum, offs_v, columns, bits, blocks, pid_v, NUM_VT,
+                                     sampled, seed, position, draft, BLOCK_R, PART_V, BLOCK_V,
+                                     INTERLEAVE, LSE, DRAFT, SCREEN)
     else:
         best, best_column, best_s, draft_s = _exact_best(s, row_sum, offs_v, columns, s, sampled,
                                                          draft, SAMPLE, LSE, DRAFT)
-    return _tile_summary(s, row_sum, best, best_column, best_s, draft_s, pid_v, NUM_VT, BLOCK_V,
-                         INTERLEAVE, LSE)
+        summary = _tile_summary(s, row_sum, best, best_column, best_s, draft_s, pid_v, NUM_VT,
+                                BLOCK_V, INTERLEAVE, LSE)
+    return summary
 
 
 @triton.jit
@@ -385,12 +504,12 @@ def _merge_summaries(a, b, LSE: tl.constexpr):
 def lm_head_tiles_kernel(
     hidden_ptr, weight_ptr, hidden_desc, weight_desc, do_sample_ptr, temperature_ptr, seed_ptr, position_ptr,
     best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, cand_ptr,
-    draft_ptr, draft_s_ptr,
+    draft_ptr, draft_s_ptr, bound_ptr,
     R, V, D, stride_hidden, stride_weight, NUM_VT, ROWS_PER_PARAM,
     SAMPLE: tl.constexpr, LSE: tl.constexpr, CAND: tl.constexpr, DRAFT: tl.constexpr,
     IEEE_DOT: tl.constexpr, INTERLEAVE: tl.constexpr,
     EVEN_V: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr, PARTS: tl.constexpr,
-    SCREEN: tl.constexpr,
+    SCREEN: tl.constexpr, RACE: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -446,40 +565,49 @@ def lm_head_tiles_kernel(
         # Verification: the drafted token is left out of the tile's best (the recovered
         # token on rejection); its scaled logit goes out from the one tile that holds it.
         draft = _row_drafts(draft_ptr, safe_rows, r_ok, ROWS_PER_PARAM)
+    bound = inv_t  # unused without RACE
+    if RACE:  # read after the main loop: the freshest bounds
+        bound = _row_bounds(bound_ptr, offs_r, r_ok)
     # The tile is summarised in PARTS vocab parts one after the other: fewer values live
     # at once, so large tiles (what the main loop wants at large B) need fewer registers.
     if PARTS == 1:
         summary = _part_summary(acc, 0, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
-                                BLOCK_R, BLOCK_V, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT,
-                                SCREEN)
+                                bound, r_ok, BLOCK_R, BLOCK_V, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE,
+                                LSE, DRAFT, SCREEN, RACE)
     else:
         lo, hi = _halves(acc, BLOCK_R, BLOCK_V)
         if PARTS == 2:
             half: tl.constexpr = BLOCK_V // 2
             summary = _part_summary(lo, 0, pid_v, NUM_VT, V, inv_t, sampled, seed, position,
-                                    draft, BLOCK_R, half, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE,
-                                    LSE, DRAFT, SCREEN)
+                                    draft, bound, r_ok, BLOCK_R, half, BLOCK_V, INTERLEAVE, EVEN_V,
+                                    SAMPLE, LSE, DRAFT, SCREEN, RACE)
             summary = _merge_summaries(summary, _part_summary(
                 hi, half, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
-                BLOCK_R, half, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN), LSE)
+                bound, r_ok, BLOCK_R, half, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN,
+                RACE), LSE)
         else:
             quarter: tl.constexpr = BLOCK_V // 4
             q0, q1 = _halves(lo, BLOCK_R, BLOCK_V // 2)
             q2, q3 = _halves(hi, BLOCK_R, BLOCK_V // 2)
             summary = _part_summary(q0, 0, pid_v, NUM_VT, V, inv_t, sampled, seed, position,
-                                    draft, BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE,
-                                    LSE, DRAFT, SCREEN)
+                                    draft, bound, r_ok, BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V,
+                                    SAMPLE, LSE, DRAFT, SCREEN, RACE)
             summary = _merge_summaries(summary, _part_summary(
                 q1, quarter, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
-                BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN), LSE)
+                bound, r_ok, BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN,
+                RACE), LSE)
             summary = _merge_summaries(summary, _part_summary(
                 q2, 2 * quarter, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
-                BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN), LSE)
+                bound, r_ok, BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN,
+                RACE), LSE)
             summary = _merge_summaries(summary, _part_summary(
                 q3, 3 * quarter, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
-                BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN), LSE)
+                bound, r_ok, BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN,
+                RACE), LSE)
     _store_summary(summary, offs_r, r_ok, draft, pid_v, NUM_VT, best_ptr, best_id_ptr, best_s_ptr,
                    max_ptr, sumexp_ptr, bad_ptr, draft_s_ptr, BLOCK_V, INTERLEAVE, LSE, DRAFT)
+    if RACE and SAMPLE:
+        _publish_bounds(bound_ptr, offs_r, r_ok, sampled, summary[0], bound)
     if CAND > 0:
         _store_candidates(acc, offs_v, V, cand_ptr + (offs_r * NUM_VT + pid_v) * CAND, r_ok,
                           CAND, EVEN_V)

@@ -182,10 +182,12 @@ if gluon is not None:
 
     @gluon.jit
     def _chunk_rows(tile, chunk, num_rt, R, ROWS_PER_PARAM, do_sample_ptr, temperature_ptr,
-                    seed_ptr, position_ptr, draft_ptr, BR: gl.constexpr, CR: gl.constexpr,
-                    layout: gl.constexpr, DRAFT: gl.constexpr):
+                    seed_ptr, position_ptr, draft_ptr, bound_ptr, BR: gl.constexpr,
+                    CR: gl.constexpr, layout: gl.constexpr, DRAFT: gl.constexpr,
+                    RACE: gl.constexpr):
         """Rows of chunk `chunk` of `tile` and their parameters (global loads, issued a chunk
-        ahead of their use so that their latency hides behind the previous chunk)."""
+        ahead of their use so that their latency hides behind the previous chunk; the race's
+        bounds are then a chunk older, which only makes them weaker)."""
         offs_r = (tile % num_rt) * BR + chunk * CR + gl.arange(0, CR, layout=gl.SliceLayout(1, layout))
         r_ok = offs_r < R
         safe_rows = gl.where(r_ok, offs_r, 0)
@@ -196,19 +198,50 @@ if gluon is not None:
         draft = offs_r  # unused without DRAFT
         if DRAFT:
             draft = lm_head._row_drafts(draft_ptr, safe_rows, r_ok, ROWS_PER_PARAM)
-        return offs_r, r_ok, sampled, temperature, seed, position, draft
+        bound = temperature  # unused without RACE
+        if RACE:
+            bound = lm_head._row_bounds(bound_ptr, offs_r, r_ok)
+        return offs_r, r_ok, sampled, temperature, seed, position, draft, bound
+
+    @gluon.jit
+    def _noise_summary(s, row_sum, offs_v, columns, bits, pid_v, NUM_VT, sampled, seed, position,
+                       draft, LSE: gl.constexpr, DRAFT: gl.constexpr, INTERLEAVE: gl.constexpr,
+                       SCREEN: gl.constexpr, layout: gl.constexpr):
+        """`lm_head._noise_summary` of a chunk, with the Philox words in `layout`."""
+        CR: gl.constexpr = s.shape[0]
+        BV: gl.constexpr = s.shape[1]
+        if SCREEN:
+            unsure, top, leader, leader_s = lm_head._screen(s, row_sum, columns, bits, sampled, BV)
+            draft_s = row_sum  # unused: a screened tile holds no draft (`_store_summary`)
+            if DRAFT:  # the tile that holds a row's draft: exact (`lm_head._screen`)
+                unsure |= lm_head._drafts_in_tile(draft, pid_v, NUM_VT, BV, INTERLEAVE)
+            if unsure:
+                bits = _tile_bits(opaque(seed), position, pid_v, NUM_VT, CR, BV, INTERLEAVE,
+                                  layout)
+                best, best_column, best_s, draft_s = lm_head._exact_best(
+                    s, row_sum, offs_v, columns, gumbel_from_bits(bits), sampled, draft,
+                    True, LSE, DRAFT)
+            else:
+                best, best_column, best_s = lm_head._screened_best(
+                    top, leader, leader_s, sampled, seed, position, pid_v, NUM_VT, BV, INTERLEAVE)
+        else:
+            best, best_column, best_s, draft_s = lm_head._exact_best(
+                s, row_sum, offs_v, columns, gumbel_from_bits(bits), sampled, draft, True, LSE,
+                DRAFT)
+        return lm_head._tile_summary(s, row_sum, best, best_column, best_s, draft_s, pid_v,
+                                     NUM_VT, BV, INTERLEAVE, LSE)
 
     @gluon.jit
     def _summarise_chunk(acc, rows, pid_v, V, NUM_VT, best_ptr, best_id_ptr, best_s_ptr,
-                         max_ptr, sumexp_ptr, bad_ptr, draft_s_ptr, cand_ptr,
+                         max_ptr, sumexp_ptr, bad_ptr, draft_s_ptr, cand_ptr, bound_ptr,
                          SAMPLE: gl.constexpr, LSE: gl.constexpr, DRAFT: gl.constexpr,
                          CAND: gl.constexpr, INTERLEAVE: gl.constexpr, EVEN_V: gl.constexpr,
-                         SCREEN: gl.constexpr, layout: gl.constexpr):
+                         SCREEN: gl.constexpr, RACE: gl.constexpr, layout: gl.constexpr):
         """The summaries (and candidates) of a chunk `acc` ``[CR, BV]`` of rows `rows`
         (`_chunk_rows`) and vocab tile pid_v."""
         CR: gl.constexpr = acc.shape[0]
         BV: gl.constexpr = acc.shape[1]
-        offs_r, r_ok, sampled, temperature, seed, position, draft = rows
+        offs_r, r_ok, sampled, temperature, seed, position, draft, bound = rows
         inv_t = 1.0 / temperature
         columns = gl.arange(0, BV, layout=gl.SliceLayout(0, layout))
         s, row_sum, offs_v = lm_head._scaled_logits(acc, columns, pid_v, NUM_VT, V, inv_t, BV,
@@ -219,48 +252,50 @@ if gluon is not None:
                                       CAND, EVEN_V)
         # As lm_head._part_summary, with two differences that only registers decide:
         # candidates first (the Triton kernel keeps the whole tile in registers anyway)
-        # and the screen's Philox words computed after the chunk's load.
-        if SAMPLE and SCREEN:
+        # and the Philox words computed after the chunk's load.
+        if SAMPLE:
             # Position made to depend on the chunk's logits (NaN rows, the only ones it
             # changes, take the exact path anyway): the words are then computed after the
             # chunk's load, not hoisted above it and held through it (8 warps: 80 -> 24
             # bytes of spills).
             after_load = position + (row_sum != row_sum).to(gl.int64)
             bits = _tile_bits(seed, after_load, pid_v, NUM_VT, CR, BV, INTERLEAVE, layout)
-            unsure, top, leader, leader_s = lm_head._screen(s, row_sum, columns, bits, sampled, BV)
-            draft_s = row_sum  # unused: a screened tile holds no draft (`_store_summary`)
-            if DRAFT:  # the tile that holds a row's draft: exact (`lm_head._screen`)
-                unsure |= lm_head._drafts_in_tile(draft, pid_v, NUM_VT, BV, INTERLEAVE)
-            if unsure:
-                bits = _tile_bits(opaque(seed), position, pid_v, NUM_VT, CR, BV, INTERLEAVE,
-                                  layout)
-                best, best_column, best_s, draft_s = lm_head._exact_best(
-                    s, row_sum, offs_v, columns, gumbel_from_bits(bits), sampled, draft,
-                    SAMPLE, LSE, DRAFT)
+            if RACE:
+                beaten, tile_max, exp_s = lm_head._race_beaten(s, row_sum, bits, bound, sampled,
+                                                               r_ok, LSE)
+                if DRAFT:  # the draft's logit comes from the tile that holds it
+                    beaten = beaten & ~lm_head._drafts_in_tile(draft, pid_v, NUM_VT, BV,
+                                                                INTERLEAVE)
+                if beaten:
+                    summary = lm_head._beaten_summary(row_sum, tile_max, exp_s, LSE)
+                else:
+                    summary = _noise_summary(s, row_sum, offs_v, columns, bits, pid_v, NUM_VT,
+                                             sampled, seed, position, draft, LSE, DRAFT,
+                                             INTERLEAVE, SCREEN, layout)
             else:
-                best, best_column, best_s = lm_head._screened_best(
-                    top, leader, leader_s, sampled, seed, position, pid_v, NUM_VT, BV, INTERLEAVE)
+                summary = _noise_summary(s, row_sum, offs_v, columns, bits, pid_v, NUM_VT,
+                                         sampled, seed, position, draft, LSE, DRAFT, INTERLEAVE,
+                                         SCREEN, layout)
         else:
-            noise = s  # unused without SAMPLE
-            if SAMPLE:
-                noise = gumbel_from_bits(_tile_bits(seed, position, pid_v, NUM_VT, CR, BV,
-                                                    INTERLEAVE, layout))
             best, best_column, best_s, draft_s = lm_head._exact_best(
-                s, row_sum, offs_v, columns, noise, sampled, draft, SAMPLE, LSE, DRAFT)
-        summary = lm_head._tile_summary(s, row_sum, best, best_column, best_s, draft_s, pid_v,
-                                        NUM_VT, BV, INTERLEAVE, LSE)
+                s, row_sum, offs_v, columns, s, sampled, draft, SAMPLE, LSE, DRAFT)
+            summary = lm_head._tile_summary(s, row_sum, best, best_column, best_s, draft_s, pid_v,
+                                            NUM_VT, BV, INTERLEAVE, LSE)
         lm_head._store_summary(summary, offs_r, r_ok, draft, pid_v, NUM_VT, best_ptr,
                                best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr,
                                draft_s_ptr, BV, INTERLEAVE, LSE, DRAFT)
+        if RACE and SAMPLE:
+            lm_head._publish_bounds(bound_ptr, offs_r, r_ok, sampled, summary[0], bound)
 
     @gluon.jit
     def _epilogue_partition(acc_smem, acc_ready, acc_empty,
                             do_sample_ptr, temperature_ptr, seed_ptr, position_ptr,
                             best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr,
-                            draft_ptr, draft_s_ptr, cand_ptr, R, V, NUM_VT, ROWS_PER_PARAM,
-                            num_tiles, num_rt, SAMPLE: gl.constexpr, LSE: gl.constexpr,
-                            DRAFT: gl.constexpr, CAND: gl.constexpr, INTERLEAVE: gl.constexpr,
-                            EVEN_V: gl.constexpr, SCREEN: gl.constexpr, CR: gl.constexpr):
+                            draft_ptr, draft_s_ptr, cand_ptr, bound_ptr, R, V, NUM_VT,
+                            ROWS_PER_PARAM, num_tiles, num_rt, SAMPLE: gl.constexpr,
+                            LSE: gl.constexpr, DRAFT: gl.constexpr, CAND: gl.constexpr,
+                            INTERLEAVE: gl.constexpr, EVEN_V: gl.constexpr,
+                            SCREEN: gl.constexpr, RACE: gl.constexpr, CR: gl.constexpr):
         """The default partition: each handed-over tile, CR rows at a time, through the
         Triton kernel's epilogue."""
         BR: gl.constexpr = acc_smem.type.shape[0]
@@ -273,7 +308,8 @@ if gluon is not None:
         nprog = gl.num_programs(0)
         num_steps = gl.cdiv(num_tiles - pid, nprog) * NUM_CHUNKS
         rows = _chunk_rows(pid, 0, num_rt, R, ROWS_PER_PARAM, do_sample_ptr, temperature_ptr,
-                           seed_ptr, position_ptr, draft_ptr, BR, CR, layout, DRAFT)
+                           seed_ptr, position_ptr, draft_ptr, bound_ptr, BR, CR, layout, DRAFT,
+                           RACE)
         for step in range(num_steps):
             tile = pid + (step // NUM_CHUNKS) * nprog
             chunk = step % NUM_CHUNKS
@@ -282,7 +318,7 @@ if gluon is not None:
             next_rows = _chunk_rows(pid + ((step + 1) // NUM_CHUNKS) * nprog,
                                     (step + 1) % NUM_CHUNKS, num_rt, R, ROWS_PER_PARAM,
                                     do_sample_ptr, temperature_ptr, seed_ptr, position_ptr,
-                                    draft_ptr, BR, CR, layout, DRAFT)
+                                    draft_ptr, bound_ptr, BR, CR, layout, DRAFT, RACE)
             if chunk == 0:
                 mbarrier.wait(acc_ready, (step // NUM_CHUNKS) & 1)
             acc = chunks.index(chunk).load(layout)
@@ -291,17 +327,18 @@ if gluon is not None:
             # Chunks past the last row (a tile of fewer than BR rows) are skipped.
             if (tile % num_rt) * BR + chunk * CR < R:
                 _summarise_chunk(acc, rows, pid_v, V, NUM_VT, best_ptr, best_id_ptr, best_s_ptr,
-                                 max_ptr, sumexp_ptr, bad_ptr, draft_s_ptr, cand_ptr, SAMPLE, LSE,
-                                 DRAFT, CAND, INTERLEAVE, EVEN_V, SCREEN, layout)
+                                 max_ptr, sumexp_ptr, bad_ptr, draft_s_ptr, cand_ptr, bound_ptr,
+                                 SAMPLE, LSE, DRAFT, CAND, INTERLEAVE, EVEN_V, SCREEN, RACE,
+                                 layout)
             rows = next_rows
 
     @gluon.jit
     def lm_head_tiles_ws_kernel(
         h_desc, w_desc, do_sample_ptr, temperature_ptr, seed_ptr, position_ptr,
         best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, draft_ptr, draft_s_ptr,
-        cand_ptr, R, V, D, NUM_VT, ROWS_PER_PARAM,
+        cand_ptr, bound_ptr, R, V, D, NUM_VT, ROWS_PER_PARAM,
         SAMPLE: gl.constexpr, LSE: gl.constexpr, DRAFT: gl.constexpr, CAND: gl.constexpr,
-        INTERLEAVE: gl.constexpr, EVEN_V: gl.constexpr, SCREEN: gl.constexpr,
+        INTERLEAVE: gl.constexpr, EVEN_V: gl.constexpr, SCREEN: gl.constexpr, RACE: gl.constexpr,
         BLOCK_V: gl.constexpr, NUM_STAGES: gl.constexpr, CHUNK_R: gl.constexpr,
     ):
         BR: gl.constexpr = h_desc.block_type.shape[0]
@@ -330,8 +367,8 @@ if gluon is not None:
             (_epilogue_partition, (acc_smem, acc_ready, acc_empty, do_sample_ptr, temperature_ptr,
                                    seed_ptr, position_ptr, best_ptr, best_id_ptr, best_s_ptr,
                                    max_ptr, sumexp_ptr, bad_ptr, draft_ptr, draft_s_ptr, cand_ptr,
-                                   R, V, NUM_VT, ROWS_PER_PARAM, num_tiles, num_rt,
-                                   SAMPLE, LSE, DRAFT, CAND, INTERLEAVE, EVEN_V, SCREEN,
+                                   bound_ptr, R, V, NUM_VT, ROWS_PER_PARAM, num_tiles, num_rt,
+                                   SAMPLE, LSE, DRAFT, CAND, INTERLEAVE, EVEN_V, SCREEN, RACE,
                                    CHUNK_R)),
             (_load_partition, worker_args),
             (_mma_partition, worker_args),
@@ -351,12 +388,12 @@ def descriptors(hidden: torch.Tensor, weight: torch.Tensor, block_r: int, block_
                 weight, weight_box, gl.NVMMASharedLayout.get_default_for(weight_box, dtype)))
 
 
-def launch(hidden, weight, row, summaries, candidates, drafts, draft_s, num_vt, rows_per_param,
-           config, noise, need_lse, cand, leave_out_drafts) -> None:
+def launch(hidden, weight, row, summaries, candidates, drafts, draft_s, bounds, num_vt,
+           rows_per_param, config, noise, need_lse, cand, leave_out_drafts, race) -> None:
     """Stage 1 through the warp-specialized kernel, writing what `ops._launch_tiles` writes:
     `summaries` (best, best_id, best_s, tile_max, tile_sum, bad; with `noise` the best is the
-    Gumbel-max of sampled rows), with `cand` > 0 the `candidates` of interleaved tiles, and,
-    with `leave_out_drafts`, `draft_s`."""
+    Gumbel-max of sampled rows, -inf with `race` where `bounds` beat it), with `cand` > 0
+    the `candidates` of interleaved tiles, and, with `leave_out_drafts`, `draft_s`."""
     num_rows, dim = hidden.shape
     vocab_size = weight.shape[0]
     interleave = cand > 0
@@ -374,10 +411,11 @@ def launch(hidden, weight, row, summaries, candidates, drafts, draft_s, num_vt, 
     grid = (min(num_tiles, _num_sms(hidden.device.index)),)
     lm_head_tiles_ws_kernel[grid](
         h_desc, w_desc, row["do_sample"], row["temperature"], row["seed"], row["position"],
-        *summaries, drafts, draft_s, candidates,
+        *summaries, drafts, draft_s, candidates, bounds,
         num_rows, vocab_size, dim, num_vt, rows_per_param,
         SAMPLE=noise, LSE=need_lse, DRAFT=leave_out_drafts, CAND=cand, INTERLEAVE=interleave,
-        EVEN_V=vocab_size % config.block_v == 0, SCREEN=config.screen, BLOCK_V=config.block_v,
+        EVEN_V=vocab_size % config.block_v == 0, SCREEN=config.screen, RACE=race,
+        BLOCK_V=config.block_v,
         NUM_STAGES=config.num_stages, CHUNK_R=8 * config.num_warps,  # rows its layout covers
         num_warps=config.num_warps, maxnreg=max_registers(config.num_warps),
     )

@@ -23,6 +23,7 @@ _SCREEN_ERROR: tl.constexpr = tl.constexpr(SCREEN_ERROR)
 SCREEN_BIAS = 0.36651292058166435
 _SCREEN_BIAS: tl.constexpr = tl.constexpr(SCREEN_BIAS)
 NEG_LN2: tl.constexpr = tl.constexpr(-0.6931471805599453)
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 # Triton's interpreter cannot run PTX: there `lg2.approx` is numpy's log2 and the screen
 # adds an error of 0.9 SCREEN_ERROR (its sign from the word), so that CPU tests exercise the
 # screening at the worst error it is certified for. (Read when this module is imported.)
@@ -81,6 +82,18 @@ def _log2_approx(x):
         return tl.log2(x)
     else:
         return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def exp2_ftz(x):
+    """``ex2.approx.ftz.f32``: the SFU's 2**x, one instruction (relative error at most 2**-22,
+    PTX ISA); results below 2**-126 flush to 0. Triton's `tl.exp2` and `tl.exp` keep
+    subnormal results, which costs a compare and two predicated multiplies around it."""
+    if _INTERPRETED:
+        return tl.exp2(x)
+    else:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x],
                                          dtype=tl.float32, is_pure=True, pack=1)
 
 

@@ -44,7 +44,11 @@ class TileConfig:
     `lm_head_ws` (Hopper): a load warp, an MMA warpgroup and num_warps epilogue warps on
     different tiles at once, num_stages (>= 2) deep; screen: sampled rows find each tile's
     best through the noise screen (`lm_head._screen`: about half the epilogue's instructions,
-    more registers; the same results), for tiles where the epilogue bounds the time.
+    more registers; the same results), for tiles where the epilogue bounds the time;
+    race: sampled rows skip the search for a tile's best wherever the best score already
+    found for the row, shared by all programs through global memory, provably beats every
+    column of the tile (`lm_head._race_beaten`: one multiply-add per column instead of the
+    screen's logarithms; the same results).
     """
 
     block_v: int = 128
@@ -60,6 +64,7 @@ class TileConfig:
     epilogue_parts: int = 1
     warp_specialized: bool = False
     screen: bool = False
+    race: bool = False
 
     def __post_init__(self):
         for name in ("block_v", "block_r", "block_d", "candidates", "max_support"):
@@ -148,9 +153,14 @@ def _warp_specialized_config(num_rows: int, truncation: bool) -> TileConfig:
     if num_rows <= 128:
         return TileConfig(block_v=128, block_r=64, block_d=64, num_warps=4, num_stages=8,
                           warp_specialized=True)
+    # 129-256 rows: the race too. Seventeenth session, H100, stage 1 at locked base clocks
+    # (scripts/epilogue_probe.py, variant full), R = 256: sample 1.199 -> 1.102x matmul,
+    # verify 1.271 -> 1.231x. On 8 epilogue warps it loses (R = 512: sample 1.236 -> 1.261x,
+    # verify 1.296 -> 1.394x); 64-row tiles with the exact epilogue too (verify R = 128
+    # 0.995 -> 1.03x matmul in a sweep).
     if num_rows <= 256:
         return TileConfig(block_v=128, block_r=128, block_d=64, num_warps=4, num_stages=5,
-                          warp_specialized=True, screen=True)
+                          warp_specialized=True, screen=True, race=True)
     return TileConfig(block_v=128, block_r=128, block_d=64, num_warps=8, num_stages=4,
                       warp_specialized=True, screen=True)
 
@@ -324,13 +334,18 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
                   if cand else best_id)
     draft_s = torch.empty(num_rows, **f32) if tile_drafts else best
     drafts = drafts if verify else best_id
+    race = config.race and tile_noise
+    # The race's per-row bounds start empty at every launch (they hold this launch's scores).
+    bounds = (torch.full((num_rows,), lm_head.NO_BOUND, dtype=torch.int32, device=device)
+              if race else best_id)
     summaries = (best, best_id, best_s, tile_max, tile_sum, bad)
     if config.warp_specialized:
-        lm_head_ws.launch(hidden, weight, row, summaries, candidates, drafts, draft_s, num_vt,
-                          rows_per_param, config, tile_noise, need_lse, cand, tile_drafts)
+        lm_head_ws.launch(hidden, weight, row, summaries, candidates, drafts, draft_s, bounds,
+                          num_vt, rows_per_param, config, tile_noise, need_lse, cand, tile_drafts,
+                          race)
     else:
-        _launch_tiles(hidden, weight, row, summaries, candidates, drafts, draft_s, num_vt,
-                      rows_per_param, config, tile_noise, need_lse, cand, tile_drafts)
+        _launch_tiles(hidden, weight, row, summaries, candidates, drafts, draft_s, bounds, num_vt,
+                      rows_per_param, config, tile_noise, need_lse, cand, tile_drafts, race)
     out = _Rows(torch.empty(num_rows, dtype=torch.int64, device=device), torch.empty(num_rows, **f32),
                 torch.empty(num_rows, **f32), torch.empty(num_rows, dtype=torch.int32, device=device),
                 *((torch.empty(num_rows, dtype=torch.int64, device=device),
@@ -356,12 +371,14 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
     return out
 
 
-def _launch_tiles(hidden, weight, row, summaries, candidates, drafts, draft_s, num_vt,
-                  rows_per_param, config, noise, need_lse, cand, leave_out_drafts):
+def _launch_tiles(hidden, weight, row, summaries, candidates, drafts, draft_s, bounds, num_vt,
+                  rows_per_param, config, noise, need_lse, cand, leave_out_drafts, race):
     """Stage 1 through the Triton kernel (`lm_head.lm_head_tiles_kernel`): the per-(row, vocab
     tile) `summaries` (best, best_id, best_s, tile_max, tile_sum, bad) and `candidates`; with
     `noise` the best is the Gumbel-max of sampled rows, with `leave_out_drafts` it leaves each
-    row's draft out and writes the draft's logit to `draft_s`."""
+    row's draft out and writes the draft's logit to `draft_s`. With `race` (and `noise`),
+    `bounds` holds each row's race bound (int32 order keys, `lm_head.NO_BOUND` at first), and
+    a tile's best is -inf where the bound already beats it."""
     num_rows, dim = hidden.shape
     vocab_size = weight.shape[0]
     grid = (num_vt * triton.cdiv(num_rows, config.block_r),)
@@ -373,12 +390,12 @@ def _launch_tiles(hidden, weight, row, summaries, candidates, drafts, draft_s, n
     hidden_desc, weight_desc = descriptors if tma else (hidden, weight)
     lm_head.lm_head_tiles_kernel[grid](
         hidden, weight, hidden_desc, weight_desc, row["do_sample"], row["temperature"], row["seed"], row["position"],
-        *summaries, candidates, drafts, draft_s,
+        *summaries, candidates, drafts, draft_s, bounds,
         num_rows, vocab_size, dim, hidden.stride(0), weight.stride(0), num_vt, rows_per_param,
         SAMPLE=noise, LSE=need_lse, CAND=cand, DRAFT=leave_out_drafts,
         IEEE_DOT=hidden.dtype == torch.float32, INTERLEAVE=interleave,
         EVEN_V=vocab_size % config.block_v == 0, EVEN_D=dim % config.block_d == 0, TMA=tma,
-        PARTS=config.epilogue_parts, SCREEN=config.screen,
+        PARTS=config.epilogue_parts, SCREEN=config.screen, RACE=race,
         BLOCK_V=config.block_v, BLOCK_R=config.block_r, BLOCK_D=config.block_d,
         NUM_STAGES=config.num_stages, PDL=programmatic_launch_ready(hidden.device),
         num_warps=config.num_warps,
