@@ -9,7 +9,8 @@
 # tool's 10-minute call (800-940 s, eleventh and twelfth sessions); with PARALLEL=1 each test
 # file runs in its own pytest process, all at once (the arguments must then be files; logs in
 # $OUT/pytest_<file>.log; TEST_TIMEOUT=<s> stops each after that long), and the whole suite,
-# 194 tests, took 378 s (sixteenth session, 2026-11-23). So two calls:
+# 194 tests, took 378 s (sixteenth session, 2026-11-23; 215 tests, 322 s, seventeenth).
+# So two calls:
 #   PARALLEL=1 TEST_TIMEOUT=540 PARTS=tests bash scripts/gpu_check.sh
 #   PARTS="kernels verify" bash scripts/gpu_check.sh            # both benchmark tables, 232-312 s
 # PARTS=probe: scripts/epilogue_probe.py at R = 256 on the default 4-warp entry (needs ncu; 17
