@@ -310,7 +310,7 @@ def _race_beaten(s, row_sum, bits, bound, sampled, r_ok, LSE: tl.constexpr):
     is strictly below the bound, so it can be neither the row's best nor tied with it.
     Greedy rows, non-finite rows and rows without a bound (-inf) are never beaten."""
     lower = bound - (1.0 + tl.abs(bound)) * _RACE_MARGIN
-    not_beaten = (bits ^ 0xFFFFFFFF).to(tl.float32)  # 2**32 (1 - u), rounded down by < 1
+    not_beaten = (bits ^ 0xFFFFFFFF).to(tl.float32)  # 2**32 (1 - u) - 1/2, to 24 bits
     tile_max = row_sum
     exp_s = s
     if LSE:  # 2**32 exp(s - lower) from the log-sum-exp's terms
