@@ -91,8 +91,8 @@ def compile_report(kernel: str, config, sass_dir: str | None = None) -> dict:
         c = config
         path = Path(sass_dir) / (f"{kernel}_{c.block_v}x{c.block_r}_d{c.block_d}_{c.num_warps}w_"
                                  f"{c.num_stages}s_{c.epilogue_parts}p"
-                                 + "_ws" * c.warp_specialized + "_screen" * c.screen + "_race" * c.race
-                                 + ".sass")
+                                 + "_ws" * c.warp_specialized + "_screen" * c.screen
+                                 + "_race" * c.race + ".sass")
         path.write_text(sass)
         report["sass_path"] = str(path)
     return report
@@ -143,7 +143,8 @@ def _warp_specialized_report(kernel: str, config, sample: bool, lse: bool, cand:
            "D": "i32", "NUM_VT": "i32", "ROWS_PER_PARAM": "i32"}
     constants = dict(SAMPLE=sample, LSE=lse, DRAFT=draft, CAND=cand, INTERLEAVE=cand > 0,
                      EVEN_V=True, SCREEN=config.screen, RACE=config.race and sample,
-                     BLOCK_V=config.block_v, NUM_STAGES=config.num_stages, CHUNK_R=8 * config.num_warps)
+                     BLOCK_V=config.block_v, NUM_STAGES=config.num_stages,
+                     CHUNK_R=8 * config.num_warps)
     sig |= {name: "constexpr" for name in constants}
     compiled = triton.compile(
         GluonASTSource(lm_head_ws.lm_head_tiles_ws_kernel, sig, constants), target=TARGET,

@@ -7,7 +7,7 @@ the Gluon main loop short of bytes in flight (BENCHMARKS.md, docs/bench/h100/sta
 ncu_stalls_r256.txt):
 
     PYTHONPATH=. python scripts/stall_profile.py --kernel sample --rows 256 \
-        --config 128,128,64,4,5,ws,screen --out $OUT      # a CUDA machine with ncu, ~1 min
+        --config 128,128,64,4,5,ws,screen,race --out $OUT  # a CUDA machine with ncu, ~1 min
     python scripts/stall_profile.py --summarize $OUT/source.csv    # any machine
 
 The first form runs this script again under `ncu` (stage 1's third launch, sections
@@ -18,7 +18,7 @@ instructions the block holds (HGMMA: the MMA loop; UTMALDG: TMA loads; TRYWAIT: 
 wait; BAR: a named barrier; MUFU, LDS, STS, LDG, STG, LDL/STL: spills) and its three main
 stall reasons; then the single instructions with the most samples. The kernels (--kernel)
 and their problem are scripts/sweep_tiles.py's, at D = 4096, V = 151,936. --config is
-"bv,br,bd,warps,stages[,parts][,ws][,screen]" as in scripts/sweep_tiles.py (default: the
+"bv,br,bd,warps,stages[,parts][,ws][,screen][,race]" as in scripts/sweep_tiles.py (default: the
 default table's).
 """
 
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
                         help="rows of stage 1 (verify: B * (G + 1), G = --drafts)")
     parser.add_argument("--drafts", type=int, default=3)
     parser.add_argument("--config", default=None,
-                        help='"bv,br,bd,warps,stages[,parts][,ws][,screen]" '
+                        help='"bv,br,bd,warps,stages[,parts][,ws][,screen][,race]" '
                              "(default: the table's)")
     parser.add_argument("--block", type=lambda text: int(text, 0), default=0x400,
                         help="bytes of SASS addresses per block of the summary")

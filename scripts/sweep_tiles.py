@@ -70,7 +70,8 @@ def parse_configs(text: str):
                                       screen="screen" in flags, race="race" in flags))
         except (ValueError, TypeError) as error:
             raise argparse.ArgumentTypeError(
-                f"--configs item {item!r}: {error} (bv,br,bd,warps,stages[,parts][,ws][,screen][,race])"
+                f"--configs item {item!r}: {error} "
+                "(bv,br,bd,warps,stages[,parts][,ws][,screen][,race])"
             ) from None
     return configs
 

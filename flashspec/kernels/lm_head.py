@@ -14,6 +14,10 @@ or, when truncating, BV / 16 interleaved groups of 16: `_column_tokens`), then p
 * optionally the tile's top ``CAND`` raw logits as packed int64 keys (truncation);
 * the count of non-finite ``s`` (NaN/inf is reported, never sampled).
 
+With ``TileConfig.race``, each sampled row's best score so far is shared through global
+memory, and a tile (or chunk of rows) that provably cannot beat it stores best -inf, id 0,
+instead of its own (`_race_beaten`); stage 2 never picks such a tile.
+
 Above 64 rows on Hopper, stage 1 is `lm_head_ws.lm_head_tiles_ws_kernel` instead, a
 warp-specialized Gluon kernel running the same epilogue helpers (`_scaled_logits`,
 `_screen`, `_exact_best`, `_tile_summary`, `_store_summary`, `_store_candidates`), which
@@ -69,6 +73,8 @@ _RACE_MARGIN = tl.constexpr(2.0**-12)
 # Cap on max(s) - the bound's lower edge: past it the row's max column survives anyway, and
 # below it every column that matters has a normal exp(s - max) (>= e**-66).
 _RACE_SPAN = tl.constexpr(40.0)
+# Cap on the bound's lower edge (a lower edge only makes the test more cautious).
+_RACE_CAP = tl.constexpr(2.0**120)
 
 
 @triton.jit
@@ -79,14 +85,19 @@ def _order_key(x):
 
 
 @triton.jit
+def _from_order_key(key):
+    """Inverse of `_order_key` (int32 -> fp32)."""
+    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def pack_candidates(values, ids):
     return (_order_key(values).to(tl.int64) << 32) | (0x7FFFFFFF - ids).to(tl.int64)
 
 
 @triton.jit
 def unpack_candidates(keys):
-    key = (keys >> 32).to(tl.int32)
-    values = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    values = _from_order_key((keys >> 32).to(tl.int32))
     ids = 0x7FFFFFFF - (keys & 0x7FFFFFFF).to(tl.int32)
     return values, ids
 
@@ -266,14 +277,15 @@ def _row_bounds(bound_ptr, rows, ok):
     """Each row's race bound (`_race_beaten`): -inf where none is known yet. Read through L2
     (``.cg``): other programs raise it with atomics, and a stale value is only weaker."""
     key = tl.load(bound_ptr + rows, mask=ok, other=_NO_BOUND, cache_modifier=".cg")
-    value = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-    return tl.where(key == _NO_BOUND, float("-inf"), value)
+    return tl.where(key == _NO_BOUND, float("-inf"), _from_order_key(key))
 
 
 @triton.jit
-def _publish_bounds(bound_ptr, rows, ok, sampled, best, bound):
-    """Raise sampled rows' race bounds to their tile's best where it is finite and higher."""
-    better = ok & sampled & (best > bound) & (tl.abs(best) < float("inf"))
+def _publish_bounds(bound_ptr, rows, ok, sampled, best, row_sum, bound):
+    """Raise sampled rows' race bounds to their tile's best where it is finite and higher
+    (rows with a non-finite logit publish nothing: their token is never sampled)."""
+    better = (ok & sampled & (best > bound) & (tl.abs(best) < float("inf"))
+              & (tl.abs(row_sum) < float("inf")))
     tl.atomic_max(bound_ptr + rows, _order_key(best), mask=better, sem="relaxed")
 
 
@@ -309,8 +321,9 @@ def _race_beaten(s, row_sum, bits, bound, sampled, r_ok, LSE: tl.constexpr):
     margin, 2**-12 (1 + |bound|), covers both many times over: a beaten column's exact score
     is strictly below the bound, so it can be neither the row's best nor tied with it.
     Greedy rows, non-finite rows and rows without a bound (-inf) are never beaten."""
-    lower = bound - (1.0 + tl.abs(bound)) * _RACE_MARGIN
-    not_beaten = (bits ^ 0xFFFFFFFF).to(tl.float32)  # 2**32 (1 - u) - 1/2, to 24 bits
+    # Capped at 2**120, a weaker bound, so that lower * LOG2E below cannot overflow.
+    lower = tl.minimum(bound - (1.0 + tl.abs(bound)) * _RACE_MARGIN, _RACE_CAP)
+    one_minus_u = (bits ^ 0xFFFFFFFF).to(tl.float32)  # 2**32 (1 - u) - 1/2, to 24 bits
     tile_max = row_sum
     exp_s = s
     if LSE:  # 2**32 exp(s - lower) from the log-sum-exp's terms
@@ -318,9 +331,9 @@ def _race_beaten(s, row_sum, bits, bound, sampled, r_ok, LSE: tl.constexpr):
         exp_s = _exp_below_max(s, tile_max)
         # -inf bound: e**40 2**32, which the max column (exp_s = 1) cannot pass.
         scale = exp2_ftz(tl.minimum(tile_max - lower, _RACE_SPAN) * LOG2E + 32.0)
-        slack = not_beaten - exp_s * scale[:, None]
+        slack = one_minus_u - exp_s * scale[:, None]
     else:  # 2**32 exp(s - lower) directly; -inf bound: +inf for every column
-        slack = not_beaten - exp2_ftz(s * LOG2E - (lower * LOG2E - 32.0)[:, None])
+        slack = one_minus_u - exp2_ftz(s * LOG2E - (lower * LOG2E - 32.0)[:, None])
     beaten = (tl.min(slack, axis=1) > 0.0) & sampled & (tl.abs(row_sum) < float("inf"))
     if LSE:  # a part wholly past V has no terms (its slack is NaN)
         beaten = beaten & (tile_max > float("-inf"))
@@ -330,7 +343,8 @@ def _race_beaten(s, row_sum, bits, bound, sampled, r_ok, LSE: tl.constexpr):
 @triton.jit
 def _beaten_summary(row_sum, tile_max, exp_s, LSE: tl.constexpr):
     """`_tile_summary` of a part that `_race_beaten` beat: best -inf (stage 2 never picks
-    it), its id 0; the log-sum-exp terms as `_tile_summary` computes them."""
+    it), its id 0; the log-sum-exp terms as `_tile_summary` computes them. (The constants
+    come from `tl.where` on a row tensor: the Gluon kernel needs them in its layout.)"""
     best = tl.where(tile_max > 0.0, float("-inf"), float("-inf"))
     best_id = tl.where(tile_max > 0.0, 0, 0)
     tile_sum = best
@@ -579,35 +593,34 @@ def lm_head_tiles_kernel(
         if PARTS == 2:
             half: tl.constexpr = BLOCK_V // 2
             summary = _part_summary(lo, 0, pid_v, NUM_VT, V, inv_t, sampled, seed, position,
-                                    draft, bound, r_ok, BLOCK_R, half, BLOCK_V, INTERLEAVE, EVEN_V,
-                                    SAMPLE, LSE, DRAFT, SCREEN, RACE)
+                                    draft, bound, r_ok, BLOCK_R, half, BLOCK_V, INTERLEAVE,
+                                    EVEN_V, SAMPLE, LSE, DRAFT, SCREEN, RACE)
             summary = _merge_summaries(summary, _part_summary(
-                hi, half, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
-                bound, r_ok, BLOCK_R, half, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN,
-                RACE), LSE)
+                hi, half, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft, bound, r_ok,
+                BLOCK_R, half, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN, RACE), LSE)
         else:
             quarter: tl.constexpr = BLOCK_V // 4
             q0, q1 = _halves(lo, BLOCK_R, BLOCK_V // 2)
             q2, q3 = _halves(hi, BLOCK_R, BLOCK_V // 2)
             summary = _part_summary(q0, 0, pid_v, NUM_VT, V, inv_t, sampled, seed, position,
-                                    draft, bound, r_ok, BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V,
-                                    SAMPLE, LSE, DRAFT, SCREEN, RACE)
+                                    draft, bound, r_ok, BLOCK_R, quarter, BLOCK_V, INTERLEAVE,
+                                    EVEN_V, SAMPLE, LSE, DRAFT, SCREEN, RACE)
             summary = _merge_summaries(summary, _part_summary(
-                q1, quarter, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
-                bound, r_ok, BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN,
+                q1, quarter, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft, bound, r_ok,
+                BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN, RACE),
+                LSE)
+            summary = _merge_summaries(summary, _part_summary(
+                q2, 2 * quarter, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft, bound,
+                r_ok, BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN,
                 RACE), LSE)
             summary = _merge_summaries(summary, _part_summary(
-                q2, 2 * quarter, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
-                bound, r_ok, BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN,
-                RACE), LSE)
-            summary = _merge_summaries(summary, _part_summary(
-                q3, 3 * quarter, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
-                bound, r_ok, BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN,
+                q3, 3 * quarter, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft, bound,
+                r_ok, BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN,
                 RACE), LSE)
     _store_summary(summary, offs_r, r_ok, draft, pid_v, NUM_VT, best_ptr, best_id_ptr, best_s_ptr,
                    max_ptr, sumexp_ptr, bad_ptr, draft_s_ptr, BLOCK_V, INTERLEAVE, LSE, DRAFT)
     if RACE and SAMPLE:
-        _publish_bounds(bound_ptr, offs_r, r_ok, sampled, summary[0], bound)
+        _publish_bounds(bound_ptr, offs_r, r_ok, sampled, summary[0], summary[2], bound)
     if CAND > 0:
         _store_candidates(acc, offs_v, V, cand_ptr + (offs_r * NUM_VT + pid_v) * CAND, r_ok,
                           CAND, EVEN_V)

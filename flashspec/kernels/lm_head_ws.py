@@ -254,12 +254,15 @@ if gluon is not None:
         # candidates first (the Triton kernel keeps the whole tile in registers anyway)
         # and the Philox words computed after the chunk's load.
         if SAMPLE:
-            # Position made to depend on the chunk's logits (NaN rows, the only ones it
-            # changes, take the exact path anyway): the words are then computed after the
+            # With the screen, the words' position is made to depend on the chunk's logits
+            # (NaN rows, the only ones it changes, are never beaten and take the screen's
+            # exact path, which recomputes the words): the words are then computed after the
             # chunk's load, not hoisted above it and held through it (8 warps: 80 -> 24
-            # bytes of spills).
-            after_load = position + (row_sum != row_sum).to(gl.int64)
-            bits = _tile_bits(seed, after_load, pid_v, NUM_VT, CR, BV, INTERLEAVE, layout)
+            # bytes of spills). Without the screen the words are the exact path's own.
+            words_position = position
+            if SCREEN:
+                words_position = position + (row_sum != row_sum).to(gl.int64)
+            bits = _tile_bits(seed, words_position, pid_v, NUM_VT, CR, BV, INTERLEAVE, layout)
             if RACE:
                 beaten, tile_max, exp_s = lm_head._race_beaten(s, row_sum, bits, bound, sampled,
                                                                r_ok, LSE)
@@ -285,7 +288,8 @@ if gluon is not None:
                                best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr,
                                draft_s_ptr, BV, INTERLEAVE, LSE, DRAFT)
         if RACE and SAMPLE:
-            lm_head._publish_bounds(bound_ptr, offs_r, r_ok, sampled, summary[0], bound)
+            lm_head._publish_bounds(bound_ptr, offs_r, r_ok, sampled, summary[0], summary[2],
+                                    bound)
 
     @gluon.jit
     def _epilogue_partition(acc_smem, acc_ready, acc_empty,

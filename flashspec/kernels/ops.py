@@ -47,8 +47,8 @@ class TileConfig:
     more registers; the same results), for tiles where the epilogue bounds the time;
     race: sampled rows skip the search for a tile's best wherever the best score already
     found for the row, shared by all programs through global memory, provably beats every
-    column of the tile (`lm_head._race_beaten`: one multiply-add per column instead of the
-    screen's logarithms; the same results).
+    column of the tile (`lm_head._race_beaten`: an exponential and a multiply-add per column
+    instead of the screen's two logarithms; the same results).
     """
 
     block_v: int = 128
