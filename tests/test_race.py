@@ -11,6 +11,7 @@ On a GPU the same tests run the Triton kernel and the warp-specialized one (Hopp
 """
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ import triton
 import triton.language as tl
 
 from flashspec import SamplingParams, kernels, rng
-from flashspec.kernels import lm_head, lm_head_ws, noise, ops
+from flashspec.kernels import lm_head, noise, ops
 
 from test_kernels import DEVICE, ON_GPU, mixed_params, random_problem
 from test_screen import EXACT, HOPPER, _assert_outputs_equal
@@ -43,24 +44,6 @@ def sampled_params(g, batch, seed):
                                  seed=seed, device=DEVICE)
 
 
-def stage1_bests(hidden, weight, params, positions, config, lse=False):
-    """Stage 1's per-(row, tile) best scores under `config` (race or not), with or without
-    the log-sum-exp's summaries, and the bounds it left."""
-    num_rows = hidden.shape[0]
-    num_vt = triton.cdiv(weight.shape[0], config.block_v)
-    empty = lambda dtype: torch.empty(num_rows, num_vt, dtype=dtype, device=DEVICE)  # noqa
-    best, best_id, bad = empty(torch.float32), empty(torch.int32), empty(torch.int32)
-    summaries = (best, best_id, empty(torch.float32), empty(torch.float32),
-                 empty(torch.float32), bad)
-    bounds = torch.full((num_rows,), lm_head.NO_BOUND, dtype=torch.int32, device=DEVICE)
-    row = dict(do_sample=params.do_sample, temperature=params.temperature, seed=params.seed,
-               position=positions)
-    launch = lm_head_ws.launch if config.warp_specialized else ops._launch_tiles
-    launch(hidden, weight, row, summaries, best_id, best_id, best, bounds, num_vt, 1, config,
-           True, lse, 0, False, config.race)
-    return best, bounds
-
-
 @pytest.mark.parametrize("name", sorted(RACED))
 @pytest.mark.parametrize("lse", [False, True])
 def test_race_skips_tiles_and_keeps_every_winner(name, lse):
@@ -71,9 +54,9 @@ def test_race_skips_tiles_and_keeps_every_winner(name, lse):
                               else (5, 640, 32))
     hidden, weight, positions = random_problem(g, batch, vocab_size, dim, dtype=DTYPE)
     params = sampled_params(g, batch, seed=5)
-    raced, bounds = stage1_bests(hidden, weight, params, positions, config, lse)
-    exact, _ = stage1_bests(hidden, weight, params, positions,
-                            dataclasses.replace(config, race=False, screen=False), lse)
+    raced, bounds = ops.stage1_best_scores(hidden, weight, params, positions, config, lse)
+    exact, _ = ops.stage1_best_scores(hidden, weight, params, positions,
+                                      dataclasses.replace(config, race=False, screen=False), lse)
     # Tiles are beaten (the skip runs)...
     assert (raced == float("-inf")).float().mean() > 0.3, (raced == float("-inf")).float().mean()
     # ... only where the row's best lies elsewhere. A tile summarised in parts (the GPU's
@@ -219,3 +202,15 @@ def test_race_beats_just_below_and_never_at_or_above_the_bound(lse):
         assert reaches[bound == b].sum() >= 3, b
     assert not beaten[reaches].any(), bound[reaches & beaten]
     assert below.sum() >= 8 and beaten[below].all(), bound[below & ~beaten]
+
+
+@pytest.mark.skipif(ON_GPU, reason="the --quick run is the CPU twin; on a GPU it is a full run")
+def test_skip_rate_script_quick_run(tmp_path):
+    """scripts/race_skip_rate.py --quick (the interpreter, tiny shape) reports tiles beaten."""
+    from script_module import load_script
+
+    script = load_script("race_skip_rate")
+    assert script.main(["--quick", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "race_skip_rate.json").read_text())
+    (result,) = report["results"]
+    assert result["config"]["race"] and 0.3 < result["beaten"] <= 1.0

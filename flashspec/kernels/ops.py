@@ -402,6 +402,31 @@ def _launch_tiles(hidden, weight, row, summaries, candidates, drafts, draft_s, b
     )
 
 
+def stage1_best_scores(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
+                       positions: torch.Tensor, config: TileConfig, want_lse: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1 alone, for tests and diagnostics: every (row, vocab tile)'s best score
+    ``[R, num_vt]`` under `config` (sampled rows' Gumbel-max score, untruncated, no drafts;
+    -inf where `config.race` beat the tile) and the race's final per-row bounds (int32 order
+    keys, `lm_head.NO_BOUND` where none). With `want_lse` the epilogue also computes the
+    log-sum-exp's summaries (and the race takes their form of its test)."""
+    num_rows = hidden.shape[0]
+    num_vt = triton.cdiv(weight.shape[0], config.block_v)
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    best = torch.empty(num_rows, num_vt, **f32)
+    best_id = torch.empty(num_rows, num_vt, dtype=torch.int32, device=hidden.device)
+    summaries = (best, best_id, torch.empty(num_rows, num_vt, **f32),
+                 torch.empty(num_rows, num_vt, **f32), torch.empty(num_rows, num_vt, **f32),
+                 torch.empty_like(best_id))
+    bounds = torch.full((num_rows,), lm_head.NO_BOUND, dtype=torch.int32, device=hidden.device)
+    row = dict(do_sample=params.do_sample, temperature=params.temperature, seed=params.seed,
+               position=positions)
+    launch = lm_head_ws.launch if config.warp_specialized else _launch_tiles
+    launch(hidden, weight, row, summaries, best_id, best_id, best, bounds, num_vt, 1, config,
+           True, want_lse, 0, False, config.race)
+    return best, bounds
+
+
 class VerifyKernelOutput(NamedTuple):
     """Device tensors of one fused verification (nothing read back); the fields of
     `flashspec.reference.VerifyOutput` plus status int32 ``[B]``: 0 ok, 1 needs exact
