@@ -58,7 +58,14 @@ def test_race_skips_tiles_and_keeps_every_winner(name, lse):
     exact, _ = ops.stage1_best_scores(hidden, weight, params, positions,
                                       dataclasses.replace(config, race=False, screen=False), lse)
     # Tiles are beaten (the skip runs)...
-    assert (raced == float("-inf")).float().mean() > 0.3, (raced == float("-inf")).float().mean()
+    beaten = raced == float("-inf")
+    assert beaten.float().mean() > 0.3, beaten.float().mean()
+    # ... and chunks of rows (one decision each) take the leaders' path (`_race_leaders`):
+    # rows with no candidate column (-inf) beside rows with one, which a chunk beaten whole
+    # or summarised exactly cannot have.
+    chunk = min(8 * config.num_warps if config.warp_specialized else config.block_r, batch)
+    by_chunk = beaten.view(batch // chunk, chunk, -1)
+    assert (by_chunk.any(dim=1) & ~by_chunk.all(dim=1)).any()
     # ... only where the row's best lies elsewhere. A tile summarised in parts (the GPU's
     # Triton table) may have one part beaten: its best is then the other part's, lower.
     row_best = exact.max(dim=1, keepdim=True).values

@@ -272,9 +272,20 @@ if gluon is not None:
                 if beaten:
                     summary = lm_head._beaten_summary(row_sum, tile_max, exp_s, LSE)
                 else:
-                    summary = _noise_summary(s, row_sum, offs_v, columns, bits, pid_v, NUM_VT,
-                                             sampled, seed, position, draft, LSE, DRAFT,
-                                             INTERLEAVE, SCREEN, layout)
+                    single, num_candidates, leader, leader_s = lm_head._race_leaders(
+                        s, row_sum, columns, bits, bound, sampled, r_ok, tile_max, exp_s, BV,
+                        LSE)
+                    if DRAFT:
+                        single = single & ~lm_head._drafts_in_tile(draft, pid_v, NUM_VT, BV,
+                                                                    INTERLEAVE)
+                    if single:
+                        summary = lm_head._leader_summary(
+                            num_candidates, leader, leader_s, row_sum, tile_max, exp_s, seed,
+                            position, pid_v, NUM_VT, BV, INTERLEAVE, LSE)
+                    else:
+                        summary = _noise_summary(s, row_sum, offs_v, columns, bits, pid_v,
+                                                 NUM_VT, sampled, seed, position, draft, LSE,
+                                                 DRAFT, INTERLEAVE, SCREEN, layout)
             else:
                 summary = _noise_summary(s, row_sum, offs_v, columns, bits, pid_v, NUM_VT,
                                          sampled, seed, position, draft, LSE, DRAFT, INTERLEAVE,

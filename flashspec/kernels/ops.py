@@ -48,7 +48,9 @@ class TileConfig:
     race: sampled rows skip the search for a tile's best wherever the best score already
     found for the row, shared by all programs through global memory, provably beats every
     column of the tile (`lm_head._race_beaten`: an exponential and a multiply-add per column
-    instead of the screen's two logarithms; the same results).
+    instead of the screen's two logarithms), and take only the exact score of the one column
+    per row that the bound does not rule out where there is at most one (`_race_leaders`);
+    the same results.
     """
 
     block_v: int = 128
@@ -157,7 +159,10 @@ def _warp_specialized_config(num_rows: int, truncation: bool) -> TileConfig:
     # (scripts/epilogue_probe.py, variant full), R = 256: sample 1.199 -> 1.102x matmul,
     # verify 1.271 -> 1.231x. On 8 epilogue warps it loses (R = 512: sample 1.236 -> 1.261x,
     # verify 1.296 -> 1.394x); 64-row tiles with the exact epilogue too (verify R = 128
-    # 0.995 -> 1.03x matmul in a sweep).
+    # 0.995 -> 1.03x matmul in a sweep). Eighteenth session, the leaders' path
+    # (`lm_head._race_leaders`), the same probe, two A/B pairs in one call: verify
+    # 1.210 / 1.226 -> 1.171 / 1.173x (its 132 bytes of spills gone), sample 1.093 / 1.097 ->
+    # 1.099 / 1.098x.
     if num_rows <= 256:
         return TileConfig(block_v=128, block_r=128, block_d=64, num_warps=4, num_stages=5,
                           warp_specialized=True, screen=True, race=True)
