@@ -57,7 +57,7 @@ def test_race_skips_tiles_and_keeps_every_winner(name, lse):
     raced, bounds = ops.stage1_best_scores(hidden, weight, params, positions, config, lse)
     exact, _ = ops.stage1_best_scores(hidden, weight, params, positions,
                                       dataclasses.replace(config, race=False, screen=False), lse)
-    # Tiles are beaten (the skip runs)...
+    # (Row, tile) summaries are left out (the skip runs)...
     beaten = raced == float("-inf")
     assert beaten.float().mean() > 0.3, beaten.float().mean()
     # ... and chunks of rows (one decision each) take the leaders' path (`_race_leaders`):
@@ -67,7 +67,9 @@ def test_race_skips_tiles_and_keeps_every_winner(name, lse):
     by_chunk = beaten.view(batch // chunk, chunk, -1)
     assert (by_chunk.any(dim=1) & ~by_chunk.all(dim=1)).any()
     # ... only where the row's best lies elsewhere. A tile summarised in parts (the GPU's
-    # Triton table) may have one part beaten: its best is then the other part's, lower.
+    # Triton table) may have one part beaten: its best is then the other part's, lower; on
+    # the leaders' path a lone candidate may score below the tile's best (both below the
+    # bound).
     row_best = exact.max(dim=1, keepdim=True).values
     lowered = raced != exact
     assert (raced <= exact).all()

@@ -368,9 +368,17 @@ def _race_leaders(s, row_sum, columns, bits, bound, sampled, r_ok, tile_max, exp
     score is needed (`_leader_summary`), as the screen's leader's. Also per row the number
     of candidates, the first one's column and its s (0 with none).
 
+    A column that is not a candidate has an exact score below the bound (`_race_beaten`'s
+    proof) or, with LSE, where `_RACE_SPAN` caps the test (no bound yet, or one more than 40
+    below the part's max s), below max s - 40. In that case the max column (exp_s = 1) is
+    always a candidate, and its score, at least max s - 3.2 (the least noise of a 32-bit
+    word, -log(22.9)), beats every other: a lone candidate is then the part's exact best.
+
     Most parts that the race does not beat have one row with one candidate (a column that
-    might beat the row's bound): on the benchmarks' problem at 256 rows, 8% of the chunks of
-    32 rows, against 86% beaten and 6% (mostly before the rows have bounds) with more."""
+    might beat the row's bound): at 256 rows on the benchmarks' problem without the
+    log-sum-exp, 8% of the chunks of 32 rows in a lockstep model of the race, against 86%
+    beaten and 6% (mostly before the rows have bounds) with more (BENCHMARKS.md, eighteenth
+    session)."""
     # The slack anew (`opaque`: not merged with `_race_beaten`'s, which would then stay live
     # through its vote; sampling at 256 rows: 0 -> 24 bytes of spills).
     slack = _race_slack(s, bits, opaque(bound), tile_max, exp_s, LSE)
@@ -389,40 +397,40 @@ def _leader_summary(num_candidates, leader, leader_s, row_sum, tile_max, exp_s, 
                     LSE: tl.constexpr):
     """`_tile_summary` of a part that `_race_leaders` passed: each row's best is its one
     candidate's exact score (as `_exact_best` computes it), or -inf with none, as a beaten
-    row's (`_beaten_summary`). Every other column is below the row's bound, so the winner,
-    which is at or above it, is a candidate wherever it lies, and stage 2 picks it from
-    these summaries as from the exact ones; a row's best here may fall below the part's
-    exact best only where both are below the bound."""
+    row's (`_beaten_summary`). Every other column is below the row's bound (or its part
+    has its best among the candidates: `_race_leaders`), so the winner, which is at or
+    above the bound, is a candidate wherever it lies, and stage 2 picks it from these
+    summaries as from the exact ones; a row's best here may fall below the part's exact
+    best only where both are below the bound."""
     token = _column_tokens(leader, pid_v, NUM_VT, BLOCK_V, INTERLEAVE)
     one = num_candidates == 1
     best = tl.where(one, leader_s + gumbel_noise(seed, position, token.to(tl.int64)),
                     float("-inf"))
-    best_id = tl.where(one, token, 0)
-    tile_sum = best
-    tile_max_out = best
-    best_s = best
-    if LSE:
-        tile_sum = tl.sum(exp_s, axis=1)
-        tile_max_out = tile_max
-        best_s = leader_s
-    return best, best_id, row_sum, tile_max_out, tile_sum, best_s, row_sum
+    return _raced_summary(best, tl.where(one, token, 0), leader_s, row_sum, tile_max, exp_s, LSE)
 
 
 @triton.jit
 def _beaten_summary(row_sum, tile_max, exp_s, LSE: tl.constexpr):
     """`_tile_summary` of a part that `_race_beaten` beat: best -inf (stage 2 never picks
-    it), its id 0; the log-sum-exp terms as `_tile_summary` computes them. (The constants
-    come from `tl.where` on a row tensor: the Gluon kernel needs them in its layout.)"""
-    best = tl.where(tile_max > 0.0, float("-inf"), float("-inf"))
-    best_id = tl.where(tile_max > 0.0, 0, 0)
+    it), its id 0. (The constants come from `tl.where` on a row tensor: the Gluon kernel
+    needs them in its layout.)"""
+    return _raced_summary(tl.where(tile_max > 0.0, float("-inf"), float("-inf")),
+                          tl.where(tile_max > 0.0, 0, 0), tl.where(tile_max > 0.0, 0.0, 0.0),
+                          row_sum, tile_max, exp_s, LSE)
+
+
+@triton.jit
+def _raced_summary(best, best_id, best_s, row_sum, tile_max, exp_s, LSE: tl.constexpr):
+    """`_tile_summary`'s tuple for the race's paths, given each row's best, its id and its s:
+    the log-sum-exp terms from `_race_beaten`'s, which `_tile_summary` computes alike."""
     tile_sum = best
     tile_max_out = best
-    best_s = best
+    best_s_out = best
     if LSE:
         tile_sum = tl.sum(exp_s, axis=1)
         tile_max_out = tile_max
-        best_s = tl.where(tile_max > 0.0, 0.0, 0.0)
-    return best, best_id, row_sum, tile_max_out, tile_sum, best_s, row_sum
+        best_s_out = best_s
+    return best, best_id, row_sum, tile_max_out, tile_sum, best_s_out, row_sum
 
 
 @triton.jit
