@@ -201,11 +201,17 @@ def _leave_out_draft(score, s, row_sum, offs_v, draft, DRAFT: tl.constexpr):
 
 
 @triton.jit
+def _draft_here(draft, pid_v, NUM_VT, BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """Per row, whether vocab tile `pid_v` holds its drafted token (-1: none)."""
+    return (draft >= 0) & (_token_tile(draft, NUM_VT, BLOCK_V, INTERLEAVE) == pid_v)
+
+
+@triton.jit
 def _drafts_in_tile(draft, pid_v, NUM_VT, BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr):
     """Whether vocab tile `pid_v` holds some row's drafted token (-1: none). Most tiles hold
     none, and under the screen they skip the draft's mask and logit (`_leave_out_draft`: a
     compare, two selects and an add per logit); the exact path always does both."""
-    here = (draft >= 0) & (_token_tile(draft, NUM_VT, BLOCK_V, INTERLEAVE) == pid_v)
+    here = _draft_here(draft, pid_v, NUM_VT, BLOCK_V, INTERLEAVE)
     return tl.max(here.to(tl.int32), axis=0) > 0
 
 
@@ -316,17 +322,29 @@ def _race_slack(s, bits, bound, tile_max, exp_s, LSE: tl.constexpr):
 
 
 @triton.jit
-def _race_rows(row_sum, tile_max, sampled, LSE: tl.constexpr):
-    """Rows whose columns the race may leave out: sampled, every logit finite, and with LSE
-    some column in the vocabulary (a part wholly past V has no terms: its slack is NaN)."""
-    rows = sampled & (tl.abs(row_sum) < float("inf"))
+def _racing_rows(sampled, draft, pid_v, NUM_VT, BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr,
+                 DRAFT: tl.constexpr):
+    """The rows the race serves in vocab tile `pid_v`: sampled rows, less, with DRAFT, those
+    whose drafted token it holds (the draft's logit comes from that tile's exact path)."""
+    racing = sampled
+    if DRAFT:
+        racing = racing & ~_draft_here(draft, pid_v, NUM_VT, BLOCK_V, INTERLEAVE)
+    return racing
+
+
+@triton.jit
+def _race_rows(row_sum, tile_max, racing, LSE: tl.constexpr):
+    """Rows whose columns the race may leave out: racing (`_racing_rows`), every logit
+    finite, and with LSE some column in the vocabulary (a part wholly past V has no terms:
+    its slack is NaN)."""
+    rows = racing & (tl.abs(row_sum) < float("inf"))
     if LSE:
         rows = rows & (tile_max > float("-inf"))
     return rows
 
 
 @triton.jit
-def _race_beaten(s, row_sum, bits, bound, sampled, r_ok, LSE: tl.constexpr):
+def _race_beaten(s, row_sum, bits, bound, racing, r_ok, LSE: tl.constexpr):
     """Whether no column of any (in-bounds) row can beat `bound`, a score that some column of
     that row already has (`_publish_bounds`): the tile's best is then not needed. With LSE
     also each row's max of s and its terms exp(s - max) (`_exp_below_max`, as
@@ -349,19 +367,20 @@ def _race_beaten(s, row_sum, bits, bound, sampled, r_ok, LSE: tl.constexpr):
     and the rounding of ``s + g`` (`_exact_best`) add under 2**-16 + 2**-23 |bound|. The
     margin, 2**-12 (1 + |bound|), covers both many times over: a beaten column's exact score
     is strictly below the bound, so it can be neither the row's best nor tied with it.
-    Greedy rows, non-finite rows and rows without a bound (-inf) are never beaten."""
+    Rows not `racing` (greedy rows; in verification the rows whose draft this tile holds),
+    non-finite rows and rows without a bound (-inf) are never beaten."""
     tile_max = row_sum
     exp_s = s
     if LSE:
         tile_max = tl.max(s, axis=1)
         exp_s = _exp_below_max(s, tile_max)
     slack = _race_slack(s, bits, bound, tile_max, exp_s, LSE)
-    beaten = (tl.min(slack, axis=1) > 0.0) & _race_rows(row_sum, tile_max, sampled, LSE)
+    beaten = (tl.min(slack, axis=1) > 0.0) & _race_rows(row_sum, tile_max, racing, LSE)
     return tl.min((beaten | ~r_ok).to(tl.int32), axis=0) > 0, tile_max, exp_s
 
 
 @triton.jit
-def _race_leaders(s, row_sum, columns, bits, bound, sampled, r_ok, tile_max, exp_s,
+def _race_leaders(s, row_sum, columns, bits, bound, racing, r_ok, tile_max, exp_s,
                   BLOCK_V: tl.constexpr, LSE: tl.constexpr):
     """For a part that `_race_beaten` did not beat: whether every (in-bounds) row has at most
     one column that the race cannot rule out (a candidate); if so, only that column's exact
@@ -387,7 +406,7 @@ def _race_leaders(s, row_sum, columns, bits, bound, sampled, r_ok, tile_max, exp
     leader = tl.min(tl.where(candidate, columns[None, :], BLOCK_V), axis=1)
     # The leader's s (alone); a -0.0 comes out as +0.0, which changes no `leader_s + g`.
     leader_s = tl.sum(tl.where(candidate, s, 0.0), axis=1)
-    single = (num_candidates <= 1) & _race_rows(row_sum, tile_max, sampled, LSE)
+    single = (num_candidates <= 1) & _race_rows(row_sum, tile_max, racing, LSE)
     return tl.min((single | ~r_ok).to(tl.int32), axis=0) > 0, num_candidates, leader, leader_s
 
 
@@ -505,17 +524,14 @@ def _part_summary(acc, first_column, pid_v, NUM_VT, V, inv_t, sampled, seed, pos
         bits = philox_tile_bits(seed[:, None, None], position[:, None, None], blocks, BLOCK_R,
                                 PART_V)
         if RACE:
-            beaten, tile_max, exp_s = _race_beaten(s, row_sum, bits, bound, sampled, r_ok, LSE)
-            if DRAFT:  # the draft's logit comes from the tile that holds it
-                beaten = beaten & ~_drafts_in_tile(draft, pid_v, NUM_VT, BLOCK_V, INTERLEAVE)
+            racing = _racing_rows(sampled, draft, pid_v, NUM_VT, BLOCK_V, INTERLEAVE, DRAFT)
+            beaten, tile_max, exp_s = _race_beaten(s, row_sum, bits, bound, racing, r_ok, LSE)
             if beaten:
                 summary = _beaten_summary(row_sum, tile_max, exp_s, LSE)
             else:
                 single, num_candidates, leader, leader_s = _race_leaders(
-                    s, row_sum, columns, bits, bound, sampled, r_ok, tile_max, exp_s, BLOCK_V,
+                    s, row_sum, columns, bits, bound, racing, r_ok, tile_max, exp_s, BLOCK_V,
                     LSE)
-                if DRAFT:
-                    single = single & ~_drafts_in_tile(draft, pid_v, NUM_VT, BLOCK_V, INTERLEAVE)
                 if single:
                     summary = _leader_summary(num_candidates, leader, leader_s, row_sum,
                                               tile_max, exp_s, seed, position, pid_v, NUM_VT,
@@ -544,7 +560,7 @@ def _store_summary(summary, offs_r, r_ok, draft, pid_v, NUM_VT,
     """Writes a vocab tile's summaries of rows `offs_r` (``[R, NUM_VT]`` arrays)."""
     best, best_id, row_sum, tile_max, sumexp, best_s, draft_s = summary
     if DRAFT:
-        in_tile = r_ok & (draft >= 0) & (_token_tile(draft, NUM_VT, BLOCK_V, INTERLEAVE) == pid_v)
+        in_tile = r_ok & _draft_here(draft, pid_v, NUM_VT, BLOCK_V, INTERLEAVE)
         tl.store(draft_s_ptr + offs_r, draft_s, mask=in_tile)
     out = offs_r * NUM_VT + pid_v
     # NaN/inf anywhere in a row makes its sum non-finite; a finite row could only

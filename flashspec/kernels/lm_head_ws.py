@@ -264,20 +264,16 @@ if gluon is not None:
                 words_position = position + (row_sum != row_sum).to(gl.int64)
             bits = _tile_bits(seed, words_position, pid_v, NUM_VT, CR, BV, INTERLEAVE, layout)
             if RACE:
-                beaten, tile_max, exp_s = lm_head._race_beaten(s, row_sum, bits, bound, sampled,
+                racing = lm_head._racing_rows(sampled, draft, pid_v, NUM_VT, BV, INTERLEAVE,
+                                              DRAFT)
+                beaten, tile_max, exp_s = lm_head._race_beaten(s, row_sum, bits, bound, racing,
                                                                r_ok, LSE)
-                if DRAFT:  # the draft's logit comes from the tile that holds it
-                    beaten = beaten & ~lm_head._drafts_in_tile(draft, pid_v, NUM_VT, BV,
-                                                                INTERLEAVE)
                 if beaten:
                     summary = lm_head._beaten_summary(row_sum, tile_max, exp_s, LSE)
                 else:
                     single, num_candidates, leader, leader_s = lm_head._race_leaders(
-                        s, row_sum, columns, bits, bound, sampled, r_ok, tile_max, exp_s, BV,
+                        s, row_sum, columns, bits, bound, racing, r_ok, tile_max, exp_s, BV,
                         LSE)
-                    if DRAFT:
-                        single = single & ~lm_head._drafts_in_tile(draft, pid_v, NUM_VT, BV,
-                                                                    INTERLEAVE)
                     if single:
                         summary = lm_head._leader_summary(
                             num_candidates, leader, leader_s, row_sum, tile_max, exp_s, seed,
