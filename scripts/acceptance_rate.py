@@ -37,7 +37,7 @@ target, trained or random); ``lookup``, prompt lookup (n-gram matches in the pro
 text so far).
 
 Prompts come from flashspec's shipped sets (``flashspec/assets/prompts``, see
-``flashspec.prompt_sets``): code_edit (the answer copies most of the prompt: where prompt
+``flashspec.bench.prompt_sets``): code_edit (the answer copies most of the prompt: where prompt
 lookup shines), summarize (a text to summarise is in the prompt), chat (open questions and
 code completion). Each prompt is one user turn of the chat template of the tokenizer
 (--tokenizer, default the target's own), or "### Instruction: ... ### Response:" text
@@ -52,10 +52,10 @@ Models, from one of:
 * ``--random-init TARGET_SHAPE[,DRAFT_SHAPE]``: random weights at real shapes, offline (no
   download: the way to run at real model shapes on a machine without the hub); a SHAPE is
   the name of a config shipped in flashspec/assets/configs (qwen3-1.7b, qwen3-0.6b,
-  llama-3.1-8b, llama-3.2-1b) or the path of a config.json (see flashspec.random_init).
+  llama-3.1-8b, llama-3.2-1b) or the path of a config.json (see flashspec.bench.random_init).
   Random models have no tokenizer: the tiny pair's (8192 tokens) encodes the prompts unless
   --tokenizer names another, no larger than the target's vocabulary. ``--weights peaked``
-  makes them decisive (``flashspec.random_init.peak_weights``). Their acceptance says
+  makes them decisive (``flashspec.bench.random_init.peak_weights``). Their acceptance says
   nothing about real models (a random draft accepts almost nothing); what it tests is that
   the engine accepts drafts with the probability p(x) it reports, at real shapes.
 
@@ -105,13 +105,15 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import flashspec
-from flashspec.cli import (Progress, model_name, names, package_version, positive_int,
-                           positive_ints, pyplot_or_note, random_init_shapes, resolve_device)
+from flashspec.bench.cli import (Progress, model_name, names, package_version, positive_int,
+                                 positive_ints, pyplot_or_note, random_init_shapes,
+                                 resolve_device)
 from flashspec.assets import tiny_pair_path
 from flashspec.generation.mixin import ENGINES
 from flashspec.generation.outputs import SpeculationStats
-from flashspec.prompt_sets import PROMPT_SETS, encode_prompts, load_prompts
-from flashspec.random_init import WEIGHTS, config_names, peak_weights, random_config, random_model
+from flashspec.bench.prompt_sets import PROMPT_SETS, encode_prompts, load_prompts
+from flashspec.bench.random_init import (WEIGHTS, config_names, peak_weights, random_config,
+                                         random_model)
 
 # In table order.
 DRAFTERS = {"assistant": "greedy drafts from the draft model (--draft, or DRAFT_SHAPE of "
@@ -582,7 +584,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="--random-init only: random (plain random init) or peaked "
                              "(residual branches scaled down and the LM head equal to the "
                              "embedding: decisive models, whose greedy self-drafts are all "
-                             "accepted; flashspec.random_init.peak_weights); default random")
+                             "accepted; flashspec.bench.random_init.peak_weights); default random")
     parser.add_argument("--tokenizer", default=None, metavar="NAME_OR_PATH",
                         help="tokenizer that encodes the prompt sets: hub id or local folder, "
                              "at most as many tokens as the target's vocab_size; default the "

@@ -48,7 +48,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from flashspec.cli import package_version, pyplot_or_note
+from flashspec.bench.cli import package_version, pyplot_or_note
 
 FULL_SHAPES = ((4096, 151936), (8192, 128256))
 FULL_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)

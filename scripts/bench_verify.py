@@ -63,7 +63,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from flashspec.cli import package_version
+from flashspec.bench.cli import package_version
 
 
 def _load_bench_kernels():

@@ -72,7 +72,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import locked_clock_times as lct  # noqa: E402 - a sibling script, not a package
 
-from flashspec import cli  # noqa: E402
+from flashspec.bench import cli  # noqa: E402
 from flashspec.kernels import lm_head_ws  # noqa: E402
 
 FLAGS = ("no-load", "no-mma", "cheap-bits", "pad-8", "pad-16", "grouped-noise")

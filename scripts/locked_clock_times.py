@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stall_profile import KERNELS, _ncu  # noqa: E402
 
-from flashspec import cli  # noqa: E402
+from flashspec.bench import cli  # noqa: E402
 
 POINT_KERNELS = ("matmul",) + KERNELS
 RANGE = "timed"
@@ -142,7 +142,7 @@ def measure_point(kernel: str, rows: int, drafts: int) -> dict:
 
 
 def positive_ints(text: str) -> list[int]:
-    """--rows: `flashspec.cli.positive_ints`."""
+    """--rows: `flashspec.bench.cli.positive_ints`."""
     return cli.positive_ints(text, "256,512")
 
 

@@ -17,14 +17,14 @@ Pairs (target + draft, same vocabulary), from one of:
 * ``--target`` and ``--draft``: hub ids or local folders with trained weights;
 * ``--random-init TARGET_SHAPE[,DRAFT_SHAPE]``: random weights at real shapes, offline; a
   SHAPE is the name of a config shipped in flashspec/assets/configs or the path of a
-  config.json (see flashspec.random_init).
+  config.json (see flashspec.bench.random_init).
 
 Without a draft model (``--target`` alone, ``--random-init`` with one shape) the draft
 variants are skipped; self-speculation and prompt lookup still run.
 
 Prompts (--prompts): ``random`` token ids (from 1: 0 is the pad token), exactly
 --prompt-length per row; or a prompt set shipped with flashspec (code_edit, summarize, chat;
-see flashspec.prompt_sets): row i of a batch gets the set's prompt i mod n, in file order,
+see flashspec.bench.prompt_sets): row i of a batch gets the set's prompt i mod n, in file order,
 through the target's tokenizer (its chat template if it has one), left padded, at most
 --prompt-length tokens (a longer prompt keeps its end). Random-init models have no tokenizer,
 so they take random prompts only.
@@ -33,7 +33,7 @@ On random prompts acceptance is whatever the pair does on noise: the random-weig
 accept almost nothing, prompt lookup finds almost no match, and self-speculation (the
 target as its own assistant) accepts most drafts, losing some at near-ties of the nearly
 flat random models (bf16 rounding differs between one-token and many-token forwards).
-``--weights peaked`` makes the random models decisive (`flashspec.random_init.peak_weights`),
+``--weights peaked`` makes the random models decisive (`flashspec.bench.random_init.peak_weights`),
 so that self-speculation accepts every draft at the same cost per forward. The expected
 tok/s at acceptance 1 (below) is the upper bound that speculation can reach with this engine.
 
@@ -122,19 +122,20 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import flashspec
-from flashspec.cli import (Progress, model_name, names, package_version, positive_int,
-                           positive_ints, pyplot_or_note, random_init_shapes, resolve_device)
+from flashspec.bench.cli import (Progress, model_name, names, package_version, positive_int,
+                                 positive_ints, pyplot_or_note, random_init_shapes,
+                                 resolve_device)
 from flashspec.assets import tiny_pair_path
 from flashspec.generation.heads import output_head
 from flashspec.generation.static import cached_engine
-from flashspec.prompt_sets import PROMPT_SETS, encode_prompts, load_prompts
-from flashspec.random_init import WEIGHTS, config_names, peak_weights, random_model
+from flashspec.bench.prompt_sets import PROMPT_SETS, encode_prompts, load_prompts
+from flashspec.bench.random_init import WEIGHTS, config_names, peak_weights, random_model
 
 
 class PairSpec(NamedTuple):
     """A pair's name in the report, and where its models come from: hub ids or folders with
     trained weights, or (with `random_init`) shipped config names or config.json paths
-    (flashspec.random_init). `draft` None: no draft model."""
+    (flashspec.bench.random_init). `draft` None: no draft model."""
 
     label: str
     target: str
@@ -366,8 +367,8 @@ def describe_prompts(args: argparse.Namespace) -> dict:
                 "what": f"random token ids in [1, vocab), torch.Generator seeded {SEED}"}
     return {"source": args.prompts, "max_length": args.prompt_length,
             "what": PROMPT_SETS[args.prompts],
-            "encoding": "flashspec.prompt_sets.encode_prompts with the target's tokenizer; "
-                        "row i gets the set's prompt i mod n"}
+            "encoding": "flashspec.bench.prompt_sets.encode_prompts with the target's "
+                        "tokenizer; row i gets the set's prompt i mod n"}
 
 
 # ---------------------------------------------------------------- timing
@@ -857,7 +858,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts", choices=(RANDOM_PROMPTS, *PROMPT_SETS),
                         default=RANDOM_PROMPTS,
                         help="random: random token ids of --prompt-length; or a prompt set of "
-                             "flashspec.prompt_sets (" + "; ".join(
+                             "flashspec.bench.prompt_sets (" + "; ".join(
                                  f"{name}: {what}" for name, what in PROMPT_SETS.items())
                              + "), needing the target's tokenizer (not with random-init "
                                "models); default random")

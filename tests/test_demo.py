@@ -3,7 +3,7 @@ emits stock greedy's tokens, and seeded sampling is the same with and without dr
 
 import pytest
 
-from flashspec import demo
+from flashspec.bench import demo
 
 
 def test_demo_runs_and_every_mode_matches_stock(capsys):

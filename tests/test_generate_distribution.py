@@ -5,7 +5,7 @@ A tiny-vocabulary target (V = 24, float64 so that nothing is a rounding question
 assistant or by prompt lookup, so that acceptance is ragged across rows and steps. The
 joint distribution of the 24^3 possible continuations is enumerated from the target in
 float64 with transformers' warpers, and the samples must pass the chi-squared test of
-`flashspec.testing` (false-alarm rate 1e-4 per test).
+`flashspec.bench.statistics` (false-alarm rate 1e-4 per test).
 """
 
 import dataclasses
@@ -16,7 +16,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 import flashspec
 from flashspec import reference
-from flashspec.testing import assert_acceptance_matches, assert_samples_match
+from flashspec.bench.statistics import assert_acceptance_matches, assert_samples_match
 
 VOCAB = 24
 NEW_TOKENS = 3

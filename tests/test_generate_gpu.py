@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import flashspec
 from flashspec import rng
-from flashspec.testing import acceptance_check, is_near_tie
+from flashspec.bench.statistics import acceptance_check, is_near_tie
 
 pytestmark = pytest.mark.gpu
 

@@ -9,7 +9,7 @@ import torch
 import triton
 
 from flashspec import NonFiniteLogitsError, SamplingParams, kernels, reference, rng
-from flashspec.testing import is_near_tie
+from flashspec.bench.statistics import is_near_tie
 
 import test_reference as semantics
 

@@ -1,4 +1,4 @@
-"""flashspec.prompt_sets: the shipped prompt files and their encoding for a tokenizer."""
+"""flashspec.bench.prompt_sets: the shipped prompt files and their encoding for a tokenizer."""
 
 import copy
 import json
@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from flashspec import prompt_sets
+from flashspec.bench import prompt_sets
 from flashspec.assets import tiny_pair_path
-from flashspec.prompt_sets import (PLAIN_LAYOUT, PROMPT_SETS, encode_prompts, format_prompt,
-                                   load_prompts)
+from flashspec.bench.prompt_sets import (PLAIN_LAYOUT, PROMPT_SETS, encode_prompts,
+                                         format_prompt, load_prompts)
 
 # A minimal chat template in the usual shape: role markers, then the generation prompt.
 CHAT_TEMPLATE = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}: {{ m['content'] }}\n"

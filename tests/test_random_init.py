@@ -1,5 +1,5 @@
-"""flashspec/random_init.py and the --random-init argparse type of flashspec/cli.py: the
-shipped configs, the refusals, seeded random models, and peak_weights."""
+"""flashspec/bench/random_init.py and the --random-init argparse type of flashspec/bench/cli.py:
+the shipped configs, the refusals, seeded random models, and peak_weights."""
 
 import argparse
 import json
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import flashspec
-from flashspec import random_init
-from flashspec.cli import random_init_shapes
+from flashspec.bench import random_init
+from flashspec.bench.cli import random_init_shapes
 
 SHIPPED = ["llama-3.1-8b", "llama-3.2-1b", "qwen3-0.6b", "qwen3-1.7b"]
 SMALL_LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32,

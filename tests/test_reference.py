@@ -12,7 +12,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, LogitsProcessorList
 
 from flashspec import NonFiniteLogitsError, SamplingParams, reference
-from flashspec.testing import assert_samples_match
+from flashspec.bench.statistics import assert_samples_match
 
 # ---------------------------------------------------------------------------------------
 # Semantic oracle: transformers' own LogitsProcessorList from the same GenerationConfig.

@@ -8,7 +8,7 @@ import triton.language as tl
 
 from flashspec import rng
 from flashspec.kernels import noise
-from flashspec.testing import assert_samples_match, ks_uniform_pvalue
+from flashspec.bench.statistics import assert_samples_match, ks_uniform_pvalue
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

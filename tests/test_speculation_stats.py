@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashspec.generation.outputs import SpeculationStats
-from flashspec.testing import acceptance_check
+from flashspec.bench.statistics import acceptance_check
 
 from _models import PAD, tiny_model
 

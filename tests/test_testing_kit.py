@@ -2,7 +2,7 @@
 
 import torch
 
-from flashspec.testing import goodness_of_fit, is_near_tie
+from flashspec.bench.statistics import goodness_of_fit, is_near_tie
 
 
 def test_goodness_of_fit_accepts_truth_and_rejects_a_shifted_distribution():

@@ -317,7 +317,8 @@ def test_random_init_without_a_draft(tmp_path, capsys):
     report = json.loads((out / "tok_per_s.json").read_text())
     assert report["pairs"] == {"small": {
         "target": str(Path(*config.parts[-2:])), "draft": None,
-        "weights": "random init, peaked (flashspec.random_init.peak_weights)", "vocab_size": 512,
+        "weights": "random init, peaked (flashspec.bench.random_init.peak_weights)",
+        "vocab_size": 512,
         "target_weight_bytes": report["pairs"]["small"]["target_weight_bytes"],
         "draft_weight_bytes": None}}
     status = {row["variant"]: row["status"] for row in report["rows"]}

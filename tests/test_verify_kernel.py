@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flashspec import NonFiniteLogitsError, SamplingParams, kernels, reference, rng
-from flashspec.testing import is_near_tie
+from flashspec.bench.statistics import is_near_tie
 
 import test_reference as semantics
 from test_kernels import DEVICE, OTHER, SMALL, StageOneSpy, mixed_params, random_problem

@@ -1,7 +1,7 @@
 """Files shipped inside the package: the tiny target/draft pair trained by
 scripts/train_tiny_pair.py (tiny_pair/target, tiny_pair/draft, MODEL_CARD.md, summary.json),
-the prompt sets (prompts/, see flashspec.prompt_sets) and real models' shapes (configs/, see
-flashspec.random_init)."""
+the prompt sets (prompts/, see flashspec.bench.prompt_sets) and real models' shapes (configs/,
+see flashspec.bench.random_init)."""
 
 from pathlib import Path
 

@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-CONFIGS_DIR = Path(__file__).resolve().parent / "assets" / "configs"
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "assets" / "configs"
 # The shipped configs' note on where a shape comes from: not a transformers config field.
 SOURCE_FIELD = "_source"
 # Kinds of random-init weights (the scripts' --weights) and how their reports describe them.
 WEIGHTS = {"random": "random init",
-           "peaked": "random init, peaked (flashspec.random_init.peak_weights)"}
+           "peaked": "random init, peaked (flashspec.bench.random_init.peak_weights)"}
 # peak_weights: the projections that write into the residual stream, scaled by this.
 RESIDUAL_OUTPUTS = ("o_proj", "down_proj")
 PEAKED_BRANCH_SCALE = 1e-3

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from flashspec.random_init import random_config
+from .random_init import random_config
 
 
 def positive_int(text: str) -> int:
@@ -45,8 +45,8 @@ def names(text: str, known) -> list[str]:
 
 def random_init_shapes(text: str) -> list[str]:
     """``TARGET_SHAPE[,DRAFT_SHAPE]`` -> [target shape] or [target shape, draft shape], each
-    a shipped config's name or a config.json path that `flashspec.random_init.random_config`
-    accepts."""
+    a shipped config's name or a config.json path that
+    `flashspec.bench.random_init.random_config` accepts."""
     shapes = [shape.strip() for shape in text.split(",")]
     if not 1 <= len(shapes) <= 2 or not all(shapes):
         raise argparse.ArgumentTypeError(f"expected TARGET_SHAPE[,DRAFT_SHAPE], got {text!r}")

@@ -6,7 +6,7 @@ hub id or path, completes a few code prompts with stock `generate` and with
 `generate(sampler="flash")` (plain, prompt lookup, assistant), and prints the text, the
 acceptance statistics and the speed side by side. CPU or GPU, whichever is there.
 
-    python -m flashspec.demo [--target ID_OR_PATH --draft ID_OR_PATH] [--max-new-tokens 48]
+    python -m flashspec [--target ID_OR_PATH --draft ID_OR_PATH] [--max-new-tokens 48]
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from . import from_pretrained
-from .assets import tiny_pair_path
+from .. import from_pretrained
+from ..assets import tiny_pair_path
 
 TINY_PAIR = tiny_pair_path()
 
@@ -43,7 +43,8 @@ PROMPTS = {
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m flashspec",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=str(TINY_PAIR / "target"),
                         help="target model: hub id or folder (default: the built-in tiny pair)")
     parser.add_argument("--draft", default=str(TINY_PAIR / "draft"),

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-PROMPTS_DIR = Path(__file__).resolve().parent / "assets" / "prompts"
+PROMPTS_DIR = Path(__file__).resolve().parents[1] / "assets" / "prompts"
 # name -> what the set holds (its file is PROMPTS_DIR / f"{name}.jsonl").
 PROMPT_SETS = {
     "code_edit": "edit code given in the prompt (rename, add type hints, fix a bug, ...): the "
