@@ -1,20 +1,20 @@
 """flashspec: exact fused sampling and speculative decoding for Hugging Face transformers.
 
-The `[batch, vocab]` logits are never materialized on the fast path: the final hidden
-state goes into fused LM-head kernels (`flashspec.kernels`); `flashspec.reference` is the
-materialized torch oracle and CPU path with the same signatures.
+The `[batch, vocab]` logits are never materialized on the fast path: `flashspec.sampling`
+(argmax, sample, verify) sends the final hidden state into fused LM-head kernels
+(`flashspec.kernels`) on CUDA; `flashspec.reference` is the materialized torch oracle and
+CPU path.
 """
 
-from . import reference, rng
-from .api import lm_head_argmax, lm_head_sample, lm_head_verify
+from . import reference, rng, sampling
 from .checks import NonFiniteLogitsError
 from .generation import (FlashGenerateOutput, FlashGenerationMixin, SpeculationStats,
                          from_pretrained, wrap)
+from .outputs import ArgmaxOutput, SampleOutput, VerifyOutput
 from .params import SamplingParams
-from .reference import VerifyOutput
 
 __version__ = "0.1.0"
 
-__all__ = ["FlashGenerateOutput", "FlashGenerationMixin", "NonFiniteLogitsError", "SamplingParams",
-           "SpeculationStats", "VerifyOutput", "from_pretrained", "lm_head_argmax", "lm_head_sample",
-           "lm_head_verify", "reference", "rng", "wrap"]
+__all__ = ["ArgmaxOutput", "FlashGenerateOutput", "FlashGenerationMixin", "NonFiniteLogitsError",
+           "SampleOutput", "SamplingParams", "SpeculationStats", "VerifyOutput", "from_pretrained",
+           "reference", "rng", "sampling", "wrap"]

@@ -1,7 +1,8 @@
-"""Argument checks shared by the torch reference and the Triton kernels.
+"""Argument checks of `flashspec.sampling`, the door to the torch reference and the Triton
+kernels.
 
-Every public entry point validates here first, so bad input fails with a message naming
-the parameter, its value and what is allowed, never deep inside a kernel.
+It validates here first, so bad input fails with a message naming the parameter, its value
+and what is allowed, never deep inside a kernel.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Materialized torch implementation: the oracle for the kernels and the CPU path.
+"""Materialized torch implementation: the oracle for the kernels and the CPU path of
+`flashspec.sampling`.
 
 It computes the full ``[rows, V]`` logits, applies Hugging Face's warpers with their exact
 arithmetic (temperature, then top-k, then top-p, then min-p; see `flashspec.params`), and
@@ -12,43 +13,20 @@ raw logits (lowest id on ties). Logits are float32 (float64 when the inputs are 
 Tie rule where transformers leaves it to an unstable sort: at the top-p boundary, tokens
 with equal logits are dropped highest id first (the kernels' preference order is higher
 logit, then lower id). The number of tokens kept always equals transformers'.
+
+The functions here take materialized logits and neither validate nor read the device:
+`flashspec.sampling` checks the arguments and acts on the status they return.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from . import rng
-from .checks import (NonFiniteLogitsError, check_draft_tokens, check_lm_head,
-                     check_sampling_inputs)
+from .outputs import NON_FINITE, OK, ArgmaxOutput, SampleOutput, VerifyOutput
 from .params import SamplingParams
 
 INVALID_TOKEN = -1
-ACCEPTANCE_MODES = ("strict", "probabilistic")
-
-
-class VerifyOutput(NamedTuple):
-    """Result of verifying G drafted tokens per row.
-
-    Attributes:
-        num_accepted: int64 ``[B]``, accepted drafts per row (-1 for a row whose logits were
-            not finite, with ``check_finite=False``).
-        tokens: int64 ``[B, G+1]``; ``tokens[b, :num_accepted[b] + 1]`` are emitted (the
-            accepted drafts, then one recovered or bonus token), the rest is -1.
-        accept_probs: ``[B, G]``, probability that the draft is accepted: p(x) under the
-            transformed target distribution for sampled rows, 1 or 0 (draft == argmax) for
-            greedy rows, 0 for padded drafts.
-        logprobs: ``[B, G+1]``, log-probability of each emitted token under the row's
-            transformed distribution (the raw softmax for greedy rows); 0 where nothing
-            was emitted.
-    """
-
-    num_accepted: torch.Tensor
-    tokens: torch.Tensor
-    accept_probs: torch.Tensor
-    logprobs: torch.Tensor
 
 
 def compute_logits(hidden: torch.Tensor, weight: torch.Tensor,
@@ -144,7 +122,7 @@ def _gumbel_argmax(scores: torch.Tensor, seed: torch.Tensor, position: torch.Ten
     """argmax_v (scores[r, v] + gumbel(seed[r], position[r], v)), optionally skipping
     token ``exclude[r]`` (>= 0) of each row."""
     vocab = torch.arange(scores.shape[-1], device=scores.device)
-    # Seeds and positions were validated by the entry points; no device read here.
+    # Seeds and positions were validated by `flashspec.sampling`; no device read here.
     noise = rng.gumbel(seed[:, None], position[:, None], vocab[None, :], dtype=scores.dtype,
                        validate=False)
     perturbed = scores + noise
@@ -169,101 +147,38 @@ def _choose(logits: torch.Tensor, scores: torch.Tensor, params: SamplingParams,
     return torch.where(params.is_greedy, greedy, sampled)
 
 
-def lm_head_argmax(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Greedy token ``argmax(hidden @ weight.T)`` per row (lowest id on ties), int64 ``[B]``.
-
-    A row with NaN or infinite logits yields -1 instead of an arbitrary id.
-    """
-    check_lm_head(hidden, weight, hidden_dims=2)
-    logits = compute_logits(hidden, weight)
-    tokens = logits.argmax(dim=-1)
-    return torch.where(torch.isfinite(logits).all(dim=-1), tokens, INVALID_TOKEN)
+def model_dtype_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Logits the way transformers computes them: a matmul in the weight's dtype (rounded
+    to it), then float32. The materialized baseline of the benchmarks samples these."""
+    return torch.nn.functional.linear(hidden, weight).float()
 
 
-def lm_head_sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
-                   positions: torch.Tensor, return_logprobs: bool = False, *,
-                   return_lse: bool = False, check_finite: bool = True):
-    """Sample one token per row from softmax of the transformed logits ``hidden @ weight.T``.
-
-    Args:
-        hidden: ``[B, D]`` final hidden states (after the model's last norm).
-        weight: ``[V, D]`` LM-head weight, same dtype and device as `hidden`.
-        params: per-row `SamplingParams`.
-        positions: int64 ``[B]``, the sequence index of the token being sampled; it keys the
-            noise, so the same (seed, position) gives the same token wherever it is computed.
-        return_logprobs: also return each token's log-probability under the transformed
-            distribution (the raw softmax for greedy rows).
-        return_lse: also return the log-sum-exp of the transformed logits over the support
-            (of the raw logits for greedy rows), so that logprob = logit' - lse.
-        check_finite: raise `NonFiniteLogitsError` for rows with NaN/inf logits; when False
-            such rows get token -1 and logprob and lse NaN.
-
-    Returns:
-        int64 ``[B]`` tokens, or a tuple ``(tokens, logprobs?, lse?)`` of those requested.
-    """
-    check_lm_head(hidden, weight, hidden_dims=2)
-    check_sampling_inputs(hidden, params, positions)
-    tokens, logprobs, lse = sample_logits(compute_logits(hidden, weight), params, positions)
-    _raise_if_non_finite(tokens >= 0, check_finite)  # -1 marks the non-finite rows
-    result = (tokens,) + ((logprobs,) if return_logprobs else ()) + ((lse,) if return_lse else ())
-    return result[0] if len(result) == 1 else result
+def argmax_logits(logits: torch.Tensor) -> ArgmaxOutput:
+    """Greedy token of each row of `logits` ``[B, V]`` (lowest id on ties); token -1 and
+    status `NON_FINITE` where the row is not finite."""
+    finite = torch.isfinite(logits).all(dim=-1)
+    return ArgmaxOutput(torch.where(finite, logits.argmax(dim=-1), INVALID_TOKEN), _status(finite))
 
 
-def sample_logits(logits: torch.Tensor, params: SamplingParams, positions: torch.Tensor):
-    """`lm_head_sample` from materialized `logits` ``[B, V]``, unchecked and without host
-    reads: ``(tokens, logprobs, lse)``, with token -1 and NaN logprob and lse for rows
-    whose logits are not finite."""
+def sample_logits(logits: torch.Tensor, params: SamplingParams,
+                  positions: torch.Tensor) -> SampleOutput:
+    """One token per row of `logits` ``[B, V]`` from softmax of the transformed logits, with
+    the noise of sequence index ``positions[b]``; token -1, NaN logprob and lse and status
+    `NON_FINITE` for rows whose logits (or logits / temperature) are not finite."""
     finite = _finite_rows(logits, params)
     scores = transform_logits(logits, params)
     tokens = torch.where(finite, _choose(logits, scores, params, positions), INVALID_TOKEN)
     lse = torch.where(finite, scores.logsumexp(dim=-1), float("nan"))
     logprobs = scores.gather(-1, tokens.clamp_min(0)[:, None]).squeeze(-1) - lse
-    return tokens, logprobs, lse
-
-
-def lm_head_verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tensor,
-                   params: SamplingParams, positions: torch.Tensor, *,
-                   acceptance: str = "strict", check_finite: bool = True) -> VerifyOutput:
-    """Verify G drafted tokens per row against the target, emitting accepted drafts plus one
-    recovered or bonus token.
-
-    Args:
-        hidden: ``[B, G+1, D]`` target hidden states; ``hidden[b, j]`` predicts sequence
-            index ``positions[b] + j``.
-        weight: ``[V, D]`` LM-head weight.
-        draft_tokens: int64 ``[B, G]`` drafted ids (from a greedy drafter), -1 padded.
-        params: per-row `SamplingParams`.
-        positions: int64 ``[B]``, sequence index of the first drafted token.
-        acceptance: ``"strict"`` (default): the target draws its own Gumbel-max sample at
-            each position and accepts the draft iff they are equal; on rejection that sample
-            is the recovered token. Emitted tokens are then exactly what `lm_head_sample`
-            gives at the same positions, whatever the drafts. ``"probabilistic"``: accept
-            iff u < p(draft), u from the independent acceptance stream; on rejection the
-            token is the Gumbel-max sample with the draft masked out. Both are exact
-            speculative sampling for greedy (one-hot) drafts.
-        check_finite: as in `lm_head_sample`; a non-finite row gets num_accepted -1. Only
-            the positions a row can emit are checked: its drafts and the one after them
-            (positions after a padded draft are never emitted).
-    """
-    check_lm_head(hidden, weight, hidden_dims=3)
-    vocab_size = weight.shape[0]
-    check_draft_tokens(draft_tokens, hidden, vocab_size)
-    num_positions = hidden.shape[1]
-    check_sampling_inputs(hidden, params, positions, num_positions)
-    if acceptance not in ACCEPTANCE_MODES:
-        raise ValueError(f"`acceptance`={acceptance!r} is not allowed: use one of {ACCEPTANCE_MODES}")
-
-    logits = compute_logits(hidden.reshape(-1, hidden.shape[-1]), weight)
-    out = verify_logits(logits, draft_tokens, params, positions, acceptance=acceptance)
-    _raise_if_non_finite(out.num_accepted >= 0, check_finite)  # -1 marks the non-finite rows
-    return out
+    return SampleOutput(tokens, logprobs, lse, _status(finite))
 
 
 def verify_logits(logits: torch.Tensor, draft_tokens: torch.Tensor, params: SamplingParams,
                   positions: torch.Tensor, *, acceptance: str = "strict") -> VerifyOutput:
-    """`lm_head_verify` from materialized `logits` ``[B * (G+1), V]`` (row b*(G+1)+j
-    predicts sequence index ``positions[b] + j``), unchecked and without host reads; rows
-    whose logits are not finite get num_accepted -1."""
+    """Verification of ``draft_tokens`` ``[B, G]`` (-1 padded) from materialized `logits`
+    ``[B * (G+1), V]``, where row b*(G+1)+j predicts sequence index ``positions[b] + j``;
+    `acceptance` as in `flashspec.sampling.verify`. Rows whose logits are not finite at a
+    position they can emit get num_accepted -1 and status `NON_FINITE`."""
     batch_size, num_drafts = draft_tokens.shape
     num_positions = num_drafts + 1
     vocab_size = logits.shape[-1]
@@ -308,9 +223,9 @@ def verify_logits(logits: torch.Tensor, draft_tokens: torch.Tensor, params: Samp
     tokens = torch.where(finite[:, None], tokens, INVALID_TOKEN)
     num_accepted = torch.where(finite, num_accepted, -1)
     logprobs = torch.where(finite[:, None], logprobs, 0.0)
-    return VerifyOutput(num_accepted, tokens, accept_prob[:, :num_drafts], logprobs)
+    return VerifyOutput(num_accepted, tokens, accept_prob[:, :num_drafts], logprobs,
+                        _status(finite))
 
 
-def _raise_if_non_finite(finite: torch.Tensor, check_finite: bool) -> None:
-    if check_finite and not bool(finite.all()):
-        raise NonFiniteLogitsError((~finite).nonzero().flatten().tolist())
+def _status(finite: torch.Tensor) -> torch.Tensor:
+    return torch.where(finite, OK, NON_FINITE).to(torch.int32)

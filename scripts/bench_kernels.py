@@ -15,7 +15,9 @@ row. Every variant includes the LM-head matmul, so the numbers are comparable en
 * ``flashinfer_sample`` / ``flashinfer_topk_topp``: FlashInfer's samplers on the logits.
 * ``flashspec_argmax`` / ``flashspec_sample`` (T=0.7, untruncated) /
   ``flashspec_sample_topk50`` (T=0.7, k=50) / ``flashspec_sample_qwen`` (T=0.6, k=20,
-  p=0.95): flashspec's fused kernels, which never write the logits.
+  p=0.95): flashspec's fused kernels (``flashspec.kernels.fused_argmax`` / ``fused_sample``,
+  what ``flashspec.sampling`` runs with ``check=False``; sampling with its logprobs and
+  log-sum-exp), which never write the logits.
 
 Timing (CUDA): ``triton.testing.do_bench`` medians (CUDA events, L2 flushed before every
 call), at least 100 timed calls after 25 ms of warm-up, of each variant captured in a CUDA
@@ -197,20 +199,20 @@ def _require_triton(case: Case) -> None:
 
 def _flashspec_argmax(case: Case) -> Callable:
     _require_triton(case)
-    from flashspec.kernels import argmax_unchecked
+    from flashspec.kernels import fused_argmax
 
-    return partial(argmax_unchecked, case.hidden, case.weight)
+    return partial(fused_argmax, case.hidden, case.weight)
 
 
 def _flashspec_sample(case: Case, **sampling) -> Callable:
     _require_triton(case)
     import flashspec
-    from flashspec.kernels import sample_unchecked
+    from flashspec.kernels import fused_sample
 
     batch, device = case.hidden.shape[0], case.hidden.device
     params = flashspec.SamplingParams.create(batch, seed=0, device=device, **sampling)
     positions = torch.zeros(batch, dtype=torch.long, device=device)
-    return partial(sample_unchecked, case.hidden, case.weight, params, positions)
+    return partial(fused_sample, case.hidden, case.weight, params, positions)
 
 
 VARIANTS: dict[str, Callable[[Case], Callable]] = {
@@ -312,10 +314,10 @@ def _status_of(error: Exception) -> str:
 
 
 def _rows_not_ok(out) -> int | None:
-    """Rows a fused launch left unfinished (`SampleOutput.status` != 0), None for other outputs.
+    """Rows a fused launch left unfinished (`status` != 0), None for outputs without one.
 
-    The timing excludes the exact completion that the checked `lm_head_sample` would add for
-    them, so a nonzero count means the flashspec time is optimistic for that row.
+    The timing excludes the exact completion that `flashspec.sampling.sample` (check=True)
+    would add for them, so a nonzero count means the flashspec time is optimistic there.
     """
     status = getattr(out, "status", None)
     return None if status is None else int((status != 0).sum())

@@ -22,7 +22,7 @@ includes the LM-head matmul of all R rows, so the numbers compare end to end:
   softmax + multinomial baseline; eager otherwise. Where inductor fails to compile the
   sorted top-k/top-p (torch 2.11 on an H200 did for R <= 256), that part runs eagerly, as
   in vLLM, between compiled graphs; the row's ``notes`` say so.
-* ``flashspec_verify`` / ``flashspec_verify_qwen``: ``flashspec.kernels.verify_unchecked``
+* ``flashspec_verify`` / ``flashspec_verify_qwen``: ``flashspec.kernels.fused_verify``
   with the same parameters (``--acceptance``, default "strict"), which never writes the
   logits. ``rows_not_ok`` counts the rows it returned with status != 0 (1: needs an exact
   completion that this timing excludes, 2: non-finite).
@@ -196,11 +196,11 @@ def _matmul(case: Case) -> Callable:
 def _flashspec_verify(case: Case, sampling: dict) -> Callable:
     bk._require_triton(case)
     import flashspec
-    from flashspec.kernels import verify_unchecked
+    from flashspec.kernels import fused_verify
 
     batch, device = case.hidden.shape[0], case.hidden.device
     params = flashspec.SamplingParams.create(batch, seed=0, device=device, **sampling)
-    return partial(verify_unchecked, case.hidden, case.weight, case.draft_tokens, params,
+    return partial(fused_verify, case.hidden, case.weight, case.draft_tokens, params,
                    case.positions, acceptance=case.acceptance)
 
 
@@ -447,7 +447,7 @@ def parse_shape(text: str) -> tuple[int, int]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Time speculative-decoding verification of G drafts per row (flashspec's "
-                    "fused verify_unchecked vs cuBLAS matmul and a materialized vLLM-style "
+                    "fused_verify vs cuBLAS matmul and a materialized vLLM-style "
                     "rejection sampler).",
         epilog="Run from the repository root: PYTHONPATH=. python scripts/bench_verify.py")
     parser.add_argument("--shape", type=parse_shape, default=None,
@@ -460,7 +460,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="comma-separated draft lengths G (>= 1); default 1,3,5,7 (1,3 with "
                              "--quick)")
     parser.add_argument("--acceptance", choices=ACCEPTANCE_MODES, default="strict",
-                        help="verify_unchecked's acceptance mode; default strict")
+                        help="fused_verify's acceptance mode; default strict")
     parser.add_argument("--rep-ms", type=bk.parse_rep_ms, default=None,
                         help=f"timed milliseconds per variant and point (do_bench's rep; at "
                              f"least {bk.CUDA_MIN_ITERS} calls on CUDA regardless); default "

@@ -52,8 +52,8 @@ SM_THREADS = 2048
 REGISTER_UNIT = 8  # registers are allocated per thread in multiples of 8 (256 per warp)
 # (SAMPLE, LSE, truncation, DRAFT) of each kernel as ops._launch sets them for the
 # benchmarks' settings (T 0.7 untruncated; qwen = top-k 20 + top-p 0.95, every row with a
-# top-k); truncation keeps the configuration's candidates per tile.
-KERNELS = {"argmax": (False, False, False, False), "sample": (True, False, False, False),
+# top-k: no log-sum-exp); truncation keeps the configuration's candidates per tile.
+KERNELS = {"argmax": (False, False, False, False), "sample": (True, True, False, False),
            "qwen": (True, False, True, False), "verify": (True, True, False, True),
            "verify-qwen": (True, False, True, True)}
 

@@ -108,7 +108,7 @@ def make_weight(vocab: int, dim: int, device) -> torch.Tensor:
 def make_launch(kernel: str, rows: int, drafts: int, weight: torch.Tensor):
     """(launch(config) -> outputs, hidden rows [R, D] for the matmul) for `rows` rows."""
     import flashspec
-    from flashspec.kernels import argmax_unchecked, sample_unchecked, verify_unchecked
+    from flashspec.kernels import fused_argmax, fused_sample, fused_verify
 
     vocab, dim = weight.shape
     device = weight.device
@@ -120,16 +120,16 @@ def make_launch(kernel: str, rows: int, drafts: int, weight: torch.Tensor):
     hidden = hidden.to(weight.dtype)
     positions = torch.zeros(batch, dtype=torch.long, device=device)
     if kernel == "argmax":
-        return (lambda config: argmax_unchecked(hidden, weight, config=config)), hidden
+        return (lambda config: fused_argmax(hidden, weight, config=config)), hidden
     setting = SETTINGS[setting_of(kernel)]
     params = flashspec.SamplingParams.create(batch, seed=0, device=device, **setting)
     if not verify:
-        return (lambda config: sample_unchecked(hidden, weight, params, positions,
-                                                config=config)), hidden
+        return (lambda config: fused_sample(hidden, weight, params, positions,
+                                            config=config)), hidden
     draft_tokens = torch.randint(0, vocab, (batch, drafts), generator=gen, device=device)
     hidden3 = hidden.view(batch, positions_per_row, dim)
-    return (lambda config: verify_unchecked(hidden3, weight, draft_tokens, params, positions,
-                                            config=config)), hidden
+    return (lambda config: fused_verify(hidden3, weight, draft_tokens, params, positions,
+                                        config=config)), hidden
 
 
 def time_config(launch: Callable, config, timer: Callable, cuda: bool) -> dict:

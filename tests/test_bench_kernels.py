@@ -14,10 +14,10 @@ import torch
 
 from script_module import load_script
 
-FLASHSPEC_VARIANTS = {"flashspec_argmax": "argmax_unchecked",
-                      "flashspec_sample": "sample_unchecked",
-                      "flashspec_sample_topk50": "sample_unchecked",
-                      "flashspec_sample_qwen": "sample_unchecked"}
+FLASHSPEC_VARIANTS = {"flashspec_argmax": "fused_argmax",
+                      "flashspec_sample": "fused_sample",
+                      "flashspec_sample_topk50": "fused_sample",
+                      "flashspec_sample_qwen": "fused_sample"}
 # A smaller vocabulary than --quick's 1000 keeps the interpreted truncated kernels ~1 s a call.
 QUICK_ARGS = ["--quick", "--shapes", "64x256", "--batch-sizes", "1,2"]
 
@@ -123,8 +123,7 @@ def test_flashspec_variants_attempted(report):
             else:
                 assert status == "ok", status
                 assert _is_ms(row["ms"][name])
-                if name != "flashspec_argmax":
-                    assert name in row["rows_not_ok"]
+                assert name in row["rows_not_ok"]
 
 
 def test_table_is_printed_last(tmp_path, capsys):

@@ -1,17 +1,21 @@
-"""Fused Triton kernels against the torch reference.
+"""Fused Triton kernels (`flashspec.sampling`'s fused backend) against the torch reference.
 
 On a CPU machine the kernels run through Triton's interpreter on small shapes; on a CUDA
 machine the same tests run compiled, and the `gpu` tests add D=4096, V=151,936.
 """
 
+import functools
+
 import pytest
 import torch
 import triton
 
-from flashspec import NonFiniteLogitsError, SamplingParams, kernels, reference, rng
+from flashspec import NonFiniteLogitsError, SamplingParams, kernels, reference, rng, sampling
+from flashspec.outputs import NON_FINITE
 from flashspec.bench.statistics import is_near_tie
 
 import test_reference as semantics
+from test_reference import reference_argmax, reference_sample, reference_tokens
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -20,6 +24,14 @@ SMALL = None if ON_GPU else kernels.TileConfig(block_v=32, block_r=16, block_d=1
                                                candidates=4, max_support=32)
 OTHER = kernels.TileConfig(block_v=64, block_r=32, block_d=32, candidates=8, max_support=64,
                            epilogue_parts=2)
+# The checked fused calls (completion, stats, errors); `kernels.fused_*` are unchecked.
+fused_argmax = functools.partial(sampling.argmax, backend="fused")
+fused_sample = functools.partial(sampling.sample, backend="fused")
+fused_verify = functools.partial(sampling.verify, backend="fused")
+
+
+def fused_tokens(hidden, weight, params, positions, **kwargs):
+    return fused_sample(hidden, weight, params, positions, **kwargs).tokens
 
 
 def mixed_params(g: torch.Generator, batch: int, seed: int = 0) -> SamplingParams:
@@ -67,10 +79,8 @@ def test_sample_pathwise_equals_reference(batch, vocab_size, dim):
     g = torch.Generator().manual_seed(batch * 1000 + vocab_size)
     hidden, weight, positions = random_problem(g, batch, vocab_size, dim)
     params = mixed_params(g, batch, seed=batch)
-    ours, ours_lp, ours_lse = kernels.lm_head_sample(hidden, weight, params, positions, True,
-                                                     return_lse=True, config=SMALL)
-    theirs, lp, lse = reference.lm_head_sample(hidden, weight, params, positions, True,
-                                               return_lse=True)
+    ours, ours_lp, ours_lse, _ = fused_sample(hidden, weight, params, positions, config=SMALL)
+    theirs, lp, lse, _ = reference_sample(hidden, weight, params, positions)
     assert_same_tokens(ours, theirs, hidden, weight, params, positions)
     same = ours == theirs
     assert torch.allclose(ours_lp[same], lp[same], atol=2e-4, rtol=1e-4)
@@ -82,8 +92,8 @@ def test_each_truncation_mode_pathwise(case):
     g = torch.Generator().manual_seed(7)
     hidden, weight, positions = random_problem(g, 6, 200, 32)
     params = SamplingParams.create(6, seed=11, device=DEVICE, **semantics.TRUNCATION_CASES[case])
-    ours = kernels.lm_head_sample(hidden, weight, params, positions, config=SMALL)
-    theirs = reference.lm_head_sample(hidden, weight, params, positions)
+    ours = fused_tokens(hidden, weight, params, positions, config=SMALL)
+    theirs = reference_tokens(hidden, weight, params, positions)
     assert_same_tokens(ours, theirs, hidden, weight, params, positions, case)
 
 
@@ -91,15 +101,15 @@ def test_argmax_pathwise_and_ties():
     g = torch.Generator().manual_seed(3)
     for batch, vocab_size, dim in [(1, 100, 16), (9, 333, 32)]:
         hidden, weight, _ = random_problem(g, batch, vocab_size, dim)
-        ours = kernels.lm_head_argmax(hidden, weight, config=SMALL)
-        theirs = reference.lm_head_argmax(hidden, weight)
+        ours = fused_argmax(hidden, weight, config=SMALL).tokens
+        theirs = reference_argmax(hidden, weight).tokens
         greedy = SamplingParams.create(batch, do_sample=False, seed=0, device=DEVICE)
         assert_same_tokens(ours, theirs, hidden, weight, greedy, torch.zeros_like(ours))
     weight = torch.zeros(100, 16, device=DEVICE)
     weight[[37, 70, 90], 0] = 1.0  # an exact three-way tie across vocab tiles
     hidden = torch.zeros(2, 16, device=DEVICE)
     hidden[:, 0] = 1.0
-    assert kernels.lm_head_argmax(hidden, weight, config=SMALL).tolist() == [37, 37]
+    assert fused_argmax(hidden, weight, config=SMALL).tokens.tolist() == [37, 37]
 
 
 def crowded_problem(support: torch.Tensor):
@@ -126,9 +136,9 @@ def test_ties_across_interleaved_tiles_go_to_the_lower_id():
     params = SamplingParams.create(2, do_sample=[False, True], temperature=[1.0, 0.01],
                                    top_k=[0, 2], seed=0, device=DEVICE)
     positions = torch.zeros(2, dtype=torch.long, device=DEVICE)
-    ours = kernels.lm_head_sample(hidden, weight, params, positions, config=SMALL)
+    ours = fused_tokens(hidden, weight, params, positions, config=SMALL)
     assert ours[0] == 37
-    assert torch.equal(ours, reference.lm_head_sample(hidden, weight, params, positions))
+    assert torch.equal(ours, reference_tokens(hidden, weight, params, positions))
 
 
 def test_supports_of_neighbouring_ids_stay_within_the_candidate_budget():
@@ -141,9 +151,9 @@ def test_supports_of_neighbouring_ids_stay_within_the_candidate_budget():
     hidden, weight, positions, params = crowded_problem(support)
     config = kernels.TileConfig(block_v=32, block_r=16, block_d=16, candidates=16, max_support=32)
     kernels.reset_stats()
-    ours = kernels.lm_head_sample(hidden, weight, params, positions, config=config)
+    ours = fused_tokens(hidden, weight, params, positions, config=config)
     assert kernels.stats().rows_completed == 0
-    assert torch.equal(ours, reference.lm_head_sample(hidden, weight, params, positions))
+    assert torch.equal(ours, reference_tokens(hidden, weight, params, positions))
     assert torch.isin(ours, support).all()
 
 
@@ -166,10 +176,9 @@ def test_interleaved_tiles_load_through_tma_when_vocab_fills_the_tiles():
         seed=1, device=DEVICE)
     for vocab_size in (288, 300):
         kernels.reset_stats()
-        ours = kernels.lm_head_sample(hidden, weight[:vocab_size], params, positions,
-                                      config=config)
+        ours = fused_tokens(hidden, weight[:vocab_size], params, positions, config=config)
         assert kernels.stats().rows_completed == 0
-        theirs = reference.lm_head_sample(hidden, weight[:vocab_size], params, positions)
+        theirs = reference_tokens(hidden, weight[:vocab_size], params, positions)
         assert_same_tokens(ours, theirs, hidden, weight[:vocab_size], params, positions,
                            f"V={vocab_size}")
 
@@ -180,9 +189,9 @@ def test_whole_top_k_inside_one_tile_is_completed_exactly():
     exact completion path."""
     hidden, weight, positions, params = crowded_problem(torch.arange(64, 84, device=DEVICE))
     kernels.reset_stats()
-    ours = kernels.lm_head_sample(hidden, weight, params, positions, config=SMALL)
+    ours = fused_tokens(hidden, weight, params, positions, config=SMALL)
     assert kernels.stats().rows_completed == 3
-    theirs = reference.lm_head_sample(hidden, weight, params, positions)
+    theirs = reference_tokens(hidden, weight, params, positions)
     assert torch.equal(ours, theirs)
     assert ((ours >= 64) & (ours < 84)).all()
 
@@ -197,9 +206,9 @@ def test_top_k_beyond_one_tiles_budget_is_not_certified():
                                    seed=3, device=DEVICE)
     config = kernels.TileConfig(block_v=32, block_r=16, block_d=16, candidates=4, max_support=32)
     kernels.reset_stats()
-    ours = kernels.lm_head_sample(hidden, weight, params, positions, config=config)
+    ours = fused_tokens(hidden, weight, params, positions, config=config)
     assert kernels.stats().rows_completed == 4
-    assert torch.equal(ours, reference.lm_head_sample(hidden, weight, params, positions))
+    assert torch.equal(ours, reference_tokens(hidden, weight, params, positions))
 
 
 @pytest.mark.parametrize("truncation,fast_rows", [
@@ -217,10 +226,10 @@ def test_top_k_longer_than_the_merged_list(truncation, fast_rows):
     params = SamplingParams.create(6, seed=5, device=DEVICE, **truncation)
     assert (reference.compute_logits(hidden, weight) < 0).all()
     kernels.reset_stats()
-    ours = kernels.lm_head_sample(hidden, weight, params, positions, config=SMALL)
+    ours = fused_tokens(hidden, weight, params, positions, config=SMALL)
     if SMALL is not None:  # the GPU's default tiles keep another budget
         assert kernels.stats().rows_completed == 6 - fast_rows
-    theirs = reference.lm_head_sample(hidden, weight, params, positions)
+    theirs = reference_tokens(hidden, weight, params, positions)
     assert_same_tokens(ours, theirs, hidden, weight, params, positions, str(truncation))
 
 
@@ -264,13 +273,11 @@ def test_rows_with_a_top_k_leave_out_the_normaliser_and_the_noise(monkeypatch, t
                                    top_p=[0.95, 1.0, 0.9, 1.0, 1.0, 1.0],
                                    min_p=[0.0, 0.0, 0.0, 0.05, 0.0, 0.0], seed=3, device=DEVICE)
     kernels.reset_stats()
-    ours, ours_lp, ours_lse = kernels.lm_head_sample(hidden, weight, params, positions, True,
-                                                     return_lse=True, config=SMALL)
+    ours, ours_lp, ours_lse, _ = fused_sample(hidden, weight, params, positions, config=SMALL)
     assert spy.lse == spy.sample == [full_normaliser]
     if SMALL is not None:
         assert kernels.stats().rows_completed == completed
-    theirs, lp, lse = reference.lm_head_sample(hidden, weight, params, positions, True,
-                                               return_lse=True)
+    theirs, lp, lse, _ = reference_sample(hidden, weight, params, positions)
     assert_same_tokens(ours, theirs, hidden, weight, params, positions)
     same = ours == theirs
     assert torch.allclose(ours_lp[same], lp[same].float(), atol=2e-4, rtol=1e-4)
@@ -292,8 +299,8 @@ def test_a_subset_keeps_its_results_under_the_whole_batchs_flags(monkeypatch):
     rows = torch.tensor([2, 3], device=DEVICE)
     kept, own = params.select(rows, validate=False), params.select(rows)
     assert kept.kernel_flags(200) != own.kernel_flags(200)
-    a, b = (kernels.sample_unchecked(hidden[rows], weight, p, positions[rows], want_lse=True,
-                                     config=SMALL) for p in (kept, own))
+    a, b = (kernels.fused_sample(hidden[rows], weight, p, positions[rows], config=SMALL)
+            for p in (kept, own))
     assert spy.sample == [True, False]
     assert (a.status == 0).all() and torch.equal(a.status, b.status)
     assert torch.equal(a.tokens, b.tokens)
@@ -302,14 +309,14 @@ def test_a_subset_keeps_its_results_under_the_whole_batchs_flags(monkeypatch):
 
 def test_top_p_under_a_top_k_of_v_or_more_normalises_over_the_vocabulary():
     """A top-k of V or more keeps everything, so a top-p under it needs stage 1's log-sum-exp
-    even where no logprob is asked for (it was left out there once, and the top-p cut fell
-    in the wrong place: 7 of these 16 tokens differed)."""
+    (it was left out there once, where no logprob was asked for, and the top-p cut fell in
+    the wrong place: 7 of these 16 tokens differed)."""
     g = torch.Generator().manual_seed(33)
     hidden, weight, positions = random_problem(g, 16, 200, 32)
     params = SamplingParams.create(16, temperature=0.8, top_k=300, top_p=0.5, seed=5,
                                    device=DEVICE)
-    ours = kernels.lm_head_sample(hidden, weight, params, positions, config=SMALL)
-    theirs = reference.lm_head_sample(hidden, weight, params, positions)
+    ours = fused_tokens(hidden, weight, params, positions, config=SMALL)
+    theirs = reference_tokens(hidden, weight, params, positions)
     assert_same_tokens(ours, theirs, hidden, weight, params, positions)
 
 
@@ -333,9 +340,9 @@ def test_stage_one_draws_noise_only_for_untruncated_sampled_rows(monkeypatch, to
                                    temperature=[0.0, 0.6, 1.0, 0.7, 1.3], top_k=[0, 0, 0, 7, 0],
                                    top_p=top_p, min_p=[0.0, 0.0, 0.1, 0.0, 0.05], seed=3,
                                    device=DEVICE)
-    ours, ours_lp = kernels.lm_head_sample(hidden, weight, params, positions, True, config=SMALL)
+    ours, ours_lp, _, _ = fused_sample(hidden, weight, params, positions, config=SMALL)
     assert spy.sample == [noise] and spy.lse == [True]
-    theirs, lp = reference.lm_head_sample(hidden, weight, params, positions, True)
+    theirs, lp, _, _ = reference_sample(hidden, weight, params, positions)
     assert_same_tokens(ours, theirs, hidden, weight, params, positions)
     same = ours == theirs
     assert torch.allclose(ours_lp[same], lp[same].float(), atol=2e-4, rtol=1e-4)
@@ -359,10 +366,10 @@ def test_tiles_chosen_by_32_bit_keys_leave_nothing_uncertified():
     positions = torch.arange(4, device=DEVICE)
     params = SamplingParams.create(4, top_k=3, seed=2, device=DEVICE)
     kernels.reset_stats()
-    ours = kernels.lm_head_sample(hidden, weight, params, positions, config=SMALL)
+    ours = fused_tokens(hidden, weight, params, positions, config=SMALL)
     if SMALL is not None:
         assert kernels.stats().rows_completed == 4
-    assert torch.equal(ours, reference.lm_head_sample(hidden, weight, params, positions))
+    assert torch.equal(ours, reference_tokens(hidden, weight, params, positions))
     assert (ours >= 16 * 37).all()
 
 
@@ -370,40 +377,37 @@ def test_tile_configurations_give_identical_tokens():
     g = torch.Generator().manual_seed(9)
     hidden, weight, positions = random_problem(g, 7, 400, 48)
     params = mixed_params(g, 7, seed=4)
-    a, a_lse = kernels.lm_head_sample(hidden, weight, params, positions, return_lse=True,
-                                      config=SMALL)
-    b, b_lse = kernels.lm_head_sample(hidden, weight, params, positions, return_lse=True,
-                                      config=OTHER)
+    a, _, a_lse, _ = fused_sample(hidden, weight, params, positions, config=SMALL)
+    b, _, b_lse, _ = fused_sample(hidden, weight, params, positions, config=OTHER)
     assert_same_tokens(a, b, hidden, weight, params, positions, "two tilings")
     assert torch.allclose(a_lse, b_lse, atol=1e-4, rtol=1e-5)
     quarters = kernels.TileConfig(block_v=64, block_r=16, block_d=16, epilogue_parts=4)
-    c, c_lse = kernels.lm_head_sample(hidden, weight, params, positions, return_lse=True,
-                                      config=quarters)
+    c, _, c_lse, _ = fused_sample(hidden, weight, params, positions, config=quarters)
     assert_same_tokens(c, a, hidden, weight, params, positions, "epilogue in four parts")
     assert torch.allclose(c_lse, a_lse, atol=1e-4, rtol=1e-5)
-    assert torch.equal(kernels.lm_head_argmax(hidden, weight, config=SMALL),
-                       kernels.lm_head_argmax(hidden, weight, config=OTHER))
+    assert torch.equal(fused_argmax(hidden, weight, config=SMALL).tokens,
+                       fused_argmax(hidden, weight, config=OTHER).tokens)
 
 
 def test_row_token_does_not_depend_on_the_rest_of_the_batch():
     g = torch.Generator().manual_seed(10)
     hidden, weight, positions = random_problem(g, 9, 250, 32)
     params = mixed_params(g, 9, seed=2)
-    full = kernels.lm_head_sample(hidden, weight, params, positions, config=SMALL)
+    full = fused_tokens(hidden, weight, params, positions, config=SMALL)
     others = hidden.clone()
     others[1:] = torch.randn(8, 32, generator=g).to(DEVICE) * 3
-    changed = kernels.lm_head_sample(others, weight, params, positions, config=SMALL)
+    changed = fused_tokens(others, weight, params, positions, config=SMALL)
     rows = torch.tensor([4, 0, 7])
-    subset = kernels.lm_head_sample(hidden[rows.to(DEVICE)], weight, params.select(rows),
-                                    positions[rows.to(DEVICE)], config=SMALL)
+    subset = fused_tokens(hidden[rows.to(DEVICE)], weight, params.select(rows),
+                          positions[rows.to(DEVICE)], config=SMALL)
     assert full[0] == changed[0]
     assert torch.equal(subset, full[rows.to(DEVICE)])
 
 
 def kernel_sampler(hidden, weight, params, positions):
-    """`lm_head_sample` on DEVICE for checks written with CPU tensors."""
-    return kernels.lm_head_sample(hidden.to(DEVICE), weight.to(DEVICE), params.to(DEVICE),
-                                  positions.to(DEVICE), config=SMALL).cpu()
+    """The fused `sample`'s tokens on DEVICE for checks written with CPU tensors."""
+    return fused_tokens(hidden.to(DEVICE), weight.to(DEVICE), params.to(DEVICE),
+                        positions.to(DEVICE), config=SMALL).cpu()
 
 
 def test_sampling_goodness_of_fit_untruncated():
@@ -424,11 +428,14 @@ def test_non_finite_rows_are_reported():
     hidden[2, 3] = float("nan")
     params = SamplingParams.create(3, seed=0, device=DEVICE)
     with pytest.raises(NonFiniteLogitsError, match=r"rows \[2\]"):
-        kernels.lm_head_sample(hidden, weight, params, positions, config=SMALL)
-    tokens, logprobs = kernels.lm_head_sample(hidden, weight, params, positions, True,
-                                              check_finite=False, config=SMALL)
-    assert tokens[2] == -1 and torch.isnan(logprobs[2]) and (tokens[:2] >= 0).all()
-    assert kernels.lm_head_argmax(hidden, weight, config=SMALL)[2] == -1
+        fused_sample(hidden, weight, params, positions, config=SMALL)
+    out = fused_sample(hidden, weight, params, positions, check=False, config=SMALL)
+    assert out.tokens[2] == -1 and (out.tokens[:2] >= 0).all()
+    assert out.status.tolist() == [0, 0, NON_FINITE]
+    with pytest.raises(NonFiniteLogitsError, match=r"rows \[2\]"):
+        fused_argmax(hidden, weight, config=SMALL)
+    greedy = fused_argmax(hidden, weight, check=False, config=SMALL)
+    assert greedy.tokens[2] == -1 and greedy.status.tolist() == [0, 0, NON_FINITE]
 
 
 @pytest.mark.parametrize("make,match", [
@@ -441,7 +448,7 @@ def test_bad_inputs_are_refused_before_launch(make, match):
     g = torch.Generator().manual_seed(0)
     hidden, weight, _ = random_problem(g, 3, 50, 16)
     with pytest.raises(ValueError, match=match):
-        kernels.lm_head_argmax(*make(hidden, weight))
+        fused_argmax(*make(hidden, weight))
 
 
 @pytest.mark.gpu
@@ -452,13 +459,13 @@ def test_full_size_head_bf16_gpu(batch):
     hidden, weight, positions = random_problem(g, batch, 151_936, 4096, torch.bfloat16, scale=4.0)
     params = mixed_params(g, batch, seed=batch)
     kernels.reset_stats()
-    ours, ours_lp = kernels.lm_head_sample(hidden, weight, params, positions, True)
-    theirs, lp = reference.lm_head_sample(hidden, weight, params, positions, True)
+    ours, ours_lp, _, _ = fused_sample(hidden, weight, params, positions)
+    theirs, lp, _, _ = reference_sample(hidden, weight, params, positions)
     assert_same_tokens(ours, theirs, hidden, weight, params, positions, f"B={batch}")
     same = ours == theirs
     assert torch.allclose(ours_lp[same], lp[same], atol=1e-3, rtol=1e-3)
     greedy = SamplingParams.create(batch, do_sample=False, seed=0, device=DEVICE)
-    assert_same_tokens(kernels.lm_head_argmax(hidden, weight), reference.lm_head_argmax(hidden, weight),
+    assert_same_tokens(fused_argmax(hidden, weight).tokens, reference_argmax(hidden, weight).tokens,
                        hidden, weight, greedy, positions, "argmax")
 
 
@@ -487,9 +494,9 @@ def test_programmatic_launch_changes_no_output_gpu(monkeypatch, rows):
     drafts = torch.randint(0, 151_936, (batch, 3), generator=g).to(DEVICE)
 
     def run():
-        sampled = kernels.sample_unchecked(hidden, weight, params, positions, want_lse=True)
-        verified = kernels.verify_unchecked(hidden.view(batch, 4, -1), weight, drafts,
-                                            verify_params, positions[:batch])
+        sampled = kernels.fused_sample(hidden, weight, params, positions)
+        verified = kernels.fused_verify(hidden.view(batch, 4, -1), weight, drafts,
+                                        verify_params, positions[:batch])
         return (*sampled, *verified)
 
     dependent = run()

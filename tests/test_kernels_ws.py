@@ -12,10 +12,11 @@ the noise screen: the same results bit for bit) and the tokens with the float64 
 import pytest
 import torch
 
-from flashspec import SamplingParams, kernels, reference
+from flashspec import SamplingParams, kernels
 from flashspec.kernels import lm_head_ws
 
-from test_kernels import assert_same_tokens
+from test_kernels import assert_same_tokens, fused_tokens
+from test_reference import reference_tokens
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="the warp-specialized kernel needs a Hopper GPU")
@@ -67,7 +68,7 @@ def test_cpu_tensors_are_not_supported_and_an_explicit_config_is_refused():
     weight = torch.randn(100, 64, dtype=torch.bfloat16)
     assert not lm_head_ws.supported(hidden, weight)
     with pytest.raises(ValueError, match="warp_specialized=True\\) needs CUDA tensors on a Hopper"):
-        kernels.argmax_unchecked(hidden, weight, config=WS)
+        kernels.fused_argmax(hidden, weight, config=WS)
 
 
 @pytest.mark.parametrize("fields, match", [
@@ -115,16 +116,16 @@ SHAPES = [(65, 151_936, 4096), (256, 151_936, 4096), (200, 32_003, 520), (130, 1
                               "64-row tiles, exact"])
 def test_sample_and_argmax_equal_the_triton_kernel(rows, vocab, dim, config):
     hidden, weight, params, positions = _problem(rows, vocab, dim, rows + vocab)
-    ws = kernels.sample_unchecked(hidden, weight, params, positions, want_lse=True, config=config)
-    tr = kernels.sample_unchecked(hidden, weight, params, positions, want_lse=True, config=TRITON)
+    ws = kernels.fused_sample(hidden, weight, params, positions, config=config)
+    tr = kernels.fused_sample(hidden, weight, params, positions, config=TRITON)
     assert (ws.status == 0).all() and (tr.status == 0).all()
     assert torch.equal(ws.tokens, tr.tokens)
     assert_rounding_close(ws.lse, tr.lse)
     assert_rounding_close(ws.logprobs, tr.logprobs)
-    theirs = reference.lm_head_sample(hidden, weight, params, positions)
+    theirs = reference_tokens(hidden, weight, params, positions)
     assert_same_tokens(ws.tokens, theirs, hidden, weight, params, positions, f"R={rows}")
-    greedy = kernels.argmax_unchecked(hidden, weight, config=config)
-    assert torch.equal(greedy, kernels.argmax_unchecked(hidden, weight, config=TRITON))
+    greedy = kernels.fused_argmax(hidden, weight, config=config)
+    assert torch.equal(greedy.tokens, kernels.fused_argmax(hidden, weight, config=TRITON).tokens)
 
 
 def _verify_like_triton(hidden, weight, draft_tokens, params, positions, config):
@@ -132,8 +133,8 @@ def _verify_like_triton(hidden, weight, draft_tokens, params, positions, config)
     `draft_tokens`, then with each row's first draft replaced by the target's own sample
     (accepted, so the next position is judged too); returns the second output."""
     for _ in range(2):
-        ws = kernels.verify_unchecked(hidden, weight, draft_tokens, params, positions, config=config)
-        tr = kernels.verify_unchecked(hidden, weight, draft_tokens, params, positions, config=TRITON)
+        ws = kernels.fused_verify(hidden, weight, draft_tokens, params, positions, config=config)
+        tr = kernels.fused_verify(hidden, weight, draft_tokens, params, positions, config=TRITON)
         for name in ("num_accepted", "tokens", "status"):
             assert torch.equal(getattr(ws, name), getattr(tr, name)), name
         assert_rounding_close(ws.accept_probs, tr.accept_probs)
@@ -172,16 +173,16 @@ def test_verification_equals_the_triton_kernel(batch, drafts, vocab, dim, config
 def test_truncated_sampling_equals_the_triton_kernel(rows, vocab, dim, config):
     """Interleaved tiles loaded as 16-row boxes and their candidates: the same tiles in the
     Triton kernel give the same candidates, hence the same tokens and the same rows flagged
-    for exact completion; the checked entry point (which completes them) agrees with the
-    float64 reference."""
+    for exact completion; the checked call (which completes them) agrees with the float64
+    reference."""
     hidden, weight, params, positions = _problem(rows, vocab, dim, rows + 1, truncation=True)
-    ws = kernels.sample_unchecked(hidden, weight, params, positions, want_lse=True, config=config)
-    tr = kernels.sample_unchecked(hidden, weight, params, positions, want_lse=True, config=TRITON)
+    ws = kernels.fused_sample(hidden, weight, params, positions, config=config)
+    tr = kernels.fused_sample(hidden, weight, params, positions, config=TRITON)
     assert torch.equal(ws.status, tr.status) and torch.equal(ws.tokens, tr.tokens)
     assert_rounding_close(ws.lse, tr.lse)
     assert_rounding_close(ws.logprobs, tr.logprobs)
-    ours = kernels.lm_head_sample(hidden, weight, params, positions)  # default: Gluon, completed
-    theirs = reference.lm_head_sample(hidden, weight, params, positions)
+    ours = fused_tokens(hidden, weight, params, positions)  # default: Gluon, completed
+    theirs = reference_tokens(hidden, weight, params, positions)
     assert_same_tokens(ours, theirs, hidden, weight, params, positions, f"R={rows} truncated")
 
 
@@ -225,14 +226,14 @@ def test_truncated_rows_without_stage_one_noise_equal_the_triton_kernel(config):
         min_p=torch.where(top_p_rows, 0.0, 0.05).tolist(), seed=2, device="cuda")
     assert params.sampled_rows_truncated(vocab) and params.any_greedy
     positions = torch.arange(rows, device="cuda") * 5
-    ws = kernels.sample_unchecked(hidden, weight, params, positions, want_lse=True, config=config)
-    tr = kernels.sample_unchecked(hidden, weight, params, positions, want_lse=True, config=TRITON)
+    ws = kernels.fused_sample(hidden, weight, params, positions, config=config)
+    tr = kernels.fused_sample(hidden, weight, params, positions, config=TRITON)
     assert torch.equal(ws.status, tr.status) and torch.equal(ws.tokens, tr.tokens)
     assert (ws.status[(top_p_rows & sampled).cuda()] == 0).float().mean() > 0.5
     assert_rounding_close(ws.lse, tr.lse)
     assert_rounding_close(ws.logprobs, tr.logprobs)
-    ours = kernels.lm_head_sample(hidden, weight, params, positions)
-    theirs = reference.lm_head_sample(hidden, weight, params, positions)
+    ours = fused_tokens(hidden, weight, params, positions)
+    theirs = reference_tokens(hidden, weight, params, positions)
     assert_same_tokens(ours, theirs, hidden, weight, params, positions, "top-p / min-p rows")
     verify_params = params.select(torch.arange(0, rows, drafts + 1, device="cuda"))
     draft_tokens = torch.randint(0, vocab, (batch, drafts),

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from flashspec import SamplingParams, kernels, rng
 from flashspec.kernels import lm_head, noise, ops
+from flashspec.outputs import NON_FINITE
 
 from test_kernels import DEVICE, ON_GPU, mixed_params, random_problem
 from test_screen import EXACT, HOPPER, _assert_outputs_equal
@@ -85,19 +86,19 @@ def test_race_skips_tiles_and_keeps_every_winner(name, lse):
 @pytest.mark.parametrize("rows", ["sampled", "mixed"])
 def test_raced_sampling_equals_exact_bit_for_bit(name, rows):
     """Tokens, logprobs, log-sum-exp, status; sampled rows (the race skips most tiles) and
-    greedy + truncated + sampled rows (chunks with a greedy row never skip)."""
+    greedy + truncated + sampled rows (chunks with a greedy row never skip). Sampling always
+    computes the log-sum-exp, so the race takes its form of the test (the other form:
+    `test_race_skips_tiles_and_keeps_every_winner`)."""
     config = RACED[name]
     g = torch.Generator().manual_seed(3)
     batch, vocab_size, dim = (200, 20_000, 64) if config.warp_specialized else (9, 700, 48)
     hidden, weight, positions = random_problem(g, batch, vocab_size, dim, dtype=DTYPE)
     params = (sampled_params(g, batch, seed=2) if rows == "sampled"
               else mixed_params(g, batch, seed=2))
-    for want_lse in (False, True):
-        ours = kernels.sample_unchecked(hidden, weight, params, positions, want_lse=want_lse,
-                                        config=config)
-        theirs = kernels.sample_unchecked(hidden, weight, params, positions, want_lse=want_lse,
-                                          config=dataclasses.replace(config, race=False))
-        _assert_outputs_equal(ours, theirs)
+    ours = kernels.fused_sample(hidden, weight, params, positions, config=config)
+    theirs = kernels.fused_sample(hidden, weight, params, positions,
+                                  config=dataclasses.replace(config, race=False))
+    _assert_outputs_equal(ours, theirs)
 
 
 @pytest.mark.parametrize("name", sorted(RACED))
@@ -116,9 +117,9 @@ def test_raced_verification_equals_exact_bit_for_bit(name, rows):
               else mixed_params(g, batch, seed=8))
     drafts = torch.randint(0, vocab_size, (batch, num_drafts), generator=g).to(DEVICE)
     for position in range(num_drafts + 1):
-        ours = kernels.verify_unchecked(hidden, weight, drafts, params, positions, config=config)
-        theirs = kernels.verify_unchecked(hidden, weight, drafts, params, positions,
-                                          config=dataclasses.replace(config, race=False))
+        ours = kernels.fused_verify(hidden, weight, drafts, params, positions, config=config)
+        theirs = kernels.fused_verify(hidden, weight, drafts, params, positions,
+                                      config=dataclasses.replace(config, race=False))
         _assert_outputs_equal(ours, theirs)
         if position < num_drafts:
             emitted = theirs.tokens[:, position]
@@ -136,8 +137,8 @@ def test_non_finite_rows_are_reported_under_the_race(name):
     weight[vocab_size - 5, 0] = float("nan")  # the last tile: every row has a bound by then
     weight[vocab_size - 9, 1] = float("inf")
     params = sampled_params(g, batch, seed=1)
-    out = kernels.sample_unchecked(hidden, weight, params, positions, config=config)
-    assert (out.status == ops.lm_head.STATUS_NON_FINITE).all() and (out.tokens == -1).all()
+    out = kernels.fused_sample(hidden, weight, params, positions, config=config)
+    assert (out.status == NON_FINITE).all() and (out.tokens == -1).all()
 
 
 @triton.jit

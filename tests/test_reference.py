@@ -1,4 +1,5 @@
-"""flashspec.reference: HF semantics (oracle), exact sampling, greedy, verification, errors.
+"""flashspec.reference, through `flashspec.sampling`'s reference backend: HF semantics
+(oracle), exact sampling, greedy, verification, errors.
 
 The `check_*` functions are the checks themselves; tests/test_teeth.py runs them against
 deliberately broken implementations to show that they fail.
@@ -11,8 +12,18 @@ import pytest
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, LogitsProcessorList
 
-from flashspec import NonFiniteLogitsError, SamplingParams, reference
+from flashspec import NonFiniteLogitsError, SamplingParams, reference, sampling
+from flashspec.outputs import NON_FINITE
 from flashspec.bench.statistics import assert_samples_match
+
+reference_argmax = functools.partial(sampling.argmax, backend="reference")
+reference_sample = functools.partial(sampling.sample, backend="reference")
+reference_verify = functools.partial(sampling.verify, backend="reference")
+
+
+def reference_tokens(hidden, weight, params, positions):
+    """The reference's sampled tokens ``[B]`` (the `sample` callback of the checks below)."""
+    return reference_sample(hidden, weight, params, positions).tokens
 
 # ---------------------------------------------------------------------------------------
 # Semantic oracle: transformers' own LogitsProcessorList from the same GenerationConfig.
@@ -123,7 +134,7 @@ def exact_probs(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingPara
 
 def draw_iid(hidden_row, weight, params_row, num_samples, sample=None, first_position=0):
     """`num_samples` independent tokens for one distribution: one row per position."""
-    sample = sample or reference.lm_head_sample
+    sample = sample or reference_tokens
     hidden = hidden_row.expand(num_samples, -1).contiguous()
     params = params_row.repeat_interleave(num_samples)
     positions = torch.arange(first_position, first_position + num_samples)
@@ -152,8 +163,7 @@ def test_logprobs_match_float64():
                                    temperature=[1.0, 0.7, 0.6, 2.0, 1.0, 0.0],
                                    top_k=[0, 10, 20, 0, 0, 0], top_p=[1.0, 0.9, 0.95, 1.0, 1.0, 1.0],
                                    min_p=[0.0, 0.0, 0.0, 0.2, 0.0, 0.0], seed=9)
-    tokens, logprobs = reference.lm_head_sample(hidden, weight, params, torch.arange(6),
-                                                return_logprobs=True)
+    tokens, logprobs, _, _ = reference_sample(hidden, weight, params, torch.arange(6))
     logits64 = reference.compute_logits(hidden.double(), weight.double())
     log_probs64 = reference.transform_logits(logits64, params).log_softmax(-1)
     expected = log_probs64.gather(-1, tokens[:, None]).squeeze(-1)
@@ -175,18 +185,18 @@ def test_greedy_equals_float64_argmax():
         clear = (top2[:, 0] - top2[:, 1]) > 1e-4  # float32 cannot rank closer pairs
         expected = logits64.argmax(-1)
         greedy_params = SamplingParams.create(batch, do_sample=False, seed=0)
-        for tokens in (reference.lm_head_argmax(hidden, weight),
-                       reference.lm_head_sample(hidden, weight, greedy_params,
-                                                torch.zeros(batch, dtype=torch.long))):
+        for tokens in (reference_argmax(hidden, weight).tokens,
+                       reference_tokens(hidden, weight, greedy_params,
+                                        torch.zeros(batch, dtype=torch.long))):
             assert torch.equal(tokens[clear], expected[clear])
 
 
 def test_greedy_ties_pick_lowest_id():
     weight = torch.tensor([[0.0, 1.0], [1.0, 0.0], [1.0, 0.0], [0.5, 0.5]])
     hidden = torch.tensor([[1.0, 0.0]])
-    assert reference.lm_head_argmax(hidden, weight).item() == 1
+    assert reference_argmax(hidden, weight).tokens.item() == 1
     params = SamplingParams.create(1, temperature=0.0, seed=0)
-    assert reference.lm_head_sample(hidden, weight, params, torch.tensor([0])).item() == 1
+    assert reference_tokens(hidden, weight, params, torch.tensor([0])).item() == 1
 
 
 # ---------------------------------------------------------------------------------------
@@ -207,13 +217,13 @@ def _verify_setup(seed=0, batch=6, num_drafts=4, vocab_size=50, dim=16):
 
 
 def _plain_samples(hidden, weight, params, positions):
-    """What `lm_head_sample` emits at each of the G+1 positions, row by row."""
-    return torch.stack([reference.lm_head_sample(hidden[:, j], weight, params, positions + j)
+    """What `sample` emits at each of the G+1 positions, row by row."""
+    return torch.stack([reference_tokens(hidden[:, j], weight, params, positions + j)
                         for j in range(hidden.shape[1])], dim=1)
 
 
 def check_speculation_invariance(seed=0, verify=None):
-    verify = verify or reference.lm_head_verify
+    verify = verify or reference_verify
     g, weight, hidden, params, positions = _verify_setup(seed)
     batch, num_positions = hidden.shape[:2]
     vocab_size = weight.shape[0]
@@ -248,7 +258,7 @@ def test_verify_probabilities_match_float64():
     g, weight, hidden, params, positions = _verify_setup(seed=4)
     drafts = torch.randint(0, weight.shape[0], (hidden.shape[0], hidden.shape[1] - 1), generator=g)
     drafts[0, 3:] = -1
-    out = reference.lm_head_verify(hidden, weight, drafts, params, positions)
+    out = reference_verify(hidden, weight, drafts, params, positions)
     flat = hidden.reshape(-1, hidden.shape[-1]).double()
     flat_params = params.repeat_interleave(hidden.shape[1])
     logits64 = reference.compute_logits(flat, weight.double())
@@ -269,7 +279,7 @@ def test_verify_probabilities_match_float64():
 def check_probabilistic_acceptance(num_samples=20_000, verify=None, seed=0):
     """One distribution, one fixed draft: accept frequency is p(x), the recovered token
     follows p without x, and the emitted token follows p."""
-    verify = verify or reference.lm_head_verify
+    verify = verify or reference_verify
     g = torch.Generator().manual_seed(seed)
     vocab_size, dim = 30, 16
     weight = torch.randn(vocab_size, dim, generator=g)
@@ -303,8 +313,8 @@ def test_greedy_rows_accept_while_draft_is_argmax():
     drafts = argmax[:, :-1].clone()
     drafts[1, 2] = (drafts[1, 2] + 1) % weight.shape[0]
     for acceptance in ("strict", "probabilistic"):
-        out = reference.lm_head_verify(hidden, weight, drafts, greedy_params, positions,
-                                       acceptance=acceptance)
+        out = reference_verify(hidden, weight, drafts, greedy_params, positions,
+                               acceptance=acceptance)
         assert out.num_accepted.tolist() == [4, 2, 4, 4, 4, 4]
         assert out.tokens[1].tolist() == argmax[1, :3].tolist() + [-1, -1]
         assert torch.equal(out.tokens[0], argmax[0])
@@ -321,30 +331,34 @@ def test_non_finite_rows_are_reported_not_sampled():
     params = SamplingParams.create(3, seed=0)
     positions = torch.zeros(3, dtype=torch.long)
     with pytest.raises(NonFiniteLogitsError, match=r"rows \[1\]"):
-        reference.lm_head_sample(hidden, weight, params, positions)
-    tokens, logprobs = reference.lm_head_sample(hidden, weight, params, positions,
-                                                return_logprobs=True, check_finite=False)
-    assert tokens[1] == -1 and torch.isnan(logprobs[1]) and (tokens[[0, 2]] >= 0).all()
-    assert reference.lm_head_argmax(hidden, weight)[1] == -1
+        reference_sample(hidden, weight, params, positions)
+    out = reference_sample(hidden, weight, params, positions, check=False)
+    assert out.tokens[1] == -1 and torch.isnan(out.logprobs[1]) and (out.tokens[[0, 2]] >= 0).all()
+    assert out.status.tolist() == [0, NON_FINITE, 0]
+    with pytest.raises(NonFiniteLogitsError, match=r"rows \[1\]"):
+        reference_argmax(hidden, weight)
+    greedy = reference_argmax(hidden, weight, check=False)
+    assert greedy.tokens[1] == -1 and greedy.status.tolist() == [0, NON_FINITE, 0]
     weight_inf = weight.clone()
     weight_inf[4, 0] = float("inf")
     with pytest.raises(NonFiniteLogitsError, match=r"rows \[0, 1, 2\]"):
-        reference.lm_head_sample(hidden, weight_inf, params, positions)
+        reference_sample(hidden, weight_inf, params, positions)
     hidden3 = torch.randn(2, 3, 8, generator=g)
     hidden3[1, 2, 0] = float("inf")
     params2 = SamplingParams.create(2, seed=0)
     with pytest.raises(NonFiniteLogitsError, match=r"rows \[1\]"):
-        reference.lm_head_verify(hidden3, weight, torch.zeros(2, 2, dtype=torch.long), params2,
-                                 torch.zeros(2, dtype=torch.long))
-    out = reference.lm_head_verify(hidden3, weight, torch.zeros(2, 2, dtype=torch.long), params2,
-                                   torch.zeros(2, dtype=torch.long), check_finite=False)
+        reference_verify(hidden3, weight, torch.zeros(2, 2, dtype=torch.long), params2,
+                         torch.zeros(2, dtype=torch.long))
+    out = reference_verify(hidden3, weight, torch.zeros(2, 2, dtype=torch.long), params2,
+                           torch.zeros(2, dtype=torch.long), check=False)
     assert out.num_accepted[1] == -1 and (out.tokens[1] == -1).all() and out.num_accepted[0] >= 0
+    assert out.status.tolist() == [0, NON_FINITE]
     # Row 1 with one draft, then padding, emits positions 0 and 1 only: the inf after is unused.
     padded = torch.tensor([[0, 0], [0, -1]])
-    out = reference.lm_head_verify(hidden3, weight, padded, params2, torch.zeros(2, dtype=torch.long))
+    out = reference_verify(hidden3, weight, padded, params2, torch.zeros(2, dtype=torch.long))
     clean = hidden3.clone()
     clean[1, 2, 0] = 0.0
-    assert torch.equal(out.tokens, reference.lm_head_verify(
+    assert torch.equal(out.tokens, reference_verify(
         clean, weight, padded, params2, torch.zeros(2, dtype=torch.long)).tokens)
 
 
@@ -352,7 +366,7 @@ def test_overflowing_temperature_is_reported():
     weight, hidden = torch.ones(4, 2) * 1e30, torch.ones(1, 2) * 1e8
     params = SamplingParams.create(1, temperature=1e-3, seed=0)
     with pytest.raises(NonFiniteLogitsError):
-        reference.lm_head_sample(hidden, weight, params, torch.zeros(1, dtype=torch.long))
+        reference_sample(hidden, weight, params, torch.zeros(1, dtype=torch.long))
 
 
 @pytest.mark.parametrize("make,match", [
@@ -372,7 +386,7 @@ def test_bad_sampling_inputs(make, match):
     args = (torch.randn(3, 8, generator=g), torch.randn(10, 8, generator=g),
             SamplingParams.create(3, seed=0), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match=match):
-        reference.lm_head_sample(*make(*args))
+        reference_sample(*make(*args))
 
 
 def test_bad_verify_inputs():
@@ -381,12 +395,12 @@ def test_bad_verify_inputs():
     params, positions = SamplingParams.create(2, seed=0), torch.zeros(2, dtype=torch.long)
     drafts = torch.zeros(2, 3, dtype=torch.long)
     with pytest.raises(ValueError, match=r"`draft_tokens` must have shape \[B, G\] = \[2, 3\]"):
-        reference.lm_head_verify(hidden, weight, drafts[:, :2], params, positions)
+        reference_verify(hidden, weight, drafts[:, :2], params, positions)
     with pytest.raises(ValueError, match=r"token ids in \[0, 10\) or -1.*\[10, 10\]"):
-        reference.lm_head_verify(hidden, weight, drafts + 10, params, positions)
+        reference_verify(hidden, weight, drafts + 10, params, positions)
     with pytest.raises(ValueError, match="-1 for padding.*-2"):
-        reference.lm_head_verify(hidden, weight, drafts - 2, params, positions)
+        reference_verify(hidden, weight, drafts - 2, params, positions)
     with pytest.raises(ValueError, match="`acceptance`='lenient'"):
-        reference.lm_head_verify(hidden, weight, drafts, params, positions, acceptance="lenient")
+        reference_verify(hidden, weight, drafts, params, positions, acceptance="lenient")
     with pytest.raises(ValueError, match=r"`hidden` must have shape \[B, G\+1, D\]"):
-        reference.lm_head_verify(hidden[:, 0], weight, drafts, params, positions)
+        reference_verify(hidden[:, 0], weight, drafts, params, positions)

@@ -14,10 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from flashspec import SamplingParams, kernels, reference, rng
+from flashspec import SamplingParams, kernels, rng
 from flashspec.kernels import noise
 
 from test_kernels import DEVICE, ON_GPU, mixed_params, random_problem
+from test_reference import reference_tokens
 
 # Interpreter: small tiles, several per row. GPU: the Triton kernel's 128-row tiles.
 EXACT = (kernels.TileConfig(block_v=128, block_r=128, block_d=64, num_warps=8, num_stages=3,
@@ -109,10 +110,8 @@ def test_screened_sampling_equals_exact_bit_for_bit(batch, vocab_size, dim):
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     hidden, weight, positions = random_problem(g, batch, vocab_size, dim, dtype=dtype)
     params = mixed_params(g, batch, seed=3)
-    ours = kernels.sample_unchecked(hidden, weight, params, positions, want_lse=True,
-                                    config=SCREENED)
-    theirs = kernels.sample_unchecked(hidden, weight, params, positions, want_lse=True,
-                                      config=EXACT)
+    ours = kernels.fused_sample(hidden, weight, params, positions, config=SCREENED)
+    theirs = kernels.fused_sample(hidden, weight, params, positions, config=EXACT)
     _assert_outputs_equal(ours, theirs)
 
 
@@ -131,9 +130,8 @@ def test_screened_verification_equals_exact_bit_for_bit(truncation):
     # Random drafts, then the target's own tokens one position at a time: the screen skips
     # the draft's mask except in the tile that holds it, where the draft then leads.
     for position in range(num_drafts + 1):
-        ours = kernels.verify_unchecked(hidden, weight, drafts, params, positions,
-                                        config=SCREENED)
-        theirs = kernels.verify_unchecked(hidden, weight, drafts, params, positions, config=EXACT)
+        ours = kernels.fused_verify(hidden, weight, drafts, params, positions, config=SCREENED)
+        theirs = kernels.fused_verify(hidden, weight, drafts, params, positions, config=EXACT)
         _assert_outputs_equal(ours, theirs)
         if position < num_drafts:
             emitted = theirs.tokens[:, position]
@@ -191,11 +189,11 @@ def test_near_tie_within_the_screen_error_gets_the_exact_winner(config):
     hidden, weight = exact_logits_problem(logits, dtype)
     params = SamplingParams.create(1, do_sample=True, temperature=1.0, seed=seed, device=DEVICE)
     positions = torch.tensor([position], device=DEVICE)
-    expected = reference.lm_head_sample(hidden.cpu().float(), weight.cpu().float(),
-                                        params.to("cpu"), positions.cpu())
+    expected = reference_tokens(hidden.cpu().float(), weight.cpu().float(), params.to("cpu"),
+                                positions.cpu())
     assert int(expected[0]) == b
     tile_config = {"screened": SCREENED, "exact": EXACT, "warp_specialized": WARP_SPECIALIZED}
-    out = kernels.sample_unchecked(hidden, weight, params, positions, config=tile_config[config])
+    out = kernels.fused_sample(hidden, weight, params, positions, config=tile_config[config])
     assert int(out.tokens[0]) == b and int(out.status[0]) == 0
 
 
@@ -219,9 +217,7 @@ def test_exact_ties_and_non_finite_rows_under_the_screen():
     non_finite[0, 0] = float("nan")
     non_finite[1, 0] = float("inf")
     for rows, status in ((hidden, [0, 0, 0, 0]), (non_finite, [2, 2, 0, 0])):
-        ours = kernels.sample_unchecked(rows, weight, params, positions, want_lse=True,
-                                        config=SCREENED)
-        theirs = kernels.sample_unchecked(rows, weight, params, positions, want_lse=True,
-                                          config=EXACT)
+        ours = kernels.fused_sample(rows, weight, params, positions, config=SCREENED)
+        theirs = kernels.fused_sample(rows, weight, params, positions, config=EXACT)
         _assert_outputs_equal(ours, theirs)
         assert ours.status.tolist() == status and ours.tokens[3] == 3

@@ -43,21 +43,21 @@ def test_bit_identity_catches_one_flipped_noise_bit(monkeypatch):
 def test_goodness_of_fit_catches_temperature_off_by_five_percent():
     def warm(hidden, weight, params, positions):
         hotter = dataclasses.replace(params, temperature=params.temperature * 1.05)
-        return reference.lm_head_sample(hidden, weight, hotter, positions)
+        return semantics.reference_tokens(hidden, weight, hotter, positions)
     _fails(semantics.check_truncation_gof, "temperature", sample=warm)
 
 
 def test_goodness_of_fit_catches_top_k_off_by_one():
     def wider(hidden, weight, params, positions):
-        return reference.lm_head_sample(hidden, weight,
-                                        dataclasses.replace(params, top_k=params.top_k + 1),
-                                        positions)
+        return semantics.reference_tokens(hidden, weight,
+                                          dataclasses.replace(params, top_k=params.top_k + 1),
+                                          positions)
     _fails(semantics.check_truncation_gof, "top_k", sample=wider)
 
 
 def test_invariance_catches_noise_keyed_one_position_off():
     def shifted(hidden, weight, drafts, params, positions, **kwargs):
-        return reference.lm_head_verify(hidden, weight, drafts, params, positions + 1, **kwargs)
+        return semantics.reference_verify(hidden, weight, drafts, params, positions + 1, **kwargs)
     _fails(semantics.check_speculation_invariance, verify=shifted)
 
 

@@ -1,4 +1,5 @@
-"""Fused verification (`flashspec.kernels.lm_head_verify`) against the torch reference.
+"""Fused verification (`flashspec.sampling.verify`'s fused backend) against the torch
+reference.
 
 On a CPU machine the kernels run through Triton's interpreter on small shapes; on a CUDA
 machine the same tests run compiled, and the `gpu` tests add D=4096, V=151,936.
@@ -7,19 +8,23 @@ machine the same tests run compiled, and the `gpu` tests add D=4096, V=151,936.
 import pytest
 import torch
 
-from flashspec import NonFiniteLogitsError, SamplingParams, kernels, reference, rng
+from flashspec import NonFiniteLogitsError, SamplingParams, VerifyOutput, kernels, reference, rng
+from flashspec import sampling
+from flashspec.outputs import NEEDS_COMPLETION, NON_FINITE
 from flashspec.bench.statistics import is_near_tie
 
 import test_reference as semantics
-from test_kernels import DEVICE, OTHER, SMALL, StageOneSpy, mixed_params, random_problem
+from test_kernels import (DEVICE, OTHER, SMALL, StageOneSpy, fused_tokens, fused_verify,
+                          mixed_params, random_problem)
+from test_reference import reference_tokens, reference_verify
 
 
 def kernel_verify(hidden, weight, drafts, params, positions, config=SMALL, **kwargs):
     """The fused verify on DEVICE, results back on the inputs' device (the reference tests'
     checks run on CPU tensors)."""
-    out = kernels.lm_head_verify(hidden.to(DEVICE), weight.to(DEVICE), drafts.to(DEVICE),
-                                 params.to(DEVICE), positions.to(DEVICE), config=config, **kwargs)
-    return reference.VerifyOutput(*(t.to(hidden.device) for t in out))
+    out = fused_verify(hidden.to(DEVICE), weight.to(DEVICE), drafts.to(DEVICE),
+                       params.to(DEVICE), positions.to(DEVICE), config=config, **kwargs)
+    return VerifyOutput(*(t.to(hidden.device) for t in out))
 
 
 def verify_problem(g, batch, num_drafts, vocab_size, dim):
@@ -31,7 +36,7 @@ def verify_problem(g, batch, num_drafts, vocab_size, dim):
 
 def plain_samples(hidden, weight, params, positions):
     """The reference's plain sample at each of the G+1 positions, ``[B, G+1]``."""
-    return torch.stack([reference.lm_head_sample(hidden[:, j], weight, params, positions + j)
+    return torch.stack([reference_tokens(hidden[:, j], weight, params, positions + j)
                         for j in range(hidden.shape[1])], dim=1)
 
 
@@ -53,7 +58,7 @@ def check_right_and_random_drafts(g, hidden, weight, params, positions, **kwargs
     kernels.reset_stats()
     for drafts in (plain[:, :-1], random_drafts(g, plain, weight.shape[0])):
         ours = kernel_verify(hidden, weight, drafts, params, positions, **kwargs)
-        theirs = reference.lm_head_verify(hidden, weight, drafts, params, positions)
+        theirs = reference_verify(hidden, weight, drafts, params, positions)
         assert_same_verify(ours, theirs, hidden, weight, params, positions)
     return ours
 
@@ -89,11 +94,10 @@ def test_verify_pathwise_equals_reference(batch, num_drafts, vocab_size, dim, ac
     weight = weight.cpu()
     positions = torch.randint(0, 10_000, (batch,), generator=g)
     params = mixed_params(g, batch, seed=batch).to("cpu")
-    plain = torch.stack([reference.lm_head_sample(hidden[:, j], weight, params, positions + j)
+    plain = torch.stack([reference_tokens(hidden[:, j], weight, params, positions + j)
                          for j in range(num_drafts + 1)], dim=1)
     drafts = random_drafts(g, plain, vocab_size)
-    theirs = reference.lm_head_verify(hidden, weight, drafts, params, positions,
-                                      acceptance=acceptance)
+    theirs = reference_verify(hidden, weight, drafts, params, positions, acceptance=acceptance)
     ours = kernel_verify(hidden, weight, drafts, params, positions, acceptance=acceptance)
     assert_same_verify(ours, theirs, hidden, weight, params, positions)
 
@@ -128,7 +132,7 @@ def test_untruncated_verification_of_65_to_128_rows_takes_64_row_tiles(monkeypat
                                    seed=5)
     drafts = random_drafts(g, plain_samples(hidden, weight, params, positions), vocab_size)
     ours = kernel_verify(hidden, weight, drafts, params, positions, config=None)
-    theirs = reference.lm_head_verify(hidden, weight, drafts, params, positions)
+    theirs = reference_verify(hidden, weight, drafts, params, positions)
     assert_same_verify(ours, theirs, hidden, weight, params, positions)
     assert spy.block_r == [64]
     assert kernels.default_config(batch * (num_drafts + 1), 2).block_r == 128  # sampling's
@@ -198,7 +202,7 @@ def test_verify_probabilities_match_float64():
     drafts[1, 1] = -1
     drafts[1, 2] = 7  # a draft after padding is not a draft
     ours = kernel_verify(hidden, weight, drafts, params, positions)
-    theirs = reference.lm_head_verify(hidden, weight, drafts, params, positions)
+    theirs = reference_verify(hidden, weight, drafts, params, positions)
     assert_same_verify(ours, theirs, hidden, weight, params, positions)
     quarters = kernels.TileConfig(block_v=64, block_r=16, block_d=16, epilogue_parts=4)
     assert_same_verify(kernel_verify(hidden, weight, drafts, params, positions, config=quarters),
@@ -241,8 +245,8 @@ def test_probabilistic_acceptance_pathwise_equals_reference():
     config = kernels.TileConfig(block_v=32, block_r=128, block_d=16, candidates=16)
     ours = kernel_verify(hidden, weight, drafts, params, positions, config=config,
                          acceptance="probabilistic")
-    theirs = reference.lm_head_verify(hidden, weight, drafts, params, positions,
-                                      acceptance="probabilistic")
+    theirs = reference_verify(hidden, weight, drafts, params, positions,
+                              acceptance="probabilistic")
     assert_same_verify(ours, theirs, hidden, weight, params, positions)
     accepted = int((ours.num_accepted == 1).sum())
     assert 0 < accepted < num_samples  # both branches are exercised
@@ -278,12 +282,11 @@ def test_saturated_truncation_is_completed_exactly():
     kernels.reset_stats()
     ours = kernel_verify(hidden, weight, drafts, params, positions)
     assert kernels.stats().rows_completed == batch
-    theirs = reference.lm_head_verify(hidden, weight, drafts, params, positions)
+    theirs = reference_verify(hidden, weight, drafts, params, positions)
     for ours_t, theirs_t in zip(ours, theirs):
         assert torch.allclose(ours_t.double(), theirs_t.double(), atol=1e-5)
-    unchecked = kernels.verify_unchecked(hidden.to(DEVICE), weight.to(DEVICE), drafts.to(DEVICE),
-                                         params.to(DEVICE), positions.to(DEVICE), config=SMALL)
-    assert unchecked.status.tolist() == [1, 1] and (unchecked.tokens == -1).all()
+    unchecked = kernel_verify(hidden, weight, drafts, params, positions, check=False)
+    assert unchecked.status.tolist() == [NEEDS_COMPLETION] * 2 and (unchecked.tokens == -1).all()
 
 
 def test_non_finite_rows_are_reported():
@@ -294,8 +297,9 @@ def test_non_finite_rows_are_reported():
     drafts = torch.zeros(3, 2, dtype=torch.long)
     with pytest.raises(NonFiniteLogitsError, match=r"rows \[1\]"):
         kernel_verify(hidden, weight, drafts, params, positions)
-    out = kernel_verify(hidden, weight, drafts, params, positions, check_finite=False)
+    out = kernel_verify(hidden, weight, drafts, params, positions, check=False)
     assert out.num_accepted[1] == -1 and (out.tokens[1] == -1).all()
+    assert out.status.tolist() == [0, NON_FINITE, 0]
     assert (out.num_accepted[[0, 2]] >= 0).all() and (out.tokens[[0, 2], 0] >= 0).all()
     # Row 1 with no drafts emits position 0 only: the inf after it is never used.
     padded = drafts.clone()
@@ -313,7 +317,7 @@ def test_bad_verify_inputs():
     params = SamplingParams.create(2, seed=0, device=DEVICE)
     positions = torch.zeros(2, dtype=torch.long, device=DEVICE)
     drafts = torch.zeros(2, 3, dtype=torch.long, device=DEVICE)
-    verify = kernels.lm_head_verify
+    verify = fused_verify
     with pytest.raises(ValueError, match=r"`draft_tokens` must have shape \[B, G\] = \[2, 3\]"):
         verify(hidden, weight, drafts[:, :2], params, positions)
     with pytest.raises(ValueError, match=r"token ids in \[0, 10\) or -1.*\[10, 10\]"):
@@ -323,7 +327,7 @@ def test_bad_verify_inputs():
     with pytest.raises(ValueError, match=r"`hidden` must have shape \[B, G\+1, D\]"):
         verify(hidden[:, 0], weight, drafts, params, positions)
     with pytest.raises(ValueError, match="`draft_tokens` must be an int64"):
-        kernels.verify_unchecked(hidden, weight, drafts.int(), params, positions)
+        verify(hidden, weight, drafts.int(), params, positions, check=False)
     with pytest.raises(ValueError, match=r"`positions` must lie in \[0"):
         verify(hidden, weight, drafts, params, positions + rng.MAX_POSITION)
 
@@ -353,12 +357,12 @@ def test_full_size_verify_invariance_on_gpu(sampling, batch, warp_specialized):
         pytest.skip("the warp-specialized stage 1 needs a Hopper GPU")
     config = kernels.default_config(batch * (num_drafts + 1), 2, params.any_truncation,
                                     verification=True, warp_specialized=warp_specialized)
-    plain = torch.stack([kernels.lm_head_sample(hidden[:, j].contiguous(), weight, params,
-                                                positions + j, config=config)
+    plain = torch.stack([fused_tokens(hidden[:, j].contiguous(), weight, params, positions + j,
+                                      config=config)
                          for j in range(num_drafts + 1)], dim=1)
     right = plain[:, :-1]
     for drafts in (right, (right + 1) % vocab_size, torch.where(right % 2 == 0, right, -1)):
-        out = kernels.lm_head_verify(hidden, weight, drafts, params, positions, config=config)
+        out = fused_verify(hidden, weight, drafts, params, positions, config=config)
         matches = ((drafts == plain[:, :-1]) & (drafts >= 0)).long().cumprod(dim=1).sum(dim=1)
         assert torch.equal(out.num_accepted, matches)
         for b in range(batch):
@@ -367,17 +371,16 @@ def test_full_size_verify_invariance_on_gpu(sampling, batch, warp_specialized):
             assert (out.tokens[b, n + 1:] == -1).all()
 
 
-def test_top_level_dispatch():
-    """`flashspec.lm_head_verify`: the reference for CPU tensors, the kernels for CUDA ones;
-    the same results either way."""
-    import flashspec
+def test_automatic_backend():
+    """`flashspec.sampling.verify`'s default backend: the reference for CPU tensors, the
+    kernels for CUDA ones; the same results either way."""
     g, weight, hidden, params, positions = semantics._verify_setup(seed=6)
     drafts = torch.randint(0, weight.shape[0], (hidden.shape[0], hidden.shape[1] - 1), generator=g)
-    on_cpu = flashspec.lm_head_verify(hidden, weight, drafts, params, positions)
-    theirs = reference.lm_head_verify(hidden, weight, drafts, params, positions)
+    on_cpu = sampling.verify(hidden, weight, drafts, params, positions)
+    theirs = reference_verify(hidden, weight, drafts, params, positions)
     assert all(torch.equal(a, b) for a, b in zip(on_cpu, theirs))
     if DEVICE == "cuda":
-        fused = flashspec.lm_head_verify(hidden.cuda(), weight.cuda(), drafts.cuda(),
-                                         params.to("cuda"), positions.cuda())
-        assert_same_verify(reference.VerifyOutput(*(t.cpu() for t in fused)), theirs, hidden,
-                           weight, params, positions)
+        fused = sampling.verify(hidden.cuda(), weight.cuda(), drafts.cuda(), params.to("cuda"),
+                                positions.cuda())
+        assert_same_verify(VerifyOutput(*(t.cpu() for t in fused)), theirs, hidden, weight,
+                           params, positions)

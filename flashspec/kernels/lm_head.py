@@ -26,14 +26,14 @@ warp-specialized Gluon kernel running the same epilogue helpers (`_scaled_logits
 therefore create no index tensors of their own.
 
 Stage 2 (`lm_head_rows_kernel`), one program per row, merges the tiles on the GPU: the
-row's token, logprob, log-sum-exp and a status (0 ok, 1 needs exact completion, 2
-non-finite). Truncated rows (top-k / top-p / min-p) merge the candidate keys, apply HF's
+row's token, logprob, log-sum-exp and a status (`flashspec.outputs`: OK, NEEDS_COMPLETION,
+NON_FINITE). Truncated rows (top-k / top-p / min-p) merge the candidate keys, apply HF's
 rules on the top ``K_MAX`` of them, and sample among the survivors with the same noise.
 The merged list is exact down to the largest "last candidate" of any tile (a missing
 token sits below its tile's last one) and a bound on the logits of the tiles left out of
 the merge (from the keys they were chosen by); the survivors are *certified* to be the
 whole support when they, and top-k's tie class, end strictly above that key. Other rows get
-status 1 and are completed exactly by the caller.
+NEEDS_COMPLETION and are completed exactly by the caller (`flashspec.sampling`).
 
 Verification (DRAFT) flattens ``[B, G+1]`` positions into rows: stage 1 leaves each row's
 drafted token out of the tile's best and writes the draft's scaled logit; stage 2 decides
@@ -51,16 +51,14 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .. import outputs
 from .noise import (_SCREEN_ERROR, ACCEPT_STREAM, LOG2E, NEG_LN2, exp2_ftz, gumbel_from_bits,
                     gumbel_noise, gumbel_screen_log2, opaque, philox_bits, philox_blocks,
                     philox_tile_bits)
 
-STATUS_OK = 0
-STATUS_NEEDS_COMPLETION = 1
-STATUS_NON_FINITE = 2
-_OK = tl.constexpr(STATUS_OK)
-_NEEDS_COMPLETION = tl.constexpr(STATUS_NEEDS_COMPLETION)
-_NON_FINITE = tl.constexpr(STATUS_NON_FINITE)
+_OK = tl.constexpr(outputs.OK)
+_NEEDS_COMPLETION = tl.constexpr(outputs.NEEDS_COMPLETION)
+_NON_FINITE = tl.constexpr(outputs.NON_FINITE)
 
 # pack(-inf, id 2**31 - 1): below every real candidate, decodes to -inf.
 PAD_KEY = -2139095041 * 2**32

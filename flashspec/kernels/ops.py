@@ -1,14 +1,11 @@
-"""Launchers and public entry points of the fused LM-head kernels.
+"""Launchers of the fused LM-head kernels: `fused_argmax`, `fused_sample`, `fused_verify`.
 
-Two layers:
-
-* ``*_unchecked`` functions launch stage 1 and stage 2 and return device tensors, with no
-  host synchronisation and no data-dependent allocation: safe to capture in a CUDA graph.
-  They report per-row status instead of acting on it.
-* `lm_head_argmax` / `lm_head_sample` have the signatures and results of
-  `flashspec.reference`: they validate values, read the status once, raise on non-finite
-  logits and complete the rare rows whose truncated support did not fit the candidate
-  budget through the exact materialized path (counted in `stats()`).
+Each launches stage 1, stage 2 (and verification's finaliser) and returns the typed result
+of `flashspec.outputs` as device tensors, with per-row status, no host synchronisation and no
+data-dependent allocation: safe to capture in a CUDA graph. They neither validate their
+arguments nor act on the status: `flashspec.sampling`, the public door, does both, completing
+the rare rows whose truncated support did not fit the candidate budget through the exact
+materialized path (counted in `stats()`).
 
 Tile sizes come from a fixed table keyed by the number of rows (no autotuning: re-tuning
 per batch size is what wrecks serving); results never depend on them.
@@ -24,9 +21,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .. import reference
-from ..checks import (NonFiniteLogitsError, check_draft_tokens, check_lm_head,
-                      check_sampling_inputs)
+from ..outputs import ArgmaxOutput, SampleOutput, VerifyOutput
 from ..params import SamplingParams
 from . import lm_head, lm_head_ws
 
@@ -221,22 +216,9 @@ def _bf16_truncation_config(num_rows: int) -> TileConfig:
     return TileConfig(block_v=64, block_r=128, block_d=128, num_warps=8, num_stages=4)
 
 
-class SampleOutput(NamedTuple):
-    """Device tensors of one fused sampling launch (nothing read back).
-
-    tokens: int64 [R], -1 where status != 0. logprobs, lse: float32 [R] (zeros unless
-    requested). status: int32 [R]: 0 ok, 1 needs exact completion, 2 non-finite logits.
-    """
-
-    tokens: torch.Tensor
-    logprobs: torch.Tensor
-    lse: torch.Tensor
-    status: torch.Tensor
-
-
 @dataclasses.dataclass
 class KernelStats:
-    rows_sampled: int = 0  # batch rows through the checked entry points (verify: B, not B*(G+1))
+    rows_sampled: int = 0  # batch rows of checked fused calls (verify: B, not B*(G+1))
     rows_completed: int = 0  # of those, truncated rows finished by the exact materialized path
 
 
@@ -244,13 +226,66 @@ _stats = KernelStats()
 
 
 def stats() -> KernelStats:
-    """Counters of the checked entry points since the last `reset_stats()`."""
+    """Counters of `flashspec.sampling`'s checked fused calls since the last `reset_stats()`."""
     return dataclasses.replace(_stats)
 
 
 def reset_stats() -> None:
     _stats.rows_sampled = 0
     _stats.rows_completed = 0
+
+
+def count_checked_rows(num_rows: int, num_completed: int) -> None:
+    """Add one checked fused call to `stats()`: its batch rows and those it completed."""
+    _stats.rows_sampled += num_rows
+    _stats.rows_completed += num_completed
+
+
+def fused_argmax(hidden: torch.Tensor, weight: torch.Tensor, *,
+                 config: TileConfig | None = None) -> ArgmaxOutput:
+    """Greedy tokens of ``hidden [B, D] @ weight [V, D].T`` (see `flashspec.sampling.argmax`),
+    unchecked; `config`: tiles of stage 1 (None: `default_config`)."""
+    out = _launch(hidden, weight, None, None, 1, config)
+    return ArgmaxOutput(out.tokens, out.status)
+
+
+def fused_sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
+                 positions: torch.Tensor, *, config: TileConfig | None = None) -> SampleOutput:
+    """One token per row of ``hidden [B, D]`` (see `flashspec.sampling.sample`), unchecked,
+    with its logprob and the log-sum-exp, which every caller wants (the engine reports
+    logprobs): stage 1 computes the log-sum-exp unless every row has a top-k below V."""
+    out = _launch(hidden, weight, params, positions, 1, config)
+    return SampleOutput(out.tokens, out.logprobs, out.lse, out.status)
+
+
+def fused_verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tensor,
+                 params: SamplingParams, positions: torch.Tensor, *, acceptance: str = "strict",
+                 config: TileConfig | None = None) -> VerifyOutput:
+    """Verification of ``draft_tokens [B, G]`` against ``hidden [B, G+1, D]`` (see
+    `flashspec.sampling.verify`), unchecked."""
+    batch_size, num_positions, dim = hidden.shape
+    num_drafts = num_positions - 1
+    draft_tokens = draft_tokens.contiguous()
+    rows = _launch(hidden.reshape(batch_size * num_positions, dim), weight, params, positions,
+                   num_positions, config, drafts=draft_tokens)
+    device = hidden.device
+    pdl = programmatic_launch_ready(device)
+    out = VerifyOutput(
+        torch.empty(batch_size, dtype=torch.int64, device=device),
+        torch.empty(batch_size, num_positions, dtype=torch.int64, device=device),
+        torch.empty(batch_size, num_drafts, dtype=torch.float32, device=device),
+        torch.empty(batch_size, num_positions, dtype=torch.float32, device=device),
+        torch.empty(batch_size, dtype=torch.int32, device=device))
+    lm_head.verify_finalize_kernel[(batch_size,)](
+        draft_tokens, rows.tokens, rows.masked, rows.logprobs, rows.masked_logprobs,
+        rows.draft_probs, rows.draft_logprobs, rows.status,
+        params.do_sample, params.temperature, params.seed, positions,
+        out.num_accepted, out.tokens, out.accept_probs, out.logprobs, out.status,
+        num_drafts, PROBABILISTIC=acceptance == "probabilistic",
+        POSITIONS_POW2=triton.next_power_of_2(num_positions), PDL=pdl, num_warps=1,
+        launch_pdl=pdl,
+    )
+    return out
 
 
 _greedy_rows: dict[torch.device, tuple[torch.Tensor, ...]] = {}
@@ -281,8 +316,8 @@ class _Rows(NamedTuple):
 
 
 def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams | None,
-            positions: torch.Tensor | None, rows_per_param: int, want_lse: bool,
-            config: TileConfig | None, drafts: torch.Tensor | None = None) -> _Rows:
+            positions: torch.Tensor | None, rows_per_param: int, config: TileConfig | None,
+            drafts: torch.Tensor | None = None) -> _Rows:
     """Stage 1 + stage 2 over rows of `hidden` ``[R, D]``; row r uses parameter row
     r // rows_per_param and noise position positions[r // rows_per_param] + r % rows_per_param.
     With `drafts` (``[R // rows_per_param, rows_per_param - 1]``, -1 padded), row r also
@@ -303,12 +338,13 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
                          "(not Triton's interpreter), Triton " + lm_head_ws.TESTED_TRITON + "x "
                          "with Gluon, and bf16 or fp16 operands with 16-byte aligned rows; use "
                          "another TileConfig")
-    # Stage 1's full log-sum-exp: for the logprobs of rows without a top-k below V
-    # (verification always reports them) and for a top-p without one (a top-k of V or more
-    # keeps everything: the top-p then needs the whole sum). Where every row has a top-k below
-    # V, each support is normalised over its candidates in stage 2 (one `exp` per logit less).
+    # Stage 1's full log-sum-exp: for the logprobs of rows without a top-k below V (sampling
+    # and verification always report them; argmax none) and for a top-p without one (a top-k
+    # of V or more keeps everything: the top-p then needs the whole sum). Where every row has
+    # a top-k below V, each support is normalised over its candidates in stage 2 (one `exp`
+    # per logit less).
     every_row_top_k = params is not None and params.top_k_everywhere(vocab_size)
-    need_lse = not every_row_top_k and (want_lse or verify or (truncate and params.any_top_p))
+    need_lse = params is not None and not every_row_top_k
     # Truncated rows draw their token in stage 2, among their candidates and with the
     # candidates' own noise, and judge their draft there too: stage 1's Gumbel-max serves
     # only sampled rows without truncation, the draft's mask and logit only those and greedy
@@ -435,106 +471,6 @@ def stage1_best_scores(hidden: torch.Tensor, weight: torch.Tensor, params: Sampl
     return best, bounds
 
 
-class VerifyKernelOutput(NamedTuple):
-    """Device tensors of one fused verification (nothing read back); the fields of
-    `flashspec.reference.VerifyOutput` plus status int32 ``[B]``: 0 ok, 1 needs exact
-    completion (a truncated support did not fit the candidate budget), 2 non-finite logits.
-    Rows with status != 0 hold num_accepted -1 and tokens -1."""
-
-    num_accepted: torch.Tensor
-    tokens: torch.Tensor
-    accept_probs: torch.Tensor
-    logprobs: torch.Tensor
-    status: torch.Tensor
-
-
-def _verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tensor,
-            params: SamplingParams, positions: torch.Tensor, acceptance: str,
-            config: TileConfig | None) -> VerifyKernelOutput:
-    batch_size, num_positions, dim = hidden.shape
-    num_drafts = num_positions - 1
-    draft_tokens = draft_tokens.contiguous()
-    rows = _launch(hidden.reshape(batch_size * num_positions, dim), weight, params, positions,
-                   num_positions, True, config, drafts=draft_tokens)
-    device = hidden.device
-    pdl = programmatic_launch_ready(device)
-    out = VerifyKernelOutput(
-        torch.empty(batch_size, dtype=torch.int64, device=device),
-        torch.empty(batch_size, num_positions, dtype=torch.int64, device=device),
-        torch.empty(batch_size, num_drafts, dtype=torch.float32, device=device),
-        torch.empty(batch_size, num_positions, dtype=torch.float32, device=device),
-        torch.empty(batch_size, dtype=torch.int32, device=device))
-    lm_head.verify_finalize_kernel[(batch_size,)](
-        draft_tokens, rows.tokens, rows.masked, rows.logprobs, rows.masked_logprobs,
-        rows.draft_probs, rows.draft_logprobs, rows.status,
-        params.do_sample, params.temperature, params.seed, positions,
-        out.num_accepted, out.tokens, out.accept_probs, out.logprobs, out.status,
-        num_drafts, PROBABILISTIC=acceptance == "probabilistic",
-        POSITIONS_POW2=triton.next_power_of_2(num_positions), PDL=pdl, num_warps=1,
-        launch_pdl=pdl,
-    )
-    return out
-
-
-def _check_acceptance(acceptance: str) -> None:
-    if acceptance not in reference.ACCEPTANCE_MODES:
-        raise ValueError(f"`acceptance`={acceptance!r} is not allowed: use one of "
-                         f"{reference.ACCEPTANCE_MODES}")
-
-
-def verify_unchecked(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tensor,
-                     params: SamplingParams, positions: torch.Tensor, *,
-                     acceptance: str = "strict",
-                     config: TileConfig | None = None) -> VerifyKernelOutput:
-    """Fused verification of G drafts per row (see `flashspec.reference.lm_head_verify`); no
-    host sync (CUDA-graph safe). Rows with status 1 must be completed (see
-    `lm_head_verify`); status 2 rows had non-finite logits."""
-    check_lm_head(hidden, weight, hidden_dims=3)
-    check_draft_tokens(draft_tokens, hidden, weight.shape[0], check_values=False)
-    check_sampling_inputs(hidden, params, positions, hidden.shape[1], check_values=False)
-    _check_acceptance(acceptance)
-    return _verify(hidden, weight, draft_tokens, params, positions, acceptance, config)
-
-
-def lm_head_verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tensor,
-                   params: SamplingParams, positions: torch.Tensor, *,
-                   acceptance: str = "strict", check_finite: bool = True,
-                   config: TileConfig | None = None) -> reference.VerifyOutput:
-    """Same contract as `flashspec.reference.lm_head_verify`, fused; reads the per-row status
-    once to raise on non-finite rows and to complete saturated truncated rows exactly."""
-    check_lm_head(hidden, weight, hidden_dims=3)
-    check_draft_tokens(draft_tokens, hidden, weight.shape[0])
-    check_sampling_inputs(hidden, params, positions, hidden.shape[1])
-    _check_acceptance(acceptance)
-    out = _verify(hidden, weight, draft_tokens, params, positions, acceptance, config)
-    num_accepted, tokens, accept_probs, logprobs = out.num_accepted, out.tokens, out.accept_probs, out.logprobs
-    _, incomplete = _flagged_rows(out.status, check_finite)
-    _stats.rows_sampled += hidden.shape[0]
-    if incomplete.numel():
-        _stats.rows_completed += incomplete.numel()
-        done = reference.lm_head_verify(
-            hidden[incomplete], weight, draft_tokens[incomplete], params.select(incomplete),
-            positions[incomplete], acceptance=acceptance, check_finite=False)
-        num_accepted = num_accepted.index_copy(0, incomplete, done.num_accepted)
-        tokens = tokens.index_copy(0, incomplete, done.tokens)
-        accept_probs = accept_probs.index_copy(0, incomplete, done.accept_probs.float())
-        logprobs = logprobs.index_copy(0, incomplete, done.logprobs.float())
-    return reference.VerifyOutput(num_accepted, tokens, accept_probs, logprobs)
-
-
-def _flagged_rows(status: torch.Tensor, check_finite: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows with non-finite logits and rows that need exact completion, from one read of the
-    per-row status; raises `NonFiniteLogitsError` for the former if `check_finite`."""
-    flagged = torch.nonzero(status).flatten()
-    if not flagged.numel():  # the usual case: no further launches
-        return flagged, flagged
-    flagged_status = status[flagged]
-    non_finite = flagged[flagged_status == lm_head.STATUS_NON_FINITE]
-    if check_finite and non_finite.numel():
-        raise NonFiniteLogitsError(non_finite.tolist())
-    return non_finite, flagged[flagged_status == lm_head.STATUS_NEEDS_COMPLETION]
-
-
 @functools.lru_cache(maxsize=None)
 def _capability_major(device: torch.device) -> int:
     return torch.cuda.get_device_capability(device)[0]
@@ -580,54 +516,3 @@ def tma_descriptors(hidden: torch.Tensor, weight: torch.Tensor, config: TileConf
     groups = config.block_v // 16
     grouped = weight.view(groups, vocab_size // config.block_v, 16, dim)
     return hidden_desc, TensorDescriptor.from_tensor(grouped, [groups, 1, 16, config.block_d])
-
-
-def argmax_unchecked(hidden: torch.Tensor, weight: torch.Tensor,
-                     config: TileConfig | None = None) -> torch.Tensor:
-    """Fused greedy tokens ``[B]`` (-1 for rows with non-finite logits); no host sync."""
-    check_lm_head(hidden, weight, hidden_dims=2)
-    return _launch(hidden, weight, None, None, 1, False, config).tokens
-
-
-def sample_unchecked(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
-                     positions: torch.Tensor, *, want_lse: bool = False,
-                     config: TileConfig | None = None) -> SampleOutput:
-    """Fused sampling of one token per row; no host sync (CUDA-graph safe). Rows with
-    status 1 must be completed (see `lm_head_sample`), status 2 rows were not sampled."""
-    check_lm_head(hidden, weight, hidden_dims=2)
-    check_sampling_inputs(hidden, params, positions, check_values=False)
-    out = _launch(hidden, weight, params, positions, 1, want_lse, config)
-    return SampleOutput(out.tokens, out.logprobs, out.lse, out.status)
-
-
-def lm_head_argmax(hidden: torch.Tensor, weight: torch.Tensor, *,
-                   config: TileConfig | None = None) -> torch.Tensor:
-    """Same contract as `flashspec.reference.lm_head_argmax`, fused."""
-    return argmax_unchecked(hidden, weight, config)
-
-
-def lm_head_sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
-                   positions: torch.Tensor, return_logprobs: bool = False, *,
-                   return_lse: bool = False, check_finite: bool = True,
-                   config: TileConfig | None = None):
-    """Same contract as `flashspec.reference.lm_head_sample`, fused; reads the per-row status
-    once to raise on non-finite rows and to complete saturated truncated rows exactly."""
-    check_lm_head(hidden, weight, hidden_dims=2)
-    check_sampling_inputs(hidden, params, positions)
-    out = _launch(hidden, weight, params, positions, 1, return_logprobs or return_lse, config)
-    tokens, logprobs, lse = out.tokens, out.logprobs, out.lse
-    non_finite, incomplete = _flagged_rows(out.status, check_finite)
-    _stats.rows_sampled += hidden.shape[0]
-    if non_finite.numel():
-        logprobs = logprobs.index_fill(0, non_finite, float("nan"))
-        lse = lse.index_fill(0, non_finite, float("nan"))
-    if incomplete.numel():
-        _stats.rows_completed += incomplete.numel()
-        done, done_logprobs, done_lse = reference.lm_head_sample(
-            hidden[incomplete], weight, params.select(incomplete), positions[incomplete],
-            return_logprobs=True, return_lse=True, check_finite=False)
-        tokens = tokens.index_copy(0, incomplete, done)
-        logprobs = logprobs.index_copy(0, incomplete, done_logprobs.float())
-        lse = lse.index_copy(0, incomplete, done_lse.float())
-    result = (tokens,) + ((logprobs,) if return_logprobs else ()) + ((lse,) if return_lse else ())
-    return result[0] if len(result) == 1 else result
