@@ -9,7 +9,7 @@ CPU path.
 from . import reference, rng, sampling
 from .checks import NonFiniteLogitsError
 from .generation import (FlashGenerateOutput, FlashGenerationMixin, SpeculationStats,
-                         from_pretrained, wrap)
+                         from_pretrained, warmup, wrap)
 from .outputs import ArgmaxOutput, SampleOutput, VerifyOutput
 from .params import SamplingParams
 
@@ -17,4 +17,4 @@ __version__ = "0.1.0"
 
 __all__ = ["ArgmaxOutput", "FlashGenerateOutput", "FlashGenerationMixin", "NonFiniteLogitsError",
            "SampleOutput", "SamplingParams", "SpeculationStats", "VerifyOutput", "from_pretrained",
-           "reference", "rng", "sampling", "wrap"]
+           "reference", "rng", "sampling", "warmup", "wrap"]

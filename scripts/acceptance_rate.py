@@ -74,11 +74,8 @@ Run (from the repository root):
         --draft Qwen/Qwen3-0.6B --sample --new-tokens 256 --batch-size 16      # downloads
 
 Also recorded: wall seconds of the generate calls (not a benchmark: see
-scripts/tok_per_s.py for speed). On CUDA the default engine (--engine auto: the static
-engine) compiles and captures its step graphs for each new (batch, G) shape, so each drafted
-configuration's first batch pays for compilation (45-127 s per configuration at the
-Qwen3-1.7B shape on an H200); --engine eager skips that (same tokens, same statistics, slower
-steps), which is the quicker choice for a one-off sweep.
+scripts/tok_per_s.py for speed). On CUDA the engine compiles each step kind once per model
+and captures a graph for each new (batch bucket, G, KV view): the first calls pay for that.
 
 Writes ``acceptance_rate.json`` (everything), ``acceptance_rate.csv`` (one line per
 configuration) and ``acceptance_rate.png`` (with matplotlib) to --out and prints a table
@@ -109,7 +106,6 @@ from flashspec.bench.cli import (Progress, model_name, names, package_version, p
                                  positive_ints, pyplot_or_note, random_init_shapes,
                                  resolve_device)
 from flashspec.assets import tiny_pair_path
-from flashspec.generation.mixin import ENGINES
 from flashspec.generation.outputs import SpeculationStats
 from flashspec.bench.prompt_sets import PROMPT_SETS, encode_prompts, load_prompts
 from flashspec.bench.random_init import (WEIGHTS, config_names, peak_weights, random_config,
@@ -296,7 +292,7 @@ def run_configuration(target, draft, batches: list, drafter: str, num_drafts: in
         progress.start(label)
         begin = time.perf_counter()
         output = target.generate(
-            input_ids=input_ids, attention_mask=attention_mask, sampler="flash", engine=args.engine,
+            input_ids=input_ids, attention_mask=attention_mask, sampler="flash",
             max_new_tokens=args.new_tokens, pad_token_id=pad_token_id,
             # Row i of the set gets seed + i whatever the batching.
             seed=args.seed + start, return_dict_in_generate=True,
@@ -638,11 +634,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="default auto: cuda if available")
     parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
                         help="model dtype; default auto: bf16 on cuda, fp32 on cpu")
-    parser.add_argument("--engine", choices=ENGINES, default="auto",
-                        help="generate()'s engine: auto (the static engine with CUDA graphs "
-                             "on CUDA, which compiles each new (batch, G) shape; the eager loop "
-                             "on CPU), static, or eager (no compilation: quicker for a one-off "
-                             "sweep on a GPU); the statistics do not depend on it; default auto")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench_out"),
                         help="directory for acceptance_rate.json, .csv and .png; default $OUT "
                              "if set, else ./bench_out")

@@ -47,8 +47,7 @@ Variants:
   the draft as assistant, G drafts per round;
 * ``hf_lookup``: stock prompt lookup (``prompt_lookup_num_tokens=G``); the stock rows with
   drafts run at B=1 only (stock refuses larger batches);
-* ``flash_plain``: ``sampler="flash"`` without drafts, on the static engine
-  (``engine="static"``, which is what "auto" picks on CUDA; on CPU it runs the same steps
+* ``flash_plain``: ``sampler="flash"`` without drafts (on CPU the engine runs the same steps
   eagerly, so that the fused and materialized rows compare one engine);
 * ``flash_self`` / ``flash_draft`` / ``flash_lookup``: ``sampler="flash"`` with the target
   itself / the draft as assistant / prompt lookup, G drafts per round, constant schedule;
@@ -127,7 +126,7 @@ from flashspec.bench.cli import (Progress, model_name, names, package_version, p
                                  resolve_device)
 from flashspec.assets import tiny_pair_path
 from flashspec.generation.heads import output_head
-from flashspec.generation.static import cached_engine
+from flashspec.generation.engine import cached_engine
 from flashspec.bench.prompt_sets import PROMPT_SETS, encode_prompts, load_prompts
 from flashspec.bench.random_init import WEIGHTS, config_names, peak_weights, random_model
 
@@ -248,9 +247,7 @@ def _stock_lookup(case: Case) -> dict:
 
 
 def _flash(case: Case, sampler: str, drafter: str | None = None) -> dict:
-    # engine="static", not "auto": a setting the static engine cannot run fails loudly instead
-    # of silently timing the eager loop (and on CPU both samplers run the same engine).
-    kwargs = {"sampler": sampler, "engine": "static", "seed": SEED,
+    kwargs = {"sampler": sampler, "seed": SEED,
               "return_dict_in_generate": True}
     if drafter == "lookup":
         kwargs["prompt_lookup_num_tokens"] = case.num_drafts
@@ -421,17 +418,15 @@ def replay_ms(graphs: list) -> float:
 def step_ms(target, engine_sampler: str, verify_width: int) -> dict | None:
     """GPU time of the engine's captured steps for the call just made, None without graphs."""
     engine = cached_engine(output_head(target, "model").decoder)
-    if engine is None or not engine.shape.graphs or engine.shape.sampler != engine_sampler:
+    if engine is None or not engine.graphs_enabled or engine.sampler_kind != engine_sampler:
         return None
-    graphs = {key: graph for key, (graph, _) in engine.graphs.items()}
-    if engine.shape.drafter == "none":
+    graphs = engine.last_call_graphs
+    if ("verify", verify_width) not in graphs:
         return {"plain": replay_ms([graphs["plain"]])} if "plain" in graphs else None
-    verify = graphs.get(("verify", verify_width))
-    if verify is None:
-        return None
-    if engine.shape.drafter == "lookup":
-        # Prompt lookup drafts inside the verification step: no draft graphs.
-        return {"draft_first": None, "draft_next": None, "draft_round": 0.0,
+    verify = graphs[("verify", verify_width)]
+    lookup = graphs.get(("lookup", verify_width))
+    if lookup is not None:
+        return {"draft_first": None, "draft_next": None, "draft_round": replay_ms([lookup]),
                 "verify": replay_ms([verify])}
     if "draft_first" not in graphs or (verify_width > 1 and "draft_next" not in graphs):
         return None

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from flashspec.assets import tiny_pair_path
-from flashspec.generation.mixin import FlashGenerationMixin
 from flashspec.generation.outputs import SpeculationStats
 
 from script_module import load_script
@@ -49,7 +48,6 @@ acceptance_rate = load_script("acceptance_rate")
     (["--seed", "-1"], "--seed"),
     (["--dtype", "int8"], "--dtype"),
     (["--device", "tpu"], "--device"),
-    (["--engine", "graphs"], "--engine"),
     (["--target", "Qwen/Qwen3-8B"], "--draft"),         # the tiny draft fits only the tiny target
     (["--drafter", "self,oracle"], "--drafter"),
     (["--random-init", "qwen9-1b"], "--random-init"),
@@ -331,29 +329,6 @@ def test_sampled_run_agrees_with_p_x_and_prints_the_table(tmp_path, capsys):
     out = capsys.readouterr().out
     table = out[out.index("drafter "):].splitlines()
     assert table[1].startswith("assistant chat        3")
-
-
-def test_engines_give_the_same_statistics(greedy_run, tmp_path, monkeypatch):
-    """--engine static reaches generate() (on CPU the static engine's steps run without
-    graphs) and gives the default (eager on CPU) run's tokens, so every count of the report
-    is the same."""
-    engines = []
-    generate = FlashGenerationMixin.generate
-
-    def recording_generate(self, *args, engine="auto", **kwargs):
-        engines.append(engine)
-        return generate(self, *args, engine=engine, **kwargs)
-
-    monkeypatch.setattr(FlashGenerationMixin, "generate", recording_generate)
-    assert acceptance_rate.main(RUN_ARGS + ["--engine", "static", "--out", str(tmp_path)]) == 0
-    assert engines and set(engines) == {"static"}
-    counts = ("generated_tokens", "forwards", "verifications", "drafted", "accepted",
-              "accepted_length")
-    rows = [[{key: row[key] for key in counts}
-             for row in json.loads((out / "acceptance_rate.json").read_text())["rows"]]
-            for out in (greedy_run, tmp_path)]
-    assert rows[0] == rows[1]
-    assert sum(row["accepted"] for row in rows[0]) > 0
 
 
 def test_missing_matplotlib_and_tqdm_are_said_and_survived(greedy_run, tmp_path, monkeypatch,

@@ -117,24 +117,10 @@ def mode_kwargs(mode: str, arch: str = "llama", num_drafts: int | None = None) -
     raise ValueError(mode)
 
 
-ENGINE = {"name": "eager"}
-
-
-@pytest.fixture(scope="module", autouse=True, params=["eager", "static"])
-def engine(request):
-    """Every test of this module runs on both engines (the static engine's steps run
-    eagerly on CPU: same code as the CUDA graphs, without capture)."""
-    ENGINE["name"] = request.param
-    yield request.param
-    ENGINE["name"] = "eager"
-
-
 def flash(model, ids, mask=None, **kwargs) -> flashspec.FlashGenerateOutput:
-    """A flash run with ``return_dict_in_generate=True`` (defaults: MAX_NEW tokens, greedy)
-    on this run's engine (stop strings: "auto", which falls back to the eager loop)."""
+    """A flash run with ``return_dict_in_generate=True`` (defaults: MAX_NEW tokens, greedy)."""
     kwargs.setdefault("max_new_tokens", MAX_NEW)
     kwargs.setdefault("do_sample", False)
-    kwargs.setdefault("engine", "auto" if "stop_strings" in kwargs else ENGINE["name"])
     out = model.generate(ids, attention_mask=mask if mask is not None else torch.ones_like(ids),
                          sampler="flash", return_dict_in_generate=True, **kwargs)
     assert isinstance(out, flashspec.FlashGenerateOutput)
@@ -377,36 +363,25 @@ def test_num_assistant_tokens_from_assistant_generation_config():
 # Drafters propose what transformers' drafters would
 # --------------------------------------------------------------------------------------
 
-def record_proposals(monkeypatch, drafter_class) -> list:
-    """Record every ``propose(batch, max_drafts)`` call of `drafter_class` (eager loop) or
-    the drafts of every verification step (static engine) as (tokens, valid, max_drafts,
-    drafts), tokens right-aligned."""
+def record_proposals(monkeypatch) -> list:
+    """Record the drafts of every verification step as (tokens, valid, max_drafts, drafts),
+    tokens right-aligned: what each row had when its drafts were made."""
+    from flashspec.generation.slot import Slot
     calls = []
-    if ENGINE["name"] == "static":
-        from flashspec.generation.static import _Engine
-        verify = _Engine._verify
+    verify = Slot.verify
 
-        def recorded_verify(self, width, prompt=None):
-            length = int(self.seq.shape[1])
-            source = torch.arange(length)[None, :] - length + self.length[:, None]
-            valid = source >= 0
-            tokens = torch.where(valid, self.seq.gather(1, source.clamp_min(0)), PAD)
-            allowed = torch.where(self.finished, 0,
-                                  torch.minimum(self.num_drafts, self.end - self.length - 1))
-            hidden, drafts = verify(self, width, prompt)
-            calls.append((tokens, valid, allowed, drafts.clone()))
-            return hidden, drafts
+    def recorded_verify(self, width, prompt=None):
+        length = int(self.seq.shape[1])
+        source = torch.arange(length)[None, :] - length + self.length[:, None]
+        valid = source >= 0
+        tokens = torch.where(valid, self.seq.gather(1, source.clamp_min(0)), PAD)
+        allowed = torch.where(self.finished, 0,
+                              torch.minimum(self.num_drafts, self.end - self.length - 1))
+        hidden, drafts = verify(self, width, prompt)
+        calls.append((tokens, valid, allowed, drafts.clone()))
+        return hidden, drafts
 
-        monkeypatch.setattr(_Engine, "_verify", recorded_verify)
-        return calls
-    original = drafter_class.propose
-
-    def propose(self, batch, max_drafts):
-        drafts = original(self, batch, max_drafts)
-        calls.append((batch.tokens.clone(), batch.valid.clone(), max_drafts.clone(), drafts.clone()))
-        return drafts
-
-    monkeypatch.setattr(drafter_class, "propose", propose)
+    monkeypatch.setattr(Slot, "verify", recorded_verify)
     return calls
 
 
@@ -428,8 +403,7 @@ def test_assistant_drafts_are_its_greedy_continuation(monkeypatch, sampling):
     """Every proposal of the assistant drafter, for every row of a ragged batch whose rows
     accept different numbers of drafts (its KV cache realigned between steps), is the
     assistant's stock greedy continuation of that row."""
-    from flashspec.generation.drafters import AssistantDrafter
-    calls = record_proposals(monkeypatch, AssistantDrafter)
+    calls = record_proposals(monkeypatch)
     assistant = draft()
     ids, mask = left_pad(PROMPTS)
     flash(target(), ids, mask, max_new_tokens=16, assistant_model=assistant, num_assistant_tokens=5,
@@ -449,8 +423,7 @@ def test_prompt_lookup_drafts_are_transformers_candidates(monkeypatch, ngram):
     leftmost match with a continuation, up to G tokens)."""
     from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
-    from flashspec.generation.drafters import PromptLookupDrafter
-    calls = record_proposals(monkeypatch, PromptLookupDrafter)
+    calls = record_proposals(monkeypatch)
     ids, mask = left_pad(PROMPTS)
     flash(target(), ids, mask, max_new_tokens=16, prompt_lookup_num_tokens=4,
           max_matching_ngram_size=ngram, do_sample=True, top_k=0, seed=ROW_SEEDS)

@@ -1,8 +1,8 @@
 """The generation engine on CUDA, where it runs the Triton kernels.
 
 CPU twins: tests/test_generate.py and tests/test_generate_distribution.py check the same
-engine logic through the torch reference (the loop, caches and drafters are the same code;
-only `flashspec.api`'s dispatch differs). Here the GPU runs must agree with stock
+engine logic through the torch reference (the engine, caches and drafters are the same code;
+on CPU the steps run eagerly and the LM head through the reference). Here the GPU runs must agree with stock
 transformers (greedy) and with the CPU reference (seeded sampling), and be speculation
 invariant; where two runs diverge, the first differing token must be a near-tie of the
 float64 target (bf16 and fp32 GEMMs round differently), never a plain disagreement.
@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import flashspec
 from flashspec import rng
-from flashspec.bench.statistics import acceptance_check, is_near_tie
+from flashspec.bench.statistics import acceptance_check, assert_acceptance_matches, is_near_tie
 
 pytestmark = pytest.mark.gpu
 
@@ -39,6 +39,12 @@ def _llama(seed: int, layers: int, dtype, device="cuda"):
 def _pair(dtype):
     """(wrapped target, assistant) on CUDA."""
     return flashspec.wrap(_llama(0, 2, dtype)), _llama(1, 1, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_pair():
+    """The same pair on the CPU in float32: the engine's steps run eagerly there."""
+    return flashspec.wrap(_llama(0, 2, torch.float32, "cpu")), _llama(1, 1, torch.float32, "cpu")
 
 
 @functools.lru_cache(maxsize=None)
@@ -145,31 +151,32 @@ def test_batch_rows_equal_single_runs_on_cuda(mode):
 
 @pytest.mark.parametrize("sampling", [{"do_sample": False}, SAMPLING["qwen3"]], ids=["greedy", "qwen3"])
 @pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
-def test_cuda_graphs_equal_the_eager_loop(mode, sampling):
-    """The static engine (CUDA graphs of compiled steps, the default on CUDA) and the eager
-    loop emit the same tokens, greedy and seeded."""
+def test_cuda_graphs_equal_the_cpu_engine(mode, sampling):
+    """The engine on CUDA (CUDA graphs of compiled steps, fused kernels) and on the CPU
+    (the same steps run eagerly, the torch reference) emit the same tokens, greedy and
+    seeded; so does the materialized sampler on CUDA."""
     model, draft = _pair(torch.float32)
     ids, mask = _prompts("cuda")
     seeds = torch.tensor([31, 32, 33, 34])
-    graphed = _run(model, draft, ids, mask, mode, seed=seeds, engine="static", **sampling)
-    eager = _run(model, draft, ids, mask, mode, seed=seeds, engine="eager", **sampling)
-    _assert_same_or_near_tie(ids, mask, graphed, eager, sampling, seeds, 1e-4)
+    graphed = _run(model, draft, ids, mask, mode, seed=seeds, **sampling)
+    on_cpu = _run(*_cpu_pair(), ids.cpu(), mask.cpu(), mode, seed=seeds, **sampling)
+    _assert_same_or_near_tie(ids, mask, graphed, on_cpu, sampling, seeds, 1e-4)
     materialized = _run(model, draft, ids, mask, mode, seed=seeds, sampler="materialized", **sampling)
-    _assert_same_or_near_tie(ids, mask, materialized, eager, sampling, seeds, 1e-4)
+    _assert_same_or_near_tie(ids, mask, materialized, on_cpu, sampling, seeds, 1e-4)
 
 
 @pytest.mark.parametrize("sampling", [{"do_sample": False}, SAMPLING["qwen3"]], ids=["greedy", "qwen3"])
 def test_graphed_steps_report_accept_probabilities(sampling):
     """The captured verification steps send p(x) of every draft through the step report
-    (as float64 bits): probabilities, 0/1 when greedy (then exactly the realised count),
-    and the eager loop's values wherever both runs proposed the same drafts. CPU twin:
-    test_static_engine.test_speculation_stats_equal_the_eager_loop."""
+    (as float64 bits): probabilities, 0/1 when greedy (then exactly the realised count), and
+    sampled, the realised acceptance agrees with them (a z-test at the kit's level). The
+    drafts themselves may differ from another device's at an assistant's near-tie (the
+    tokens do not), so p(x) is judged against the run's own acceptance. CPU twin:
+    test_speculation_stats.py."""
     model, draft = _pair(torch.float32)
     ids, mask = _prompts("cuda")
-    runs = {engine: _run(model, draft, ids, mask, MODES["assistant"], seed=7, engine=engine,
-                         return_dict_in_generate=True, **sampling).flash_stats
-            for engine in ("static", "eager")}
-    stats = runs["static"]
+    stats = _run(model, draft, ids, mask, MODES["assistant"], seed=7,
+                 return_dict_in_generate=True, **sampling).flash_stats
     assert stats.drafted.sum() > 0
     assert ((stats.accept_probs >= 0) & (stats.accept_probs <= 1)).all()
     if not sampling.get("do_sample"):
@@ -178,6 +185,4 @@ def test_graphed_steps_report_accept_probabilities(sampling):
         assert check.std == 0 and check.expected == check.realised
     else:
         assert ((stats.accept_probs > 0) & (stats.accept_probs < 1)).any()
-    if torch.equal(stats.drafted, runs["eager"].drafted):
-        torch.testing.assert_close(stats.accept_probs, runs["eager"].accept_probs,
-                                   rtol=1e-4, atol=1e-4)
+        assert_acceptance_matches(stats, what="graphed verification")

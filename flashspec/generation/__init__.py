@@ -1,15 +1,23 @@
-"""Generation engine: `generate(..., sampler="flash")`, the speculative loop and the drafters.
+"""Generation engine: `generate(..., sampler="flash")`, in the order a call goes through it.
 
-mixin.py    FlashGenerationMixin, wrap, from_pretrained (the user-facing entry points)
-setup.py    generate() arguments -> GenerationPlan, with transformers' semantics and errors
-loop.py     the decode loop (plain or draft-then-verify), right-aligned batch, stopping
-drafters.py assistant-model and prompt-lookup drafters
-cache.py    a decoder with its own KV cache, realigned as rows advance unevenly
-heads.py    the LM-head weight and logit transforms the kernels reproduce (or refuse)
-outputs.py  FlashGenerateOutput, SpeculationStats
+mixin.py     FlashGenerationMixin, wrap, from_pretrained (the user-facing entry points)
+plan.py      generate() arguments -> GenerationPlan, with transformers' semantics and errors
+heads.py     a model's decoder and LM-head weight as the kernels see them (or a refusal)
+engine.py    the engine of a target model: slots, graphs, memory, the step loop of a call
+slot.py      one batch bucket's device state and its fixed-shape steps (prefill, plain,
+             verify, commit)
+drafters.py  the Drafter interface; assistant-model and prompt-lookup drafters
+compiled.py  decoder forwards, eager or compiled once per step kind; the on-disk cache
+kv_cache.py  the position-addressed KV cache (rollback by position, views, growth)
+samplers.py  the LM-head operations a step runs (fused kernels or materialized logits)
+outputs.py   FlashGenerateOutput, SpeculationStats
+warmup.py    flashspec.warmup: pay compilation and capture before the first call
 """
 
+from .engine import cached_engine
 from .mixin import FlashGenerationMixin, from_pretrained, wrap
 from .outputs import FlashGenerateOutput, SpeculationStats
+from .warmup import warmup
 
-__all__ = ["FlashGenerateOutput", "FlashGenerationMixin", "SpeculationStats", "from_pretrained", "wrap"]
+__all__ = ["FlashGenerateOutput", "FlashGenerationMixin", "SpeculationStats", "cached_engine",
+           "from_pretrained", "warmup", "wrap"]

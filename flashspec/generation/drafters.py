@@ -1,75 +1,170 @@
-"""Drafters: propose up to G tokens per row for the target to verify in one forward.
+"""Drafters: where the tokens that the target verifies come from.
 
-Both are greedy (one-hot) drafters, which is what the strict verification rule needs for
-exact speculative sampling. A drafter returns int64 ``[B, G]`` drafts, -1 padded: row b
-gets at most ``max_drafts[b]`` tokens (fewer when prompt lookup finds a shorter match).
+The engine knows drafters only through `Drafter`: it attaches a drafter to a batch's
+running state (`flashspec.generation.slot.Slot`) once, then, each speculative step, asks the
+attached drafter for the fixed-shape device steps that write the step's drafts into
+``slot.drafts``. The engine captures each of those steps as a CUDA graph and replays it, so a
+drafter step must not read the device from the host. Drafts are greedy (one-hot), which is
+what the strict verification rule needs for exact speculative sampling; ``-1`` means no
+draft.
 
-* `AssistantDrafter`: a small causal LM with the same vocabulary, run greedily through the
-  tiled argmax kernel (`flashspec.lm_head_argmax`) on its own KV cache.
+Rollback is by position: a drafter that keeps a KV cache registers it with the slot
+(`Slot.add_cache`), whose entries at positions a later forward re-feeds are dropped then;
+rejected drafts cost nothing to undo.
+
+* `AssistantDrafter`: a small causal LM with the target's vocabulary, greedy through the
+  tiled argmax, on its own KV cache.
 * `PromptLookupDrafter`: n-gram matching over each row's prompt and generated tokens, on
   the device and batched, with transformers' rule (longest n-gram first, first match from
   the left, up to G following tokens).
+
+A new drafter (EAGLE heads, MTP, a fixed continuation in a test) subclasses `Drafter` and
+`AttachedDrafter`; the engine does not change.
 """
 
 from __future__ import annotations
 
+from typing import Callable, Hashable
+
 import torch
 
-from .. import api
-from ..checks import NonFiniteLogitsError
-from .cache import CachedDecoder
 from .heads import OutputHead
 
+Step = tuple[Hashable, Callable[[], None]]
 
-class AssistantDrafter:
+
+class AttachedDrafter:
+    """A drafter bound to one slot: the state it keeps there and its steps."""
+
+    def start(self, prompt) -> None:
+        """A new call's prompts are in the slot (``prompt``: input ids, positions and live
+        flags ``[B, L]``, left-aligned, as the target's prefill reads them). Eager."""
+
+    def steps(self, width: int) -> list[Step]:
+        """The device steps that fill ``slot.drafts[:, :width]`` and
+        ``slot.draft_failed[:, :width]`` (True where the drafter could not draft, e.g. the
+        assistant's logits were not finite: the engine reports it), each ``(graph key, fn)``
+        of fixed shapes."""
+        raise NotImplementedError
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Device tensors the steps write besides the slot's (restored after a capture's
+        warm-up run)."""
+        return []
+
+
+class Drafter:
+    """A source of drafts. `key` identifies the state it keeps: drafters with equal keys
+    share their attachment (and its captured graphs) in a slot; `decoders` are the models
+    whose KV caches it keeps there (for the engine's memory budget)."""
+
+    key: Hashable
+    decoders: tuple = ()
+
+    def attach(self, slot) -> AttachedDrafter:
+        raise NotImplementedError
+
+
+class AssistantDrafter(Drafter):
     """Greedy drafts from an assistant model that shares the target's vocabulary."""
 
     def __init__(self, head: OutputHead):
         self.head = head
-        self.decoder = CachedDecoder(head.decoder, "assistant_model")
+        self.decoders = (head.decoder,)
+        # Captured graphs read the assistant's parameters where they are now.
+        self.key = ("assistant", id(head.decoder), head.weight.data_ptr(),
+                    tuple(p.data_ptr() for p in head.decoder.parameters()))
 
-    @property
-    def caches(self) -> list[CachedDecoder]:
-        return [self.decoder]
-
-    def propose(self, batch, max_drafts: torch.Tensor) -> torch.Tensor:
-        num_steps = int(max_drafts.max())
-        weight = self.head.weight
-        input_ids = batch.tokens[:, self.decoder.cached:]
-        position_ids = batch.positions[:, self.decoder.cached:]
-        attention_mask = batch.valid
-        # Rows with fewer drafts than others keep drafting (discarded), at positions inside
-        # their budget: past it, a learned position table could end.
-        last_position = (batch.lengths + max_drafts)[:, None]
-        drafts = []
-        for step in range(num_steps):
-            hidden = self.decoder.forward(input_ids, attention_mask, position_ids)[:, -1]
-            drafts.append(api.lm_head_argmax(hidden.to(weight.dtype), weight))
-            if step + 1 < num_steps:          # the last draft is fed next round, if accepted
-                input_ids = drafts[-1][:, None].clamp_min(0)
-                position_ids = torch.minimum(position_ids[:, -1:] + 1, last_position)
-                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(hidden), 1)], 1)
-        drafts = torch.stack(drafts, dim=1)
-        # The argmax is -1 where the assistant's logits are not finite: report, don't draft.
-        within_budget = torch.arange(num_steps, device=drafts.device)[None, :] < max_drafts[:, None]
-        broken = ((drafts < 0) & within_budget).any(dim=1)
-        if bool(broken.any()):
-            raise NonFiniteLogitsError(broken.nonzero().flatten().tolist(), source="assistant_model")
-        return torch.where(within_budget, drafts, -1)
+    def attach(self, slot) -> AttachedDrafter:
+        return _AttachedAssistant(self.head, slot)
 
 
-class PromptLookupDrafter:
+class _AttachedAssistant(AttachedDrafter):
+    """The assistant's KV cache in the slot, and its two step kinds: ``draft_first`` feeds a
+    row's last two tokens (the one before the last may be an accepted draft the assistant
+    never saw) and drafts one token; ``draft_next`` feeds the previous draft and drafts the
+    next. After `start` the first draft comes from the prompt's forward instead."""
+
+    def __init__(self, head: OutputHead, slot):
+        self.head = head
+        self.slot = slot
+        self.runner, self.cache = slot.add_cache(head.decoder, "assistant_model", refeed=2)
+        self.sampler = slot.sampler(head.weight)
+        self.count = torch.zeros((), dtype=torch.long, device=slot.device)
+        self.primed = False
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [self.count]
+
+    def start(self, prompt) -> None:
+        hidden = self.runner.forward(self.cache, *prompt)[:, -1]
+        self._write(0, self.sampler.argmax(hidden.to(self.head.weight.dtype)))
+        self.count.fill_(1)
+        self.primed = True
+
+    def steps(self, width: int) -> list[Step]:
+        first = [] if self.primed else [("draft_first", self._draft_first)]
+        self.primed = False
+        return first + [("draft_next", self._draft_next)] * (width - 1)
+
+    def _draft_first(self) -> None:
+        slot = self.slot
+        positions = (slot.length - 2)[:, None] + torch.arange(2, device=slot.device)
+        live = torch.ones_like(positions, dtype=torch.bool)
+        hidden = self.runner.step(self.cache, slot.seq.gather(1, positions), positions, live)[:, -1]
+        self._write(0, self.sampler.argmax(hidden.to(self.head.weight.dtype)))
+        self.count.fill_(1)
+
+    def _draft_next(self) -> None:
+        slot = self.slot
+        count = self.count.view(1)
+        previous = slot.drafts.index_select(1, count - 1).clamp_min(0).repeat(1, 2)
+        # Rows that take fewer drafts keep drafting (unused), inside their budget's positions:
+        # past it, a learned position table could end. The second column is a dead copy: a
+        # compiled step takes two tokens or more.
+        positions = torch.minimum(slot.length[:, None] + count - 1, (slot.end - 1)[:, None])
+        hidden = self.runner.step(self.cache, previous, positions.repeat(1, 2), slot.one_live)[:, 0]
+        tokens = self.sampler.argmax(hidden.to(self.head.weight.dtype))
+        self.slot.drafts.index_copy_(1, count, tokens[:, None])
+        # The argmax is -1 where the assistant's logits are not finite.
+        self.slot.draft_failed.index_copy_(1, count, (tokens < 0)[:, None])
+        self.count.add_(1)
+
+    def _write(self, column: int, tokens: torch.Tensor) -> None:
+        self.slot.drafts[:, column] = tokens
+        self.slot.draft_failed[:, column] = tokens < 0
+
+
+class PromptLookupDrafter(Drafter):
     """n-gram drafts copied from earlier in each row (prompt lookup decoding)."""
 
     def __init__(self, max_ngram_size: int):
         self.max_ngram_size = max_ngram_size
+        self.key = ("lookup", max_ngram_size)
 
-    @property
-    def caches(self) -> list[CachedDecoder]:
-        return []
+    def attach(self, slot) -> AttachedDrafter:
+        return _AttachedLookup(self.max_ngram_size, slot)
 
-    def propose(self, batch, max_drafts: torch.Tensor) -> torch.Tensor:
-        return prompt_lookup_drafts(batch.tokens, batch.valid, max_drafts, self.max_ngram_size)
+
+class _AttachedLookup(AttachedDrafter):
+    def __init__(self, max_ngram_size: int, slot):
+        self.max_ngram_size = max_ngram_size
+        self.slot = slot
+
+    def steps(self, width: int) -> list[Step]:
+        return [(("lookup", width), lambda: self._lookup(width))]
+
+    def _lookup(self, width: int) -> None:
+        """Drafts from each row's tokens so far (right-aligned for the search)."""
+        slot = self.slot
+        columns = slot.seq.shape[1]
+        source = torch.arange(columns, device=slot.device)[None, :] - columns + slot.length[:, None]
+        valid = source >= 0
+        tokens = torch.where(valid, slot.seq.gather(1, source.clamp_min(0)), 0)
+        allowed = torch.full_like(slot.length, width)
+        slot.drafts[:, :width] = prompt_lookup_drafts(tokens, valid, allowed, self.max_ngram_size,
+                                                      num_drafts=width)
+        slot.draft_failed[:, :width] = False
 
 
 def prompt_lookup_drafts(tokens: torch.Tensor, valid: torch.Tensor, max_drafts: torch.Tensor,

@@ -1,4 +1,5 @@
-"""The output head of a transformers causal LM, as the fused kernels see it.
+"""What the engine takes from a transformers causal LM: its decoder and output head, or a
+refusal naming what it cannot reproduce.
 
 The kernels compute ``hidden @ weight.T`` and nothing else, so a model whose forward
 transforms the logits after the LM head must either have that transform folded into the
@@ -15,7 +16,8 @@ distribution.
 
 Any other transform (a model-specific multiplier, say) is caught by `check_logits`, which
 runs the model's own forward once per model on one token and compares its logits with
-``hidden @ weight.T * s``.
+``hidden @ weight.T * s``. `check_decoder` refuses attention the engine's position-addressed
+KV cache cannot serve.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import weakref
 import torch
 
 from .. import reference
+from .kv_cache import ATTENTION, layer_kinds
 
 _CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -122,3 +125,20 @@ def check_logits(model, head: OutputHead, token_ids: torch.Tensor, role: str = "
             "generate() without sampler='flash'"
         )
     _CHECKED[model] = (head.weight.data_ptr(), head.logit_scale)
+
+
+def check_decoder(decoder: torch.nn.Module, role: str) -> None:
+    """Refuse, naming why, a decoder whose attention the engine's KV cache cannot address by
+    position (`flashspec.generation.kv_cache`)."""
+    config = decoder.config
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in ATTENTION:
+        raise ValueError(
+            f"`{role}` uses attn_implementation={implementation!r}; sampler='flash' builds "
+            f"position-addressed attention masks, which {ATTENTION} take: load the model with "
+            "attn_implementation='sdpa', or run generate() without sampler='flash'")
+    if layer_kinds(config) is None:
+        raise ValueError(
+            f"`{role}` ({type(decoder).__name__}) has layers other than full or sliding-window "
+            "attention (chunked, linear or recurrent), whose state sampler='flash' does not "
+            "keep; run generate() without sampler='flash'")

@@ -12,13 +12,12 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, GenerationMixin
 
-from .loop import decode
+from .engine import engine_for
 from .outputs import FlashGenerateOutput
-from .setup import plan_generation
-from .static import decode_static, unsupported_reason
+from .plan import plan_generation
 
 SAMPLERS = ("flash", "materialized")
-ENGINES = ("auto", "static", "eager")
+_FLASH_OPTIONS = ("seed", "output_logprobs", "drafter")
 
 
 class FlashGenerationMixin(GenerationMixin):
@@ -32,13 +31,11 @@ class FlashGenerationMixin(GenerationMixin):
             sequence index i depends only on (seed, i, the logits): the same with or
             without an assistant or prompt lookup, alone or in any batch.
         output_logprobs: with ``return_dict_in_generate=True``, return per-token logprobs.
-        engine: ``"auto"`` (default): the static engine (fixed-size KV caches, every step a
-            captured CUDA graph) for CUDA inputs when it supports the model and options,
-            else the eager loop; ``"static"``: the static engine or an error saying why
-            not (without CUDA its steps run eagerly); ``"eager"``: the eager loop (dynamic
-            caches). All give the same tokens.
+        drafter: a `flashspec.generation.drafters.Drafter` of your own as the source of
+            drafts (``num_assistant_tokens`` per step), instead of an assistant or prompt
+            lookup.
 
-    ``sampler="materialized"`` runs the static engine with the ``[B, V]`` logits computed
+    ``sampler="materialized"`` runs the same engine with the ``[B, V]`` logits computed
     in the model's dtype and sampled by torch ops: the baseline the fused kernels are
     measured against (same tokens up to the rounding of bf16 logits).
 
@@ -49,34 +46,26 @@ class FlashGenerationMixin(GenerationMixin):
     """
 
     def generate(self, inputs=None, generation_config=None, *args, sampler=None, seed=None,
-                 output_logprobs=False, engine="auto", **kwargs):
+                 output_logprobs=False, drafter=None, **kwargs):
         if sampler is None:
-            if seed is not None or output_logprobs or engine != "auto":
-                name = ("seed" if seed is not None else "output_logprobs" if output_logprobs
-                        else "engine")
+            given = dict(seed=seed is not None, output_logprobs=output_logprobs,
+                         drafter=drafter is not None)
+            name = next((name for name in _FLASH_OPTIONS if given[name]), None)
+            if name is not None:
                 raise ValueError(f"`{name}` is a flashspec option: pass sampler='flash' with it "
                                  "(stock generate() is seeded with torch.manual_seed)")
             return super().generate(inputs, generation_config, *args, **kwargs)
         if sampler not in SAMPLERS:
             raise ValueError(f"`sampler`={sampler!r} is not allowed: use None (stock transformers) "
                              f"or one of {SAMPLERS}")
-        if engine not in ENGINES:
-            raise ValueError(f"`engine`={engine!r} is not allowed: use one of {ENGINES}")
-        if sampler == "materialized" and engine == "eager":
-            raise ValueError("`sampler`='materialized' runs on the static engine: use "
-                             "engine='auto' or 'static'")
         if args:
             raise ValueError("with sampler='flash', pass generate()'s arguments after "
                              "`generation_config` by keyword")
         with torch.no_grad():
             plan = plan_generation(self, inputs, generation_config, seed=seed,
-                                   output_logprobs=output_logprobs, **kwargs)
-            static = engine == "static" or sampler == "materialized" or (
-                engine == "auto" and plan.input_ids.is_cuda and unsupported_reason(plan) is None)
-            if static:
-                generated = decode_static(plan, "fused" if sampler == "flash" else "materialized")
-            else:
-                generated = decode(plan)
+                                   output_logprobs=output_logprobs, drafter=drafter, **kwargs)
+            kind = "fused" if sampler == "flash" else "materialized"
+            generated = engine_for(plan, kind).run(plan)
         width = int(generated.count.max())
         sequences = torch.cat([plan.input_ids, generated.tokens[:, :width]], dim=1)
         if not plan.return_dict_in_generate:

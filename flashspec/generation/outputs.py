@@ -103,6 +103,17 @@ class SpeculationStats:
 
 
 @dataclasses.dataclass
+class Generated:
+    """What the engine produced for a call: ``tokens[b, :count[b]]`` are row b's new tokens
+    (the rest is padding), ``logprobs`` the same shape (or None), and the statistics."""
+
+    tokens: torch.Tensor
+    count: torch.Tensor
+    logprobs: torch.Tensor | None
+    stats: SpeculationStats
+
+
+@dataclasses.dataclass
 class FlashGenerateOutput(GenerateDecoderOnlyOutput):
     """transformers' `GenerateDecoderOnlyOutput` (``sequences``; ``scores`` and ``logits`` stay
     None: flashspec never materializes them) plus:

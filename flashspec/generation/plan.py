@@ -22,8 +22,8 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ..params import SamplingParams
-from .drafters import AssistantDrafter, PromptLookupDrafter
-from .heads import OutputHead, check_logits, output_head
+from .drafters import AssistantDrafter, Drafter, PromptLookupDrafter
+from .heads import OutputHead, check_decoder, check_logits, output_head
 
 HOW_TO_RUN = "run generate() without sampler='flash'"
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
@@ -78,7 +78,7 @@ class GenerationPlan:
     attention_mask: torch.Tensor       # [B, L]
     params: SamplingParams             # per row, logit scale folded into temperature
     head: OutputHead                   # target decoder and LM-head weight
-    drafter: AssistantDrafter | PromptLookupDrafter | None
+    drafter: Drafter | None
     num_drafts: int                    # initial drafts per step (G)
     schedule: str                      # "constant" or "heuristic"
     persist_schedule: object           # None, or called with the final per-row draft counts
@@ -96,7 +96,10 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
                     stopping_criteria=None, prefix_allowed_tokens_fn=None, synced_gpus=None,
                     assistant_model=None, streamer=None, negative_prompt_ids=None,
                     negative_prompt_attention_mask=None, custom_generate=None, seed=None,
-                    output_logprobs=False, **kwargs) -> GenerationPlan:
+                    output_logprobs=False, drafter=None, **kwargs) -> GenerationPlan:
+    """`generate()`'s arguments as a `GenerationPlan`, or a ValueError naming what cannot
+    run. `drafter`: a `Drafter` of the caller's own (instead of an assistant or prompt
+    lookup), with `num_assistant_tokens` drafts per step."""
     _refuse_hooks(logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                   prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
                   negative_prompt_ids=negative_prompt_ids,
@@ -124,6 +127,7 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
                          "logprobs are returned in the output object)")
 
     head = output_head(model, "model")
+    check_decoder(head.decoder, "model")
     inputs_tensor, input_name, model_kwargs = model._prepare_model_inputs(
         inputs, config.bos_token_id, model_kwargs)
     if input_name != "input_ids" or inputs_tensor.dim() != 2 or inputs_tensor.dtype != torch.long:
@@ -168,7 +172,18 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
             raise ValueError("`stop_strings` needs the tokenizer: pass `tokenizer=` to generate()")
         stop_criteria = StopStringCriteria(stop_strings=config.stop_strings, tokenizer=tokenizer)
 
-    drafter, num_drafts, schedule, persist = _drafter(head, assistant_model, config, requested)
+    if drafter is not None:
+        if assistant_model is not None or config.prompt_lookup_num_tokens is not None:
+            raise ValueError("pass one source of drafts: `drafter`, `assistant_model` or "
+                             "`prompt_lookup_num_tokens`")
+        if not isinstance(drafter, Drafter):
+            raise ValueError(f"`drafter` must be a flashspec.generation.drafters.Drafter, got "
+                             f"{type(drafter).__name__}")
+        num_drafts = requested.get("num_assistant_tokens") or 4
+        _check_count("num_assistant_tokens", num_drafts)
+        schedule, persist = "constant", None
+    else:
+        drafter, num_drafts, schedule, persist = _drafter(head, assistant_model, config, requested)
     return GenerationPlan(
         input_ids=input_ids, attention_mask=attention_mask, params=params, head=head,
         drafter=drafter, num_drafts=num_drafts, schedule=schedule, persist_schedule=persist,
@@ -247,6 +262,7 @@ def _drafter(head: OutputHead, assistant_model, config, requested: dict):
         return None, 0, "constant", None
 
     draft = output_head(assistant_model, "assistant_model", greedy_only=True)
+    check_decoder(draft.decoder, "assistant_model")
     if draft.vocab_size != head.vocab_size:
         raise ValueError(
             f"`assistant_model` has a vocabulary of {draft.vocab_size} tokens but the model has "

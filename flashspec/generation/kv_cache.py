@@ -1,6 +1,6 @@
-"""A static KV cache shared by the batch, addressed by sequence position.
+"""A KV cache shared by the batch, addressed by sequence position.
 
-Every layer keeps keys and values in preallocated ``[B, H, capacity, Dh]`` buffers. A
+Every layer keeps keys and values in preallocated ``[B, H, capacity + 1, Dh]`` buffers. A
 forward writes its n new entries into the same n columns for every row, and each column
 records, per row, whether it holds a live entry and at which sequence position. Attention
 masks are built from those positions, so rows can advance by different numbers of tokens
@@ -14,10 +14,20 @@ masks are built from those positions, so rows can advance by different numbers o
 * query at position q of row b sees the live entries of row b at positions ``<= q`` (and
   ``> q - window`` for sliding-window layers).
 
+A forward attends over the cache's first ``view`` columns only (`WindowCache.set_view`), so
+its cost follows the live length, not the capacity; the view is read from a tensor's shape
+(`view_columns`, whose values nothing reads), which a compiled forward treats as a symbolic
+size: one compilation serves every view.
+
+The buffers hold one spare column past the capacity, which no view reaches: a view is then
+always a strict part of the buffer, so the compiled code never meets a view that happens to
+be the whole buffer (which it would specialise on, and compile again for the other case).
+
 Everything above is device arithmetic on ``[B, capacity]`` tensors: no host read, fixed
-shapes, so a forward through this cache can be captured in a CUDA graph. Rows that fall
-far behind leave holes; `WindowCache.compact` packs the live entries to the left (an eager
-copy, needed only when the write column would run past the capacity).
+shapes for a given view, so a forward through this cache can be captured in a CUDA graph.
+Rows that fall far behind leave holes; `WindowCache.compact` packs the live entries to the
+left (an eager copy, needed only when the write column would run past the view), and
+`WindowCache.grow` moves everything to larger buffers.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+ATTENTION = ("sdpa", "eager")        # implementations that take masks built from positions
 
 
 class WindowLayer(CacheLayerMixin):
@@ -39,7 +50,7 @@ class WindowLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads = key_states.shape[:2]
-        shape = (batch, heads, self.cache.capacity)
+        shape = (batch, heads, self.cache.capacity + 1)
         self.keys = key_states.new_zeros(*shape, key_states.shape[-1])
         self.values = value_states.new_zeros(*shape, value_states.shape[-1])
         self.is_initialized = True
@@ -51,13 +62,14 @@ class WindowLayer(CacheLayerMixin):
         self.keys.index_copy_(2, columns, key_states.to(self.keys.dtype))
         self.values.index_copy_(2, columns, value_states.to(self.values.dtype))
         self.cache.num_updates += 1
-        return self.keys, self.values
+        view = self.cache.view_columns.shape[0]
+        return self.keys[:, :, :view], self.values[:, :, :view]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cache.capacity, 0
+        return self.cache.view_columns.shape[0], 0
 
     def get_seq_length(self) -> int:
-        return self.cache.capacity
+        return self.cache.view_columns.shape[0]
 
     def get_max_length(self) -> int:
         return self.cache.capacity
@@ -66,7 +78,7 @@ class WindowLayer(CacheLayerMixin):
 class WindowCache(Cache):
     """KV cache of one decoder for a batch of `batch_size` rows and `capacity` columns.
 
-    `live` and `position` (``[B, capacity]``) describe every column; `begin` prepares a
+    `live` and `position` (``[B, capacity + 1]``) describe every column; `begin` prepares a
     forward and returns its attention mask(s)."""
 
     def __init__(self, batch_size: int, capacity: int, device: torch.device,
@@ -75,20 +87,44 @@ class WindowCache(Cache):
         self.capacity = capacity
         self.layer_kinds = layer_kinds      # mask kind -> sliding window (None: full attention)
         self.mask_dtype = mask_dtype        # None: boolean masks (sdpa), else additive masks
-        self.live = torch.zeros(batch_size, capacity, dtype=torch.bool, device=device)
-        self.position = torch.zeros(batch_size, capacity, dtype=torch.long, device=device)
-        self.column_index = torch.arange(capacity, device=device)
+        self.live = torch.zeros(batch_size, capacity + 1, dtype=torch.bool, device=device)
+        self.position = torch.zeros(batch_size, capacity + 1, dtype=torch.long, device=device)
+        self.column_index = torch.arange(capacity + 1, device=device)
         self.columns = self.column_index[:0]
         self.num_updates = 0
+        self.set_view(capacity)
+
+    @property
+    def view(self) -> int:
+        return self.view_columns.shape[0]
+
+    def set_view(self, columns: int) -> None:
+        """Attend over the first `columns` columns (at most the capacity) from now on."""
+        self.view_columns = torch.empty(min(columns, self.capacity), dtype=torch.uint8,
+                                        device=self.live.device)
+
+    def dynamic_tensors(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+        """Each tensor a compiled forward reads from the cache, with its dimensions that vary
+        (batch rows, capacity, view): symbolic in the compiled code."""
+        layers = [(t, (0, 2)) for layer in self.layers if layer.is_initialized
+                  for t in (layer.keys, layer.values)]
+        return [(self.live, (0, 1)), (self.position, (0, 1)), (self.column_index, (0,)),
+                (self.view_columns, (0,)), *layers]
 
     def reset(self) -> None:
         self.live.zero_()
+
+    def nbytes(self) -> int:
+        """Bytes held by the buffers (keys, values, positions, flags)."""
+        tensors = [self.live, self.position] + [t for layer in self.layers if layer.is_initialized
+                                                for t in (layer.keys, layer.values)]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def begin(self, position_ids: torch.Tensor, new_live: torch.Tensor | None = None):
         """Prepare a forward of ``position_ids`` ``[B, n]`` (consecutive per row): drop the
         stale entries, choose the write columns, record the new entries (live unless
         `new_live` ``[B, n]`` says otherwise) and return the attention mask for the model:
-        one ``[B, 1, n, capacity]`` mask, or a dict by layer kind."""
+        one ``[B, 1, n, view]`` mask, or a dict by layer kind."""
         self.drop_from(position_ids[:, 0])
         self.columns = self.last_live_column() + self.column_index[: position_ids.shape[1]]
         self.position.index_copy_(1, self.columns, position_ids)
@@ -99,9 +135,10 @@ class WindowCache(Cache):
         return masks if len(masks) > 1 else next(iter(masks.values()))
 
     def _mask(self, position_ids: torch.Tensor, window: int | None) -> torch.Tensor:
+        view = self.view_columns.shape[0]
         query = position_ids[:, None, :, None]
-        key = self.position[:, None, None, :]
-        allowed = self.live[:, None, None, :] & (key <= query)
+        key = self.position[:, None, None, :view]
+        allowed = self.live[:, None, None, :view] & (key <= query)
         if window is not None:
             allowed &= key > query - window
         if self.mask_dtype is None:
@@ -131,6 +168,29 @@ class WindowCache(Cache):
         self.position.copy_(self.position.gather(1, order))
         self.live.copy_(self.column_index[None, :] < count)
 
+    def grow(self, capacity: int) -> None:
+        """Move to buffers of `capacity` columns (more than now), keeping every entry where it
+        is. Graphs captured over the old buffers are stale afterwards."""
+        old = self.capacity
+        device = self.live.device
+        self.capacity = capacity
+        for name in ("live", "position"):
+            buffer = getattr(self, name)
+            grown = buffer.new_zeros(buffer.shape[0], capacity + 1)
+            grown[:, :old] = buffer[:, :old]
+            setattr(self, name, grown)
+        for layer in self.layers:
+            if not layer.is_initialized:
+                continue
+            for name in ("keys", "values"):
+                states = getattr(layer, name)
+                grown = states.new_zeros(*states.shape[:2], capacity + 1, states.shape[3])
+                grown[:, :, :old] = states[:, :, :old]
+                setattr(layer, name, grown)
+        self.column_index = torch.arange(capacity + 1, device=device)
+        self.set_view(self.view)
+        self.columns = self.column_index[:0]
+
 
 def layer_kinds(config) -> dict[str, int | None] | None:
     """Mask kinds the decoder's layers use, each with its sliding window (None = full
@@ -147,3 +207,4 @@ def layer_kinds(config) -> dict[str, int | None] | None:
     if not window:
         return None
     return {kind: (window if kind == SLIDING else None) for kind in sorted(set(types))}
+

@@ -1,0 +1,155 @@
+"""How the engine runs a decoder forward: eagerly, or compiled once per decoder and step kind.
+
+A compiled forward is traced with symbolic sizes (`torch._dynamo.maybe_mark_dynamic`): the
+batch rows, the tokens fed per row, the cache's capacity and the KV columns attended over are
+symbols; the model's own sizes (hidden, heads, head dimension) stay constants. One
+compilation per decoder then serves every batch bucket, draft count, prompt length and KV
+view. PyTorch specialises a size of 1, so the engine never feeds one token or one row to a
+compiled forward: a step that decodes one token per row feeds it with a second, dead column
+(not live in the cache, its output unused), and batches are bucketed to two rows or more.
+Compilation therefore depends on the model, its dtype and its device, nothing else.
+
+Compiled artifacts (inductor's FX graph and kernel caches) persist in `cache_dir()`, so a
+second process only retraces. Every compilation is logged (logger ``"flashspec"``) with the
+shape that caused it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import stat
+import time
+from pathlib import Path
+
+import torch
+
+LOG = logging.getLogger("flashspec")
+CACHE_ENV = "FLASHSPEC_CACHE_DIR"
+LOG_LEVEL_ENV = "FLASHSPEC_LOG_LEVEL"
+
+
+def _default_logging() -> None:
+    """Compilations and captures are worth seeing (they cost seconds): flashspec's logger
+    prints INFO lines to stderr unless ``FLASHSPEC_LOG_LEVEL`` says otherwise or the
+    application configured the logger itself."""
+    if LOG.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("flashspec: %(message)s"))
+    LOG.addHandler(handler)
+    LOG.setLevel(os.environ.get(LOG_LEVEL_ENV, "INFO").upper())
+    LOG.propagate = False
+
+
+_default_logging()
+
+
+def cache_dir() -> Path:
+    """flashspec's on-disk cache: ``$FLASHSPEC_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/flashspec``, else ``~/.cache/flashspec``. Created with mode 0700; a
+    directory that another user owns or that others may write is refused (torch's caches
+    hold pickles, which must never be read from a place someone else can write). Delete it
+    to clear the compiled artifacts."""
+    root = os.environ.get(CACHE_ENV)
+    if root is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "flashspec")
+    path = Path(root).resolve()
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.stat()
+    if hasattr(os, "getuid") and (info.st_uid != os.getuid()
+                                  or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)):
+        raise PermissionError(
+            f"flashspec's cache directory {path} is owned by another user or writable by others "
+            f"(mode {stat.filemode(info.st_mode)}); compiled artifacts are not read from there. "
+            f"Set {CACHE_ENV} to a directory of your own (it is created with mode 0700)")
+    return path
+
+
+def use_disk_cache() -> None:
+    """Point inductor's caches at ``cache_dir()/torchinductor`` unless the user chose a
+    directory (``TORCHINDUCTOR_CACHE_DIR``)."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        inductor = cache_dir() / "torchinductor"
+        inductor.mkdir(mode=0o700, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)
+
+
+@dataclasses.dataclass
+class Event:
+    """A compilation or a graph capture: what, why (the shape that caused it) and seconds."""
+
+    kind: str          # "compile" or "capture"
+    what: str
+    seconds: float
+
+
+class DecoderRunner:
+    """Runs one decoder (a causal LM without its LM head) over a `WindowCache`, eagerly or
+    through its compiled forward."""
+
+    def __init__(self, decoder: torch.nn.Module, role: str, compile: bool, events: list[Event]):
+        self.decoder = decoder
+        self.role = role
+        self.compile = compile
+        self.events = events
+        self.compiled = False
+        self._compiled = None
+        if compile:
+            use_disk_cache()
+            dynamo = torch._dynamo.config
+            # Every decoder (target, assistants) is a compilation of the same function.
+            dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
+            dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 1024)
+            self._compiled = torch.compile(self._forward)
+
+    def forward(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                new_live: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states ``[B, n, D]`` of `input_ids` at `position_ids` ``[B, n]``,
+        eager (the prefill, whose width varies from call to call); checks that every layer
+        kept its state in `cache`."""
+        hidden = self._forward(cache, input_ids, position_ids, new_live)
+        layers = self.decoder.config.num_hidden_layers
+        if cache.num_updates != layers:
+            raise ValueError(
+                f"`{self.role}` ({type(self.decoder).__name__}) keeps no attention KV cache in "
+                f"{layers - cache.num_updates} of its {layers} layers (recurrent or other "
+                "state); sampler='flash' supports decoders whose whole state is an attention KV "
+                "cache; run generate() without sampler='flash'")
+        return hidden
+
+    def _forward(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 new_live: torch.Tensor | None = None) -> torch.Tensor:
+        mask = cache.begin(position_ids, new_live)
+        return self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                            past_key_values=cache, use_cache=True).last_hidden_state
+
+    def step(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
+             new_live: torch.Tensor) -> torch.Tensor:
+        """`forward` of a fixed-shape step (at least two rows and two tokens per row):
+        compiled when this runner compiles."""
+        if self._compiled is None:
+            return self._forward(cache, input_ids, position_ids, new_live)
+        if min(input_ids.shape) < 2:
+            raise ValueError(f"a compiled step needs at least 2 rows and 2 tokens per row, got "
+                             f"{tuple(input_ids.shape)}")
+        for tensor, dims in [*cache.dynamic_tensors(), (input_ids, (0, 1)),
+                             (position_ids, (0, 1)), (new_live, (0, 1))]:
+            for dim in dims:
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        if self.compiled:
+            return self._compiled(cache, input_ids, position_ids, new_live)
+        started = time.perf_counter()
+        # Sizes that happen to be equal (say 2 rows feeding 2 tokens) must stay separate
+        # symbols, or a later call where they differ would compile again.
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            hidden = self._compiled(cache, input_ids, position_ids, new_live)
+        self.compiled = True
+        event = Event("compile", f"{self.role} ({type(self.decoder).__name__}), first at "
+                      f"{input_ids.shape[0]} rows x {input_ids.shape[1]} tokens, {cache.view} KV "
+                      "columns", time.perf_counter() - started)
+        self.events.append(event)
+        LOG.info("compiled %s in %.1f s", event.what, event.seconds)
+        return hidden

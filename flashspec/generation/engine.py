@@ -1,0 +1,436 @@
+"""The engine: one per target model, serving every `generate(sampler="flash")` call.
+
+The engine lives on the target's decoder (so it goes away with the model) and holds:
+
+* one `DecoderRunner` per decoder it has met (the target, assistants): on CUDA each runs
+  a forward compiled once per step kind with symbolic sizes (`compiled`), so no prompt
+  length, `max_new_tokens`, sampling value or batch size compiles again;
+* one `Slot` per batch bucket (on CUDA 2, 4, 8, ... rows; the rows a call lacks are
+  finished padding): running state and KV caches, grown when a call needs more columns,
+  evicted least recently used when a new one does not fit the memory budget;
+* the CUDA graphs of the slots' steps, captured on first use per (slot, step, KV view,
+  kernel flags) into one shared memory pool; a capture replays an already compiled forward
+  and costs well under a second.
+
+A call (`Engine.run`) loads its rows into a slot, prefills eagerly (any prompt length
+without compiling), then repeats: decide the next step on the host from the last report,
+make room in the caches, run the drafter's steps and the target's step (each a graph
+replay on CUDA, a plain call elsewhere), read the step's report. Every compilation and
+capture is logged (logger ``"flashspec"``) with the shape that caused it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import weakref
+
+import torch
+
+from ..checks import NonFiniteLogitsError
+from . import samplers
+from .compiled import LOG, DecoderRunner, Event
+from .outputs import Generated, SpeculationStats
+from .slot import Report, Slot, bucket
+
+SAMPLER_KINDS = ("fused", "materialized")
+MAX_HEURISTIC_DRAFTS = 64        # the heuristic schedule's drafts per step, at most
+_ENGINE_ATTRIBUTE = "_flashspec_engine"
+_BUDGET_ATTRIBUTE = "_flashspec_memory_budget"
+
+
+def engine_for(plan, sampler: str = "fused") -> "Engine":
+    """The engine of `plan`'s target (created on first use, replaced when the target's
+    weights moved, e.g. after ``model.half()`` or ``.to(...)``)."""
+    if sampler not in SAMPLER_KINDS:
+        raise ValueError(f"`sampler`={sampler!r} is not allowed: use one of {SAMPLER_KINDS}")
+    decoder = plan.head.decoder
+    engine = getattr(decoder, _ENGINE_ATTRIBUTE, None)
+    if engine is None or not engine.serves(plan.head, sampler):
+        if engine is not None:
+            engine.release()
+        engine = Engine(plan.head, sampler)
+        object.__setattr__(decoder, _ENGINE_ATTRIBUTE, engine)
+    return engine
+
+
+def batch_bucket(rows: int, graphs: bool) -> int:
+    """Rows of the slot that serves a batch of `rows`: with graphs a power of two of at
+    least 2 (a batch of one would compile separately), else exactly `rows`."""
+    return max(2, 1 << (rows - 1).bit_length()) if graphs else rows
+
+
+def cached_engine(decoder: torch.nn.Module) -> "Engine | None":
+    """The engine living on `decoder` (a target's decoder), or None."""
+    return getattr(decoder, _ENGINE_ATTRIBUTE, None)
+
+
+def set_memory_budget(decoder: torch.nn.Module, budget: int) -> None:
+    """Bytes the engine of `decoder` (a target's decoder) may hold in KV caches and graphs,
+    now and for any engine built for it later."""
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
+        raise ValueError(f"`memory_budget` must be a positive number of bytes, got {budget!r}")
+    object.__setattr__(decoder, _BUDGET_ATTRIBUTE, budget)
+    engine = cached_engine(decoder)
+    if engine is not None:
+        engine.memory_budget = budget
+
+
+def drop_engine(decoder: torch.nn.Module) -> None:
+    """Free the engine living on `decoder` (its slots and graphs)."""
+    engine = cached_engine(decoder)
+    if engine is not None:
+        engine.release()
+        object.__setattr__(decoder, _ENGINE_ATTRIBUTE, None)
+
+
+class Engine:
+    def __init__(self, head, sampler: str):
+        self.head = head
+        self.sampler_kind = sampler
+        self.device = head.weight.device
+        self.graphs_enabled = self.device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
+        self.weight_storage = _weight_storage(head)
+        self.events: list[Event] = []            # compilations and captures, in order
+        self.runners: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self.target = self.runner(head.decoder, "model")
+        self.slots: dict[int, Slot] = {}          # batch bucket -> slot, least recent first
+        self.graphs: dict = {}
+        self.graph_bytes = 0
+        self.last_call_graphs: dict = {}          # step key -> graph replayed by the last call
+        self.memory_budget = getattr(head.decoder, _BUDGET_ATTRIBUTE, None)
+        if self.memory_budget is None and self.device.type == "cuda":
+            self.memory_budget = int(0.5 * torch.cuda.mem_get_info(self.device)[0])
+
+    def serves(self, head, sampler: str) -> bool:
+        """Same weights where the engine's graphs and samplers read them."""
+        return sampler == self.sampler_kind and _weight_storage(head) == self.weight_storage
+
+    def release(self) -> None:
+        self.graphs.clear()
+        self.slots.clear()
+
+    # ---- what the engine holds ---------------------------------------------------------
+
+    def runner(self, decoder: torch.nn.Module, role: str) -> DecoderRunner:
+        if decoder not in self.runners:
+            self.runners[decoder] = DecoderRunner(decoder, role, self.graphs_enabled, self.events)
+        return self.runners[decoder]
+
+    def dtype_of(self, decoder: torch.nn.Module) -> torch.dtype:
+        return next(decoder.parameters()).dtype
+
+    def sampler(self, weight: torch.Tensor, slot: Slot):
+        params = slot.call_params
+        if (self.sampler_kind == "fused" and self.device.type == "cuda"
+                and weight.dtype != torch.float64):
+            return samplers.FusedSampler(weight, params)
+        if self.sampler_kind == "materialized" and self.device.type == "cuda":
+            return samplers.MaterializedSampler(weight, params, samplers.model_dtype_logits)
+        return samplers.MaterializedSampler(weight, params)
+
+    def target_sampler(self, slot: Slot):
+        return self.sampler(self.head.weight, slot)
+
+    def memory(self) -> dict:
+        """What the engine holds on the device: per slot its rows, KV columns and bytes, and
+        the bytes its captured graphs' pool took (measured around each capture)."""
+        return {"slots": [{"batch_size": slot.batch_size, "capacity": slot.capacity,
+                           "bytes": slot.nbytes()} for slot in self.slots.values()],
+                "graphs": len(self.graphs), "graph_pool_bytes": self.graph_bytes,
+                "budget_bytes": self.memory_budget}
+
+    def slot_for(self, plan, drafter) -> Slot:
+        """A slot for `plan`'s rows, with room for its prompts and first drafts."""
+        rows, width = plan.input_ids.shape
+        batch = batch_bucket(rows, self.graphs_enabled)
+        max_drafts = _max_drafts(plan)
+        capacity = bucket(width + max(max_drafts, 1) + 2)
+        slot = self.slots.pop(batch, None)
+        if slot is None:
+            self._make_room(self._slot_bytes(plan, batch, capacity), keep=None)
+            slot = Slot(self, batch, capacity, max(max_drafts, 1))
+            LOG.info("new slot: %d rows, %d KV columns (%.1f MiB)", batch, capacity,
+                     slot.nbytes() / 2**20)
+        self.slots[batch] = slot                          # most recently used last
+        if capacity > slot.capacity:
+            self.grow(slot, capacity)
+        if max_drafts > slot.max_drafts:
+            slot.widen(max_drafts)
+        if drafter is not None:
+            slot.attached(drafter)
+        return slot
+
+    def grow(self, slot: Slot, capacity: int) -> None:
+        extra = slot.nbytes() * (capacity / slot.capacity - 1)
+        self._make_room(int(extra), keep=slot)
+        slot.grow(capacity)
+        LOG.info("slot of %d rows grown to %d KV columns", slot.batch_size, capacity)
+
+    def _slot_bytes(self, plan, batch: int, capacity: int) -> int:
+        decoders = [self.head.decoder] + list(getattr(plan.drafter, "decoders", ()))
+        return sum(batch * capacity * _kv_bytes_per_column(d, self.dtype_of(d)) for d in decoders)
+
+    def _make_room(self, needed: int, keep: Slot | None) -> None:
+        """Evict least recently used slots (not `keep`) until `needed` more bytes fit the
+        budget; a clear error if they cannot."""
+        if self.memory_budget is None:
+            return
+        held = lambda: sum(slot.nbytes() for slot in self.slots.values()) + self.graph_bytes
+        for batch in list(self.slots):
+            if held() + needed <= self.memory_budget:
+                break
+            if self.slots[batch] is not keep:
+                self._evict(batch)
+        if held() + needed > self.memory_budget:
+            raise ValueError(
+                f"sampler='flash' needs {needed / 2**30:.2f} GiB more for KV caches, over its "
+                f"memory budget of {self.memory_budget / 2**30:.2f} GiB ({held() / 2**30:.2f} "
+                "GiB held): lower max_new_tokens or max_length, the batch size or the prompt "
+                "length, or raise the budget (flashspec.warmup(..., memory_budget=...))")
+
+    def _evict(self, batch: int) -> None:
+        slot = self.slots.pop(batch)
+        self.graphs = {key: value for key, value in self.graphs.items() if key[0] != id(slot)}
+        LOG.info("evicted the slot of %d rows (%d KV columns)", slot.batch_size, slot.capacity)
+
+    # ---- one generate() call -------------------------------------------------------------
+
+    def run(self, plan) -> Generated:
+        started = time.monotonic()
+        self.last_call_graphs = {}
+        slot = self.slot_for(plan, plan.drafter)
+        drafter = slot.attached(plan.drafter) if plan.drafter is not None else None
+        prompt = slot.load(plan, _max_drafts(plan))
+        num_rows = plan.input_ids.shape[0]
+        stops = _StopStrings(plan, num_rows) if plan.stop_criteria is not None else None
+        steps = []
+        report = self._prefill(plan, slot, drafter, prompt)
+        while True:
+            self._after_step(plan, slot, report, stops)
+            steps.append(report)
+            if all(report.finished[:num_rows]):
+                break
+            if plan.max_time is not None and time.monotonic() - started > plan.max_time:
+                break
+            width = self._width(plan, slot, report) if drafter is not None else 0
+            # Room for the step's writes: a one-token forward writes a dead column too.
+            if width == 0:
+                slot.ensure_room(report, 2)
+                hidden = self._run_step(slot, "plain", slot.plain)
+                report = self._finish(slot, hidden, None)
+            else:
+                step = self._step_width(slot, width)
+                slot.ensure_room(report, step + 2)
+                for key, fn in drafter.steps(width):
+                    self._run_step(slot, key, fn)
+                hidden, drafts = self._run_step(slot, ("verify", step), lambda: slot.verify(step))
+                report = self._finish(slot, hidden, drafts)
+        if plan.persist_schedule is not None:
+            plan.persist_schedule(slot.num_drafts[:num_rows].clone())
+        if plan.streamer is not None:
+            plan.streamer.end()
+        tokens, count, logprobs = slot.outputs(num_rows, plan.pad_token_id, plan.output_logprobs)
+        return Generated(tokens, count, logprobs, _stats(steps, num_rows))
+
+    def _prefill(self, plan, slot: Slot, drafter, prompt) -> Report:
+        """Eager: the decoders read the prompts; the first step verifies drafts (when there
+        are any) together with the prompt."""
+        width = 0
+        if drafter is not None:
+            width = min(plan.num_drafts, slot.call_drafts)
+        for entry in slot.caches:
+            entry.cache.set_view(bucket(prompt[0].shape[1] + width + 1))
+        if width == 0:
+            hidden = slot.sample(slot.target.runner.forward(slot.target.cache, *prompt)[:, -1])
+            return self._finish(slot, hidden, None)
+        drafter.start(prompt)
+        for key, fn in drafter.steps(width):
+            self._run_step(slot, key, fn)
+        hidden, drafts = slot.verify(width, prompt)
+        return self._finish(slot, hidden, drafts)
+
+    def _after_step(self, plan, slot: Slot, report: Report, stops) -> None:
+        """Host-side work on a step's report: stop strings, the streamer."""
+        if stops is not None:
+            stops.check(slot, report)
+        if plan.streamer is not None and report.emitted[0]:
+            plan.streamer.put(torch.tensor([t[0] for t in report.tokens[: report.emitted[0]]]))
+
+    def _width(self, plan, slot: Slot, report: Report) -> int:
+        """Drafts to verify next: the most any running row may take (its draft count,
+        leaving room in its budget for the target's own token)."""
+        widths = [min(num, end - length - 1) for num, end, length, done in
+                  zip(report.num_drafts, slot.end_list, report.length, report.finished)
+                  if not done]
+        return max(0, min(max(widths), slot.call_drafts))
+
+    def _step_width(self, slot: Slot, width: int) -> int:
+        """Positions a verification step checks. Each distinct width is a captured graph,
+        so widths come from a short list: a constant schedule's G (fewer drafts only near
+        the end of a row's budget), the heuristic schedule's next power of two. The extra
+        positions verify padding: a few more rows in a memory-bound step."""
+        if not slot.heuristic:
+            return slot.call_drafts
+        return min(1 << (width - 1).bit_length(), slot.call_drafts)
+
+    def _run_step(self, slot: Slot, key, fn):
+        """Run a step: replay its CUDA graph (captured on first use), or call it."""
+        if not self.graphs_enabled:
+            return fn()
+        full_key = (id(slot), slot.generation, key, tuple(e.cache.view for e in slot.caches),
+                    slot.call_params.kernel_flags(self.head.vocab_size), slot.heuristic)
+        if full_key not in self.graphs:
+            self.graphs[full_key] = self._capture(slot, key, fn)
+        graph, outputs = self.graphs[full_key]
+        self.last_call_graphs[key] = graph
+        graph.replay()
+        return outputs
+
+    def _capture(self, slot: Slot, key, fn):
+        started = time.perf_counter()
+        events_before = len(self.events)
+        state = slot.state_tensors()
+        saved = [tensor.clone() for tensor in state]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):      # warm-up: compiles, loads kernels, sets up cuBLAS
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        for tensor, value in zip(state, saved):
+            tensor.copy_(value)
+        reserved = torch.cuda.memory_reserved(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = fn()
+        self.graph_bytes += torch.cuda.memory_reserved(self.device) - reserved
+        compiling = sum(e.seconds for e in self.events[events_before:])   # its own events
+        event = Event("capture", f"{key} for {slot.batch_size} rows, KV views "
+                      f"{[e.cache.view for e in slot.caches]}",
+                      time.perf_counter() - started - compiling)
+        self.events.append(event)
+        LOG.info("captured %s in %.2f s", event.what, event.seconds)
+        return graph, outputs
+
+    def _finish(self, slot: Slot, hidden, drafts) -> Report:
+        """Read the step's report; raise on non-finite logits; complete flagged rows."""
+        report = slot.read_report()
+        if any(report.broken):
+            raise NonFiniteLogitsError([b for b, x in enumerate(report.broken) if x],
+                                       source="assistant_model")
+        bad = [b for b, s in enumerate(report.status) if s == samplers.NON_FINITE]
+        if bad:
+            raise NonFiniteLogitsError(bad)
+        flagged = [b for b, s in enumerate(report.status) if s == samplers.NEEDS_COMPLETION]
+        if flagged:
+            report = self._complete(slot, hidden, drafts, flagged, report)
+        return report
+
+    def _complete(self, slot: Slot, hidden, drafts, flagged: list[int], report: Report) -> Report:
+        """Redo the flagged rows exactly through the checked path, then commit them."""
+        device = slot.device
+        rows = torch.tensor(flagged, device=device)
+        sampler = self.target_sampler(slot)
+        if drafts is None:
+            tokens, logprobs = samplers.complete_sample(sampler, hidden, rows, slot.length)
+            tokens, logprobs = tokens[:, None], logprobs[:, None]
+            proposed = torch.ones_like(rows)
+            drafted = torch.zeros_like(rows)
+            accept_probs = None
+        else:
+            num_accepted, tokens, logprobs, accept_probs = samplers.complete_verify(
+                sampler, hidden, drafts, rows, slot.length)
+            proposed = num_accepted + 1
+            drafted = (drafts[rows] >= 0).sum(dim=1)
+        batch = slot.batch_size
+
+        def full(part, fill):
+            return torch.full((batch, *part.shape[1:]), fill, dtype=part.dtype,
+                              device=device).index_copy(0, rows, part)
+
+        selected = torch.zeros(batch, dtype=torch.bool, device=device)
+        selected[rows] = True
+        slot.commit(full(tokens, -1), full(logprobs, 0), full(proposed, 0), full(drafted, 0),
+                    torch.zeros(batch, dtype=torch.int32, device=device),
+                    schedule=drafts is not None, rows=selected,
+                    accept_probs=None if accept_probs is None else full(accept_probs, 0))
+        redone = slot.read_report()
+        for b in flagged:       # the other rows' values are the step's own
+            for name in ("emitted", "drafted", "accepted", "status", "broken"):
+                getattr(report, name)[b] = getattr(redone, name)[b]
+            for step_rows, redone_rows in ((report.tokens, redone.tokens),
+                                           (report.accept_probs, redone.accept_probs)):
+                for step_row, redone_row in zip(step_rows, redone_rows):
+                    step_row[b] = redone_row[b]
+        return dataclasses.replace(report, finished=redone.finished, length=redone.length,
+                                   num_drafts=redone.num_drafts, fills=redone.fills)
+
+
+class _StopStrings:
+    """Stop strings, checked on the host after each step against each row's text so far;
+    a row whose stop string completes inside a step is cut there and finished."""
+
+    def __init__(self, plan, num_rows: int):
+        self.criteria = plan.stop_criteria
+        mask = plan.attention_mask.bool().cpu()
+        self.rows = [plan.input_ids[b].cpu()[mask[b]].tolist() for b in range(num_rows)]
+        self.num_rows = num_rows
+
+    def check(self, slot: Slot, report: Report) -> None:
+        cut_rows, cut_lengths = [], []
+        for b in range(self.num_rows):
+            emitted = report.emitted[b]
+            tokens = [report.tokens[j][b] for j in range(emitted)]
+            start = len(self.rows[b])
+            for j, token in enumerate(tokens):
+                self.rows[b].append(token)
+                if bool(self.criteria(torch.tensor([self.rows[b]]), None)[0]):
+                    if j + 1 < emitted or not report.finished[b]:
+                        cut_rows.append(b)
+                        cut_lengths.append(report.length[b] - emitted + j + 1)
+                    del self.rows[b][start + j + 1:]
+                    report.emitted[b] = j + 1
+                    report.finished[b] = True
+                    break
+        if cut_rows:
+            slot.stop_rows(cut_rows, cut_lengths)
+            for b, length in zip(cut_rows, cut_lengths):
+                report.length[b] = length
+
+
+def _max_drafts(plan) -> int:
+    """Draft columns a call needs per step."""
+    if plan.drafter is None:
+        return 0
+    wanted = plan.num_drafts if plan.schedule == "constant" else MAX_HEURISTIC_DRAFTS
+    return max(0, min(wanted, plan.max_new_tokens - 1))
+
+
+def _kv_bytes_per_column(decoder: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Bytes one row's KV entry takes over all layers (keys and values)."""
+    config = decoder.config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def _weight_storage(head) -> tuple:
+    """Address and dtype of every tensor an engine reads from the target: the LM-head
+    weight and the decoder's parameters."""
+    return tuple((tensor.data_ptr(), tensor.dtype)
+                 for tensor in (head.weight, *head.decoder.parameters()))
+
+
+def _stats(steps: list[Report], num_rows: int) -> SpeculationStats:
+    """Speculation statistics, one entry per step and row that was running."""
+    running = [True] * num_rows
+    table = []
+    for report in steps:
+        rows = [b for b in range(num_rows) if running[b]]
+        table.append((torch.tensor(rows, dtype=torch.long),
+                      *(torch.tensor([getattr(report, name)[b] for b in rows])
+                        for name in ("drafted", "accepted", "emitted")),
+                      torch.tensor(report.accept_probs, dtype=torch.float64).T[rows]))
+        running = [not done for done in report.finished[:num_rows]]
+    return SpeculationStats.from_steps(table, num_rows)

@@ -1,0 +1,385 @@
+"""The running state of one batch bucket and the fixed-shape steps that advance it.
+
+A `Slot` holds preallocated device tensors: each row's tokens, left-aligned in ``seq`` (so a
+token's column is its sequence position), its length, its end (prompt + max_new_tokens), a
+finished flag, its draft count, the drafts of the current step, the sampling parameters, and
+the KV caches of the target and of any drafter (`WindowCache`, one per decoder). A step
+reads that state, runs a decoder forward and one LM-head operation, and commits the result
+back on the device:
+
+* ``prefill`` (eager, the prompt's width varies): feed the prompts, sample one token or
+  verify the first drafts;
+* ``plain``: feed each row's last token, sample one token;
+* ``verify`` (width G): feed the last token and the G drafts a drafter wrote into
+  ``drafts``, verify them in one pass, emit the accepted drafts plus one token.
+
+Rows never move: the caches roll back by position. Rows that are finished, or that only pad
+the batch up to its bucket, stay in the batch, emit nothing and cost a little compute, which
+keeps every shape fixed. The host reads one small report per step (`Report`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..params import SamplingParams
+from .compiled import DecoderRunner
+from .kv_cache import WindowCache, layer_kinds
+
+MIN_VIEW = 256            # KV columns of the smallest view (and capacity)
+EOS_SLOTS = 8             # end-of-sequence ids a slot holds without growing
+NO_TOKEN = -2             # fills unused EOS entries: never a token, never the -1 of "none"
+
+
+def bucket(columns: int) -> int:
+    """The power of two, at least `MIN_VIEW`, that holds `columns`."""
+    return max(MIN_VIEW, 1 << max(columns - 1, 0).bit_length())
+
+
+@dataclasses.dataclass
+class Report:
+    """What the host reads after a step (one transfer): per row, and each cache's fill."""
+
+    emitted: list
+    drafted: list
+    accepted: list
+    finished: list
+    status: list
+    broken: list           # the drafter failed (e.g. the assistant's logits were not finite)
+    length: list
+    num_drafts: list
+    fills: list            # per cache: one past its last column the next step still needs
+    tokens: list           # [W][B] tokens of the step
+    accept_probs: list     # [G][B] p(x) of each draft (float64, sent as its bits)
+
+    FIELDS = 8
+
+    @classmethod
+    def read(cls, report: torch.Tensor, num_caches: int, max_drafts: int) -> "Report":
+        rows = report.tolist()
+        tokens_start = cls.FIELDS + num_caches
+        probs_start = tokens_start + max_drafts + 1
+        probs = torch.tensor(rows[probs_start:], dtype=torch.int64).view(torch.float64)
+        return cls(*rows[: cls.FIELDS], fills=[row[0] for row in rows[cls.FIELDS:tokens_start]],
+                   tokens=rows[tokens_start:probs_start], accept_probs=probs.tolist())
+
+
+class _Cache:
+    """A decoder's runner and its cache in the slot; `refeed`: how many of a row's last
+    tokens the decoder's next step feeds again (so their entries may be dropped)."""
+
+    def __init__(self, runner: DecoderRunner, cache: WindowCache, refeed: int):
+        self.runner, self.cache, self.refeed = runner, cache, refeed
+
+
+class Slot:
+    """State of `batch_size` rows with KV caches of `capacity` columns and room for
+    `max_drafts` drafts per step."""
+
+    def __init__(self, engine, batch_size: int, capacity: int, max_drafts: int):
+        self.engine = engine
+        self.device = engine.device
+        self.batch_size = batch_size
+        self.capacity = capacity
+        self.max_drafts = max_drafts
+        self.caches: list[_Cache] = []
+        self.drafters: dict = {}                  # drafter key -> AttachedDrafter
+        self.generation = 0                       # bumped when buffers are replaced
+        long = dict(dtype=torch.long, device=self.device)
+        self.prompt_length = torch.zeros(batch_size, **long)
+        self.length = torch.zeros(batch_size, **long)
+        self.end = torch.zeros(batch_size, **long)
+        self.finished = torch.zeros(batch_size, dtype=torch.bool, device=self.device)
+        self.num_drafts = torch.zeros(batch_size, **long)
+        self.eos = torch.full((EOS_SLOTS,), NO_TOKEN, **long)
+        self.params = SamplingParams.create(batch_size, device=self.device)
+        self.call_params = self.params
+        self.heuristic = False
+        # A one-token step feeds its token and a dead copy (see `compiled`): live flags.
+        self.one_live = torch.tensor([[True, False]], device=self.device).repeat(batch_size, 1)
+        self._allocate_columns()
+        self.add_cache(engine.target.decoder, "model", refeed=1)
+
+    def _allocate_columns(self) -> None:
+        """The buffers whose width follows the capacity or the draft count (their tokens
+        and logprobs kept)."""
+        batch, long = self.batch_size, dict(dtype=torch.long, device=self.device)
+        seq_columns = self.capacity + self.max_drafts + 1
+        old = (self.seq, self.logprobs) if hasattr(self, "seq") else None
+        self.seq = torch.zeros(batch, seq_columns, **long)
+        self.logprobs = torch.zeros(batch, seq_columns, dtype=torch.float32, device=self.device)
+        if old is not None:
+            kept = min(seq_columns, old[0].shape[1])
+            self.seq[:, :kept] = old[0][:, :kept]
+            self.logprobs[:, :kept] = old[1][:, :kept]
+        self.drafts = torch.full((batch, self.max_drafts), -1, **long)
+        self.draft_failed = torch.zeros(batch, self.max_drafts, dtype=torch.bool, device=self.device)
+        self.generation += 1
+
+    # ---- what the slot holds -----------------------------------------------------------
+
+    def add_cache(self, decoder: torch.nn.Module, role: str, refeed: int):
+        """A KV cache for `decoder` in this slot; returns its runner and cache."""
+        runner = self.engine.runner(decoder, role)
+        config = decoder.config
+        mask_dtype = None if config._attn_implementation == "sdpa" else self.engine.dtype_of(decoder)
+        cache = WindowCache(self.batch_size, self.capacity, self.device, layer_kinds(config),
+                            mask_dtype)
+        self.caches.append(_Cache(runner, cache, refeed))
+        self._resize_report()
+        return runner, cache
+
+    def _resize_report(self) -> None:
+        rows = Report.FIELDS + len(self.caches) + (self.max_drafts + 1) + self.max_drafts
+        self.report = torch.zeros(rows, self.batch_size, dtype=torch.long, device=self.device)
+        self.generation += 1
+
+    def attached(self, drafter):
+        """`drafter` attached to this slot (once; later calls share the attachment)."""
+        if drafter.key not in self.drafters:
+            self.drafters[drafter.key] = drafter.attach(self)
+        return self.drafters[drafter.key]
+
+    def sampler(self, weight: torch.Tensor):
+        """The LM-head operations on `weight` for this slot's rows (their parameters are the
+        slot's buffers, with the current call's kernel flags)."""
+        return self.engine.sampler(weight, self)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor a step writes besides the KV entries (which a step rewrites with the
+        same values): what a graph capture's warm-up run must leave as it found it."""
+        drafter_state = [t for attached in self.drafters.values() for t in attached.state_tensors()]
+        return [self.seq, self.logprobs, self.length, self.finished, self.num_drafts, self.drafts,
+                self.draft_failed, self.report, *drafter_state,
+                *(t for entry in self.caches for t in (entry.cache.live, entry.cache.position))]
+
+    def nbytes(self) -> int:
+        tensors = [self.seq, self.logprobs, self.drafts, self.draft_failed, self.report]
+        return (sum(t.numel() * t.element_size() for t in tensors)
+                + sum(entry.cache.nbytes() for entry in self.caches))
+
+    @property
+    def target(self) -> _Cache:
+        return self.caches[0]
+
+    # ---- room ----------------------------------------------------------------------------
+
+    def ensure_room(self, report: Report, columns: int) -> None:
+        """Make every cache able to write `columns` more entries after what the next step
+        keeps: compact a cache whose holes leave too little, grow the slot when even its live
+        entries do not fit; then set each cache's view to what it needs."""
+        fills = list(report.fills)
+        for index, entry in enumerate(self.caches):
+            if fills[index] + columns > self.capacity:
+                entry.cache.drop_from(self.length - entry.refeed)
+                entry.cache.compact()
+                fills[index] = int(entry.cache.last_live_column())
+        needed = max(fills) + columns
+        if needed > self.capacity:
+            self.grow(bucket(needed))
+        for entry, fill in zip(self.caches, fills):
+            entry.cache.set_view(bucket(fill + columns))
+
+    def grow(self, capacity: int) -> None:
+        """Larger buffers for every cache and the token columns (graphs are captured anew)."""
+        self.capacity = capacity
+        self._allocate_columns()
+        for entry in self.caches:
+            entry.cache.grow(capacity)
+        self._resize_report()
+
+    def widen(self, max_drafts: int) -> None:
+        """Room for `max_drafts` drafts per step."""
+        self.max_drafts = max_drafts
+        self._allocate_columns()
+        self._resize_report()
+
+    # ---- a call --------------------------------------------------------------------------
+
+    def load(self, plan, call_drafts: int) -> tuple:
+        """Reset the state for `plan`'s rows (the same buffers, so that captured graphs stay
+        valid); rows past the plan's batch pad the bucket and are finished from the start.
+        `call_drafts`: the most drafts the call verifies per step. Returns the prompt as the
+        prefill feeds it: ids, positions and live flags."""
+        rows, width = plan.input_ids.shape
+        pad = self.batch_size - rows
+        mask = plan.attention_mask.long()
+        input_ids = plan.input_ids
+        if pad:
+            input_ids = torch.cat([input_ids, input_ids[:1].expand(pad, -1)])
+            mask = torch.cat([mask, mask[:1].expand(pad, -1)])
+        self.prompt_length.copy_(mask.sum(dim=1))
+        source = (torch.arange(self.seq.shape[1], device=self.device)[None, :]
+                  + width - self.prompt_length[:, None])
+        inside = source < width
+        self.seq.copy_(torch.where(inside, input_ids.gather(1, source.clamp(0, width - 1)), 0))
+        self.logprobs.zero_()
+        self.length.copy_(self.prompt_length)
+        self.end.copy_(self.prompt_length + plan.max_new_tokens)
+        self.end_list = self.end.tolist()
+        self.call_drafts = call_drafts
+        self.finished.copy_(torch.arange(self.batch_size, device=self.device) >= rows)
+        self.num_drafts.fill_(plan.num_drafts)
+        self.eos.fill_(NO_TOKEN)
+        if plan.eos_token_ids is not None:
+            self.eos[: plan.eos_token_ids.numel()] = plan.eos_token_ids
+        params = plan.params
+        if pad:
+            params = params.select(torch.cat([torch.arange(rows), torch.zeros(pad, dtype=torch.long)]),
+                                   validate=False)
+        for name in ("do_sample", "temperature", "top_k", "top_p", "min_p", "seed"):
+            getattr(self.params, name).copy_(getattr(params, name))
+        self.call_params = _with_flags(self.params, params)
+        self.heuristic = plan.schedule == "heuristic" and plan.drafter is not None
+        for entry in self.caches:
+            entry.cache.reset()
+        return input_ids, (mask.cumsum(dim=1) - 1).clamp_min(0), mask.bool()
+
+    # ---- steps (fixed shapes, no host reads: captured on CUDA) ---------------------------
+
+    def plain(self) -> torch.Tensor:
+        positions = (self.length - 1)[:, None].repeat(1, 2)
+        target = self.target
+        hidden = target.runner.step(target.cache, self.seq.gather(1, positions), positions,
+                                    self.one_live)
+        return self.sample(hidden[:, 0])
+
+    def sample(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Sample one token per row from the target's last hidden states and commit it."""
+        sampler = self.engine.target_sampler(self)
+        hidden = hidden.to(sampler.weight.dtype)
+        tokens, logprobs, status = sampler.sample(hidden, self.length)
+        self.commit(tokens[:, None], logprobs[:, None], torch.ones_like(self.length),
+                    torch.zeros_like(self.length), status)
+        return hidden
+
+    def verify(self, width: int, prompt: tuple | None = None):
+        """Verify `width` drafts per row (``drafts[:, :width]``) after the row's last token
+        or, on the first step, after the whole `prompt` (input ids, positions, live flags)."""
+        columns = torch.arange(width, device=self.device)
+        allowed = torch.minimum(self.num_drafts, self.end - self.length - 1)
+        allowed = torch.where(self.finished, 0, allowed)
+        within = columns[None, :] < allowed[:, None]
+        broken = (self.draft_failed[:, :width] & within).any(dim=1)
+        drafts = torch.where(within, self.drafts[:, :width], -1)
+        # Padding (columns a row does not draft) stays out of the cache, at positions within
+        # the row's budget: past it, a learned position table could end.
+        draft_positions = torch.minimum(self.length[:, None] + columns, (self.end - 1)[:, None])
+        target = self.target
+        if prompt is None:
+            last = (self.length - 1)[:, None]      # with the drafts, two columns or more
+            hidden = target.runner.step(
+                target.cache, torch.cat([self.seq.gather(1, last), drafts.clamp_min(0)], dim=1),
+                torch.cat([last, draft_positions], dim=1),
+                torch.cat([torch.ones_like(last, dtype=torch.bool), within], dim=1))
+        else:
+            input_ids, positions, live = prompt
+            hidden = target.runner.forward(target.cache,
+                                           torch.cat([input_ids, drafts.clamp_min(0)], dim=1),
+                                           torch.cat([positions, draft_positions], dim=1),
+                                           torch.cat([live, within], dim=1))
+        sampler = self.engine.target_sampler(self)
+        hidden = hidden[:, -(width + 1):].to(sampler.weight.dtype)
+        num_accepted, tokens, logprobs, accept_probs, status = sampler.verify(
+            hidden, drafts, self.length)
+        self.commit(tokens, logprobs, num_accepted + 1, (drafts >= 0).sum(dim=1), status,
+                    broken, schedule=True, accept_probs=accept_probs)
+        return hidden, drafts
+
+    def commit(self, tokens: torch.Tensor, logprobs: torch.Tensor, proposed: torch.Tensor,
+               drafted: torch.Tensor, status: torch.Tensor, broken: torch.Tensor | None = None,
+               schedule: bool = False, rows: torch.Tensor | None = None,
+               accept_probs: torch.Tensor | None = None) -> None:
+        """Append each row's emitted tokens (cut at its budget and first EOS), update its
+        flags and draft count, and write the report (with the drafts' `accept_probs`).
+        Rows that are finished, flagged by `status`, or (with `rows`) not listed emit
+        nothing."""
+        ok = ~self.finished & (status == 0)
+        if rows is not None:
+            ok &= rows
+        width = tokens.shape[1]
+        columns = torch.arange(width, device=self.device)
+        emitted = torch.where(ok, torch.minimum(proposed, self.end - self.length), 0)
+        emitted, has_end = cut_at_first_end(emitted, torch.isin(tokens, self.eos))
+        index = (self.length[:, None] + columns[None, :]).clamp_max(self.seq.shape[1] - 1)
+        write = columns[None, :] < emitted[:, None]
+        self.seq.scatter_(1, index, torch.where(write, tokens, self.seq.gather(1, index)))
+        self.logprobs.scatter_(1, index, torch.where(write, logprobs.float(),
+                                                     self.logprobs.gather(1, index)))
+        self.length += emitted
+        self.finished |= ok & (has_end | (self.length >= self.end))
+        accepted = torch.where(ok, proposed - 1, 0)
+        drafted = torch.where(ok, drafted, 0)
+        if schedule and self.heuristic:
+            stepped = heuristic_draft_counts(self.num_drafts, accepted, drafted)
+            self.num_drafts.copy_(torch.where(ok, stepped, self.num_drafts))
+        fills = torch.stack([self._fill(entry) for entry in self.caches])
+        fill_rows = fills[:, None].expand(-1, len(ok))
+        broken = torch.zeros_like(ok) if broken is None else broken & ok
+        tokens_rows = torch.full((self.max_drafts + 1, len(ok)), -1, dtype=torch.long,
+                                 device=self.device)
+        tokens_rows[:width] = torch.where(write, tokens, -1).T
+        probs_rows = torch.zeros(self.max_drafts, len(ok), dtype=torch.float64, device=self.device)
+        if accept_probs is not None:
+            probs_rows[: accept_probs.shape[1]] = torch.where(ok[:, None], accept_probs.double(), 0.0).T
+        self.report.copy_(torch.cat([
+            torch.stack([emitted, drafted, accepted, self.finished.long(), status.long(),
+                         broken.long(), self.length, self.num_drafts]),
+            fill_rows, tokens_rows, probs_rows.view(torch.int64)]))
+
+    def _fill(self, entry: _Cache) -> torch.Tensor:
+        """One past the last column of `entry`'s cache still needed by its next step, which
+        re-feeds each row's last ``entry.refeed`` tokens."""
+        cache = entry.cache
+        kept = cache.live & (cache.position < (self.length - entry.refeed)[:, None])
+        return torch.where(kept.any(dim=0), cache.column_index + 1, 0).max()
+
+    def read_report(self) -> Report:
+        return Report.read(self.report, len(self.caches), self.max_drafts)
+
+    def stop_rows(self, rows: list[int], lengths: list[int]) -> None:
+        """End the given rows at the given lengths (a stop string completed inside a step)."""
+        index = torch.tensor(rows, device=self.device)
+        self.length.index_copy_(0, index, torch.tensor(lengths, device=self.device))
+        self.finished.index_fill_(0, index, True)
+
+    def outputs(self, num_rows: int, pad_token_id: int, want_logprobs: bool):
+        """Each of the first `num_rows` rows' new tokens ``[rows, most emitted]`` (padded with
+        `pad_token_id`), their counts and, if wanted, logprobs."""
+        count = (self.length - self.prompt_length)[:num_rows]
+        width = int(count.max()) if num_rows else 0
+        offsets = torch.arange(width, device=self.device)[None, :]
+        index = (self.prompt_length[:num_rows, None] + offsets).clamp_max(self.seq.shape[1] - 1)
+        emitted = offsets < count[:, None]
+        tokens = torch.where(emitted, self.seq[:num_rows].gather(1, index), pad_token_id)
+        logprobs = (torch.where(emitted, self.logprobs[:num_rows].gather(1, index), 0.0)
+                    if want_logprobs else None)
+        return tokens, count, logprobs
+
+
+def cut_at_first_end(emitted: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's emitted count cut after its first end (``ends`` bool ``[B, W]``: an EOS
+    among the tokens it emits), and whether it had one."""
+    columns = torch.arange(ends.shape[1], device=ends.device)
+    ends = ends & (columns[None, :] < emitted[:, None])
+    has_end = ends.any(dim=1)
+    return torch.where(has_end, ends.int().argmax(dim=1) + 1, emitted), has_end
+
+
+def heuristic_draft_counts(num_drafts: torch.Tensor, accepted: torch.Tensor,
+                           drafted: torch.Tensor) -> torch.Tensor:
+    """transformers' "heuristic" schedule: two more drafts after a step that accepted all
+    of its drafts, one fewer (at least one) otherwise."""
+    grow = (accepted == drafted) & (drafted > 0)
+    return torch.where(grow, num_drafts + 2, (num_drafts - 1).clamp_min(1))
+
+
+def _with_flags(buffers: SamplingParams, flags_from: SamplingParams) -> SamplingParams:
+    """`buffers`' tensors with `flags_from`'s host flags (which pick the kernels' variants)."""
+    params = object.__new__(SamplingParams)
+    for field in dataclasses.fields(SamplingParams):
+        source = buffers if field.init else flags_from
+        object.__setattr__(params, field.name, getattr(source, field.name))
+    return params

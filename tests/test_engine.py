@@ -1,0 +1,465 @@
+"""The engine's own machinery, on CPU (its steps run eagerly here; the same steps are
+captured as CUDA graphs on a GPU, see test_generate_gpu.py). test_generate.py pins the
+contract of generate(); these pin what the engine adds: the position-addressed KV cache,
+its views, growth and compaction, the exact completion of rows the fused kernels flag, one
+engine serving every call shape, a drafter of the tests' own, masks for eager attention and
+for mixed sliding/full layers, and its refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3Config
+
+import flashspec
+from flashspec.generation import engine as engine_module
+from flashspec.generation import samplers
+from flashspec.generation import slot as slot_module
+from flashspec.generation.drafters import AttachedDrafter, Drafter
+from flashspec.generation.heads import check_decoder
+from flashspec.generation.kv_cache import FULL, SLIDING, WindowCache, layer_kinds
+
+from _models import tiny_draft, tiny_model
+from test_generate import PROMPTS, flash, left_pad, stock, target
+
+# Sampled rows drafted for greedily by their own model: uneven acceptance per row.
+RAGGED = dict(assistant_model=target(), num_assistant_tokens=4,
+              num_assistant_tokens_schedule="constant")
+
+
+def test_window_cache_rolls_back_by_position():
+    """A batch of one reuses a rejected entry's column at once; a query sees the live
+    entries at or before its position only (and within the window)."""
+    cache = WindowCache(1, 8, torch.device("cpu"), {FULL: None, SLIDING: 3}, None)
+    cache.begin(torch.arange(4)[None, :])                        # positions 0..3
+    assert cache.columns.tolist() == [0, 1, 2, 3]
+    masks = cache.begin(torch.tensor([[2, 3, 4]]))                 # 2 and 3 are stale
+    assert cache.columns.tolist() == [2, 3, 4]
+    assert cache.live[0].tolist() == [True] * 5 + [False] * 4      # 8 columns + the spare
+    full = masks[FULL][0, 0]
+    assert full[:, :5].int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert masks[SLIDING][0, 0, 2, :5].int().tolist() == [0, 0, 1, 1, 1]   # positions 2..4
+    assert not bool(full[:, 5:].any())
+
+
+def test_window_cache_ragged_rows_leave_holes_that_compaction_removes():
+    cache = WindowCache(2, 8, torch.device("cpu"), {FULL: None}, None)
+    cache.begin(torch.tensor([[0, 1, 2], [0, 1, 2]]))
+    cache.begin(torch.tensor([[1, 2], [3, 4]]))                     # row 0 drops 1 and 2
+    assert cache.columns.tolist() == [3, 4]
+    assert cache.live.int().tolist() == [[1, 0, 0, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0, 0]]
+    keys = torch.arange(2 * 9, dtype=torch.float32).view(2, 1, 9, 1)
+    cache.update(keys[:, :, :2], keys[:, :, :2], 0)                 # creates the layer buffers
+    cache.layers[0].keys.copy_(keys)
+    cache.compact()
+    assert cache.live.int().tolist() == [[1, 1, 1, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0, 0]]
+    assert cache.position[0, :3].tolist() == [0, 1, 2]
+    assert cache.layers[0].keys[0, 0, :3, 0].tolist() == [0.0, 3.0, 4.0]
+    assert cache.layers[0].keys[1, 0, :5, 0].tolist() == [9.0, 10.0, 11.0, 12.0, 13.0]
+
+
+def test_layer_kinds_follow_the_config():
+    assert layer_kinds(tiny_model("llama").config) == {FULL: None}
+    assert layer_kinds(tiny_model("mistral").config) == {FULL: 6}
+    mixed = Qwen3Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=6,
+                        max_window_layers=2)
+    assert layer_kinds(mixed) == {FULL: None, SLIDING: 6}
+    mixed.layer_types = ["full_attention", "linear_attention"]
+    assert layer_kinds(mixed) is None
+
+
+def tight_capacity(monkeypatch):
+    """Caches of exactly the columns a step needs, so that holes left by uneven acceptance
+    fill them up and the slot grows column by column; returns the list of compactions."""
+    compactions = []
+    compact = WindowCache.compact
+    for module in (slot_module, engine_module):
+        monkeypatch.setattr(module, "bucket", lambda columns: columns)
+    monkeypatch.setattr(WindowCache, "compact", lambda self: (compactions.append(1), compact(self)))
+    return compactions
+
+
+@pytest.mark.parametrize("drafter", ["assistant", "lookup"])
+def test_compaction_and_growth_keep_every_row_exact(monkeypatch, drafter):
+    ids, mask = left_pad(PROMPTS)
+    kwargs = RAGGED if drafter == "assistant" else dict(prompt_lookup_num_tokens=4)
+    sampling = dict(do_sample=True, top_k=0, seed=3, max_new_tokens=24)
+    plain = flash(target(), ids, mask, **sampling)
+    engine_module.drop_engine(target().model)
+    compactions = tight_capacity(monkeypatch)
+    fast = flash(target(), ids, mask, **kwargs, **sampling)
+    assert compactions
+    assert torch.equal(fast.sequences, plain.sequences)
+    greedy = flash(target(), ids, mask, max_new_tokens=24, **kwargs)
+    assert torch.equal(greedy.sequences, stock(target(), ids, mask, max_new_tokens=24))
+    engine_module.drop_engine(target().model)
+
+
+class _FlaggingSampler(samplers.MaterializedSampler):
+    """Flags every other row as needing exact completion and returns garbage for it, as
+    the fused kernels do when a truncated support overflows their candidate budget."""
+
+    flagged = 0
+
+    def _flag(self, tokens, status):
+        rows = torch.arange(len(status)) % 2 == 0
+        _FlaggingSampler.flagged += int(rows.sum())
+        return torch.where(rows.view(-1, *[1] * (tokens.dim() - 1)), 7, tokens), \
+            torch.where(rows, samplers.NEEDS_COMPLETION, status).to(torch.int32)
+
+    def sample(self, hidden, positions):
+        tokens, logprobs, status = super().sample(hidden, positions)
+        tokens, status = self._flag(tokens, status)
+        return tokens, logprobs, status
+
+    def verify(self, hidden, drafts, positions):
+        num_accepted, tokens, logprobs, accept_probs, status = super().verify(hidden, drafts,
+                                                                              positions)
+        tokens, status = self._flag(tokens, status)
+        return num_accepted, tokens, logprobs, accept_probs, status
+
+
+@pytest.mark.parametrize("mode", ["plain", "assistant"])
+def test_flagged_rows_are_completed_exactly(monkeypatch, mode):
+    ids, mask = left_pad(PROMPTS)
+    kwargs = dict(RAGGED) if mode == "assistant" else {}
+    sampling = dict(do_sample=True, top_k=5, seed=11, max_new_tokens=12, output_logprobs=True)
+    engine_module.drop_engine(target().model)
+    unflagged = flash(target(), ids, mask, **kwargs, **sampling)
+    monkeypatch.setattr(samplers, "MaterializedSampler", _FlaggingSampler)
+    _FlaggingSampler.flagged = 0
+    engine_module.drop_engine(target().model)
+    fast = flash(target(), ids, mask, **kwargs, **sampling)
+    engine_module.drop_engine(target().model)
+    assert _FlaggingSampler.flagged > 0
+    assert torch.equal(fast.sequences, unflagged.sequences)
+    torch.testing.assert_close(fast.logprobs, unflagged.logprobs)
+    for name in ("emitted", "accepted"):
+        assert torch.equal(getattr(fast.flash_stats, name), getattr(unflagged.flash_stats, name))
+    torch.testing.assert_close(fast.flash_stats.accept_probs, unflagged.flash_stats.accept_probs,
+                               rtol=1e-5, atol=1e-5)   # fp32 forwards of other shapes
+
+
+@pytest.mark.parametrize("schedule, allowed", [
+    ("constant", {3}), ("heuristic", {1, 2, 4, 8, 16, 19})])
+def test_verification_steps_take_few_distinct_widths(monkeypatch, schedule, allowed):
+    """Each verification width is a compilation and a captured graph on CUDA, so the steps
+    after the prompt verify a constant schedule's G (rows near their budget verify padding)
+    or the heuristic schedule's next power of two (up to its most drafts, 19 here). The
+    tokens stay the plain run's."""
+    widths = []
+    verify = slot_module.Slot.verify
+    monkeypatch.setattr(slot_module.Slot, "verify", lambda self, width, prompt=None: (
+        widths.append(width) if prompt is None else None, verify(self, width, prompt))[1])
+    ids, mask = left_pad(PROMPTS)
+    sampling = dict(do_sample=True, top_k=0, seed=4, max_new_tokens=20)
+    fast = flash(target(), ids, mask, assistant_model=target(), num_assistant_tokens=3,
+                 num_assistant_tokens_schedule=schedule, **sampling)
+    assert widths and set(widths) <= allowed
+    assert torch.equal(fast.sequences, flash(target(), ids, mask, **sampling).sequences)
+
+
+def test_padding_stays_inside_the_position_table():
+    """GPT-2 learns a table of 256 positions. With prompt + max_new_tokens = 256 and 4 drafts
+    per step, all accepted (the model drafts for itself), the prompt of 243 tokens grows to
+    248 and 253, where the row may take 2 drafts: the step's 2 padding columns lie past the
+    budget. They are fed at positions inside the table (and kept out of the cache), so the
+    run ends as the plain run does."""
+    model = target("gpt2")
+    assert model.config.max_position_embeddings == 256
+    ids = torch.randint(1, 100, (1, 243), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(assistant_model=model, num_assistant_tokens=4,
+                  num_assistant_tokens_schedule="constant", max_new_tokens=13)
+    fast = flash(model, ids, **kwargs)
+    assert torch.equal(fast.sequences, flash(model, ids, max_new_tokens=13).sequences)
+
+
+@pytest.mark.parametrize("seed", [3, 11])
+def test_ragged_rows_stay_inside_the_position_table(seed):
+    """Two rows, one ending at GPT-2's last position, the model sampling and drafting for
+    itself: acceptance is ragged, so the row at the end of its budget is padded, or keeps
+    drafting, while the other row drafts more (seed 3 overran the table in an earlier loop's
+    assistant, seed 11 in its verification). The engine feeds that work at positions inside
+    the row's budget and agrees with the plain run."""
+    model = target("gpt2")
+    g = torch.Generator().manual_seed(0)
+    ids, mask = left_pad([torch.randint(1, 100, (243,), generator=g).tolist(),
+                          torch.randint(1, 100, (200,), generator=g).tolist()])
+    kwargs = dict(assistant_model=model, num_assistant_tokens=4,
+                  num_assistant_tokens_schedule="constant", max_new_tokens=13, do_sample=True,
+                  seed=seed)
+    fast = flash(model, ids, mask, **kwargs)
+    plain = flash(model, ids, mask, max_new_tokens=13, do_sample=True, seed=seed)
+    assert torch.equal(fast.sequences, plain.sequences)
+
+
+class _Twin:
+    """A second copy of the target (same weights, its own engine): the reference for
+    calls that share one engine."""
+
+    def __init__(self):
+        self.model = tiny_model("llama")
+
+    def __call__(self, ids, mask, **kwargs):
+        engine_module.drop_engine(self.model.model)
+        return flash(self.model, ids, mask, **kwargs)
+
+
+def test_one_engine_serves_every_call_shape():
+    """Varied prompt lengths, max_new_tokens, batch sizes, sampling settings and drafters
+    run on one engine, alternating, without rebuilding it or its slots, with the tokens of
+    a fresh engine for each call (issue 28's CPU acceptance)."""
+    model = tiny_model("llama")
+    twin = _Twin()
+    assistant = tiny_draft("llama")
+    g = torch.Generator().manual_seed(5)
+    calls = []
+    for rows, length, new in [(1, 5, 8), (3, 9, 20), (1, 14, 6), (2, 5, 40), (3, 30, 10), (1, 5, 8)]:
+        ids, mask = left_pad([torch.randint(1, 100, (length - r,), generator=g).tolist()
+                              for r in range(rows)])
+        calls.append((ids, mask, new))
+    settings = [dict(), dict(do_sample=True, top_k=20, top_p=0.9, seed=3),
+                dict(prompt_lookup_num_tokens=3), dict(assistant_model=assistant, num_assistant_tokens=2),
+                dict(do_sample=True, temperature=0.6, seed=[4, 5, 6][:1])]
+    engine, slots = None, {}
+    for index, (ids, mask, new) in enumerate(calls * 2):
+        kwargs = dict(settings[index % len(settings)], max_new_tokens=new)
+        if isinstance(kwargs.get("seed"), list):
+            kwargs["seed"] = kwargs["seed"] * ids.shape[0]
+        out = flash(model, ids, mask, **kwargs)
+        assert torch.equal(out.sequences, twin(ids, mask, **kwargs).sequences), (index, kwargs)
+        current = engine_module.cached_engine(model.model)
+        assert engine is None or current is engine
+        engine = current
+        for batch, slot in engine.slots.items():
+            assert slots.setdefault(batch, slot) is slot          # never rebuilt
+    assert sorted(engine.slots) == [1, 2, 3]
+
+
+def test_a_slot_grows_when_a_call_needs_more_columns():
+    """A call longer than the slot's capacity grows it (and its views follow the live
+    length: a later short call attends over the smallest view again)."""
+    model, twin = tiny_model("llama"), _Twin()
+    ids, mask = left_pad(PROMPTS[:2])
+    flash(model, ids, mask, max_new_tokens=4)
+    slot = engine_module.cached_engine(model.model).slots[2]
+    assert slot.capacity == slot_module.MIN_VIEW
+    out = flash(model, ids, mask, max_new_tokens=300, prompt_lookup_num_tokens=3)
+    assert slot.capacity == 2 * slot_module.MIN_VIEW
+    assert torch.equal(out.sequences, twin(ids, mask, max_new_tokens=300).sequences)
+    flash(model, ids, mask, max_new_tokens=4)
+    assert slot.target.cache.view == slot_module.MIN_VIEW
+
+
+class _FixedContinuation(Drafter):
+    """A drafter of the tests' own: proposes ``continuation[length - start:]`` for every
+    row, where ``length`` is the row's length so far (a known answer, so acceptance is
+    predictable)."""
+
+    def __init__(self, continuation: list[int], start: int):
+        self.continuation = continuation
+        self.start = start
+        self.key = ("fixed", tuple(continuation), start)
+
+    def attach(self, slot) -> AttachedDrafter:
+        return _AttachedFixed(self, slot)
+
+
+class _AttachedFixed(AttachedDrafter):
+    def __init__(self, drafter: _FixedContinuation, slot):
+        self.slot = slot
+        self.tokens = torch.tensor(drafter.continuation + [-1] * slot.max_drafts)
+        self.first = drafter.start
+
+    def steps(self, width):
+        def propose():
+            offset = (self.slot.length - self.first).clamp(0, len(self.tokens) - 1)
+            index = (offset[:, None] + torch.arange(width)).clamp_max(len(self.tokens) - 1)
+            self.slot.drafts[:, :width] = self.tokens[index]
+            self.slot.draft_failed[:, :width] = False
+        return [(("fixed", width), propose)]
+
+
+def test_a_drafter_of_the_tests_own_runs_through_generate():
+    """The engine runs any `Drafter`: one proposing the greedy continuation (known from a
+    plain run) gets every draft accepted; one proposing garbage gets the same tokens."""
+    ids = torch.tensor([[5, 6, 7, 8]])
+    plain = flash(target(), ids, max_new_tokens=12)
+    continuation = plain.sequences[0, 4:].tolist()
+    right = flash(target(), ids, max_new_tokens=12, drafter=_FixedContinuation(continuation, 4),
+                  num_assistant_tokens=3)
+    assert torch.equal(right.sequences, plain.sequences)
+    stats = right.flash_stats
+    assert int(stats.accepted.sum()) == int(stats.drafted.sum()) > 0
+    wrong = flash(target(), ids, max_new_tokens=12, num_assistant_tokens=3,
+                  drafter=_FixedContinuation([(t + 1) % 100 for t in continuation], 4))
+    assert torch.equal(wrong.sequences, plain.sequences)
+    assert int(wrong.flash_stats.drafted.sum()) > 0
+    with pytest.raises(ValueError, match="`drafter` is a flashspec option"):
+        target().generate(ids, drafter=_FixedContinuation(continuation, 4), max_new_tokens=2)
+
+
+def test_engine_is_rebuilt_when_the_weights_are_new_tensors():
+    """A replaced LM-head weight, or a model moved to another dtype, gets a new engine (the
+    old one's samplers and graphs hold the old tensors): the tokens follow the new weights,
+    as a fresh engine's do."""
+    model = flashspec.wrap(tiny_model("llama"))
+    ids, mask = left_pad(PROMPTS)
+    sampling = dict(do_sample=True, top_k=5, seed=3, max_new_tokens=8)
+
+    def fresh():
+        engine_module.drop_engine(model.model)
+        return flash(model, ids, mask, **sampling).sequences
+
+    flash(model, ids, mask, **sampling)
+    engine = engine_module.cached_engine(model.model)
+    with torch.no_grad():
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.flip(0).clone())
+    fast = flash(model, ids, mask, **sampling).sequences
+    assert engine_module.cached_engine(model.model) is not engine
+    assert torch.equal(fast, fresh())
+    engine = engine_module.cached_engine(model.model)
+    model.double()
+    fast = flash(model, ids, mask, **sampling).sequences
+    assert engine_module.cached_engine(model.model) is not engine
+    assert torch.equal(fast, fresh())
+
+
+def test_materialized_sampler_gives_the_same_tokens():
+    ids, mask = left_pad(PROMPTS)
+    sampling = dict(do_sample=True, top_p=0.9, seed=5, max_new_tokens=10)
+    for kwargs in ({}, RAGGED, dict(prompt_lookup_num_tokens=3)):
+        fused = target().generate(ids, attention_mask=mask, sampler="flash", **kwargs, **sampling)
+        materialized = target().generate(ids, attention_mask=mask, sampler="materialized",
+                                         **kwargs, **sampling)
+        assert torch.equal(fused, materialized)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_eager_attention_gets_additive_masks(arch):
+    model, assistant = tiny_model(arch), tiny_draft(arch)
+    for each in (model, assistant):
+        each.set_attn_implementation("eager")
+        assert each.config._attn_implementation == "eager"
+    ids, mask = left_pad(PROMPTS)
+    for kwargs in ({}, dict(assistant_model=assistant, num_assistant_tokens=3)):
+        out = flash(model, ids, mask, **kwargs)
+        assert torch.equal(out.sequences, stock(model, ids, mask))
+
+
+def test_mixed_sliding_and_full_layers_equal_stock():
+    """Qwen3 with sliding-window layers after two full ones: one mask per layer kind."""
+    model = tiny_model("qwen3", num_hidden_layers=4, use_sliding_window=True, sliding_window=5,
+                       max_window_layers=2,
+                       layer_types=["full_attention"] * 2 + ["sliding_attention"] * 2)
+    ids, mask = left_pad(PROMPTS)
+    for kwargs in ({}, dict(assistant_model=model, num_assistant_tokens=3),
+                   dict(prompt_lookup_num_tokens=3)):
+        out = flash(model, ids, mask, max_new_tokens=16, **kwargs)
+        assert torch.equal(out.sequences, stock(model, ids, mask, max_new_tokens=16))
+
+
+def test_attention_it_cannot_address_by_position_is_refused():
+    model = tiny_model("llama")
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="attn_implementation='flash_attention_2'.*'sdpa'"):
+        check_decoder(model.model, "model")
+    ids, mask = left_pad(PROMPTS[:1])
+    for kwargs, message in [
+        (dict(sampler="flash", engine="static"), r"`engine` is not supported"),
+        (dict(sampler="fast"), r"`sampler`='fast' is not allowed"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            target().generate(ids, attention_mask=mask, max_new_tokens=2, **kwargs)
+
+
+def test_non_finite_logits_are_reported_by_the_engine():
+    broken = tiny_model("llama")
+    with torch.no_grad():
+        broken.lm_head.weight[7, 0] = float("nan")
+    ids, mask = left_pad(PROMPTS[:2])
+    with pytest.raises(flashspec.NonFiniteLogitsError, match="the model"):
+        broken.generate(ids, attention_mask=mask, sampler="flash", max_new_tokens=3,
+                        do_sample=True)
+    assistant = tiny_model("llama")
+    with torch.no_grad():
+        assistant.lm_head.weight[7, 0] = float("inf")
+    with pytest.raises(flashspec.NonFiniteLogitsError, match="assistant_model"):
+        target().generate(ids, attention_mask=mask, sampler="flash", max_new_tokens=3,
+                          assistant_model=assistant)
+
+
+def test_warmup_runs_every_bucket_and_view_and_leaves_the_engine_serving():
+    """On CPU nothing compiles or captures, but warm-up still meets every batch size and KV
+    view up to max_length through real calls, leaves the engine with those slots, and the
+    budget it was given."""
+    model = tiny_model("llama")
+    result = flashspec.generation.warmup(model, batch_sizes=(1, 3), max_length=600,
+                                         prompt_lookup_num_tokens=3, memory_budget=2**30,
+                                         progress=False)
+    engine = engine_module.cached_engine(model.model)
+    assert sorted(engine.slots) == [1, 3]
+    assert engine.slots[1].capacity >= 1024 > 600
+    assert engine.memory_budget == 2**30 and result["memory"]["budget_bytes"] == 2**30
+    assert result["compilations"] == [] and result["captures"] == []
+    ids, mask = left_pad(PROMPTS)
+    assert torch.equal(flash(model, ids, mask, prompt_lookup_num_tokens=3).sequences,
+                       flash(target(), ids, mask).sequences)
+    for bad, message in [(dict(max_length=1), "`max_length`"), (dict(batch_sizes=(0,)), "`batch_sizes`"),
+                         (dict(memory_budget=-1), "`memory_budget`")]:
+        with pytest.raises(ValueError, match=message):
+            flashspec.generation.warmup(model, progress=False, **bad)
+
+
+def test_a_call_over_the_memory_budget_is_refused_naming_what_to_lower():
+    model = tiny_model("llama")
+    engine_module.set_memory_budget(model.model, 1000)
+    ids, mask = left_pad(PROMPTS)
+    with pytest.raises(ValueError, match="over its memory budget.*lower max_new_tokens"):
+        flash(model, ids, mask, max_new_tokens=4)
+
+
+def test_the_disk_cache_is_private(tmp_path, monkeypatch):
+    """Created 0700; a directory others may write is refused (torch's caches hold pickles)."""
+    from flashspec.generation import compiled
+    monkeypatch.setenv(compiled.CACHE_ENV, str(tmp_path / "mine"))
+    path = compiled.cache_dir()
+    assert path.is_dir() and (path.stat().st_mode & 0o777) == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    monkeypatch.setenv(compiled.CACHE_ENV, str(shared))
+    with pytest.raises(PermissionError, match="writable by others"):
+        compiled.cache_dir()
+
+
+def test_one_compilation_per_decoder_serves_every_shape(monkeypatch):
+    """With compilation on (as on CUDA; here inductor's CPU backend), varied batch sizes,
+    prompt lengths, KV views, capacity growth, draft counts and drafters compile each decoder
+    once: one graph for the target, one for the assistant, no recompilation."""
+    from torch._dynamo.utils import counters
+
+    from flashspec.generation.compiled import DecoderRunner
+
+    def compiling_runner(self, decoder, role):
+        if decoder not in self.runners:
+            self.runners[decoder] = DecoderRunner(decoder, role, True, self.events)
+        return self.runners[decoder]
+
+    monkeypatch.setattr(engine_module.Engine, "runner", compiling_runner)
+    torch._dynamo.reset()
+    model, assistant, reference = tiny_model("qwen3"), tiny_draft("qwen3"), tiny_model("qwen3")
+    before = counters["stats"]["unique_graphs"]
+    g = torch.Generator().manual_seed(0)
+    for rows, length, new, kwargs in [
+            (2, 5, 8, {}), (3, 9, 20, {}), (2, 140, 130, {}), (4, 14, 12, {}),
+            (2, 5, 10, dict(prompt_lookup_num_tokens=3)), (5, 7, 12, dict(prompt_lookup_num_tokens=5)),
+            (2, 6, 10, dict(assistant_model=assistant, num_assistant_tokens=3)),
+            (6, 8, 12, dict(assistant_model=assistant, num_assistant_tokens=2))]:
+        ids = torch.randint(1, 100, (rows, length), generator=g)
+        out = model.generate(ids, sampler="flash", max_new_tokens=new, do_sample=False, **kwargs)
+        assert torch.equal(out, reference.generate(ids, sampler="flash", max_new_tokens=new,
+                                                   do_sample=False)), (rows, length, kwargs)
+    events = engine_module.cached_engine(model.model).events
+    assert [e.kind for e in events] == ["compile", "compile"]
+    assert counters["stats"]["unique_graphs"] - before == 2
