@@ -178,9 +178,9 @@ def test_padding_stays_inside_the_position_table():
 def test_ragged_rows_stay_inside_the_position_table(seed):
     """Two rows, one ending at GPT-2's last position, the model sampling and drafting for
     itself: acceptance is ragged, so the row at the end of its budget is padded, or keeps
-    drafting, while the other row drafts more (seed 3 overran the table in an earlier loop's
-    assistant, seed 11 in its verification). The engine feeds that work at positions inside
-    the row's budget and agrees with the plain run."""
+    drafting, while the other row drafts more (seeds 3 and 11 reach the table's end in the
+    assistant's and in the verification's padding). The engine feeds that work at positions
+    inside the row's budget and agrees with the plain run."""
     model = target("gpt2")
     g = torch.Generator().manual_seed(0)
     ids, mask = left_pad([torch.randint(1, 100, (243,), generator=g).tolist(),
@@ -373,22 +373,6 @@ def test_attention_it_cannot_address_by_position_is_refused():
             target().generate(ids, attention_mask=mask, max_new_tokens=2, **kwargs)
 
 
-def test_non_finite_logits_are_reported_by_the_engine():
-    broken = tiny_model("llama")
-    with torch.no_grad():
-        broken.lm_head.weight[7, 0] = float("nan")
-    ids, mask = left_pad(PROMPTS[:2])
-    with pytest.raises(flashspec.NonFiniteLogitsError, match="the model"):
-        broken.generate(ids, attention_mask=mask, sampler="flash", max_new_tokens=3,
-                        do_sample=True)
-    assistant = tiny_model("llama")
-    with torch.no_grad():
-        assistant.lm_head.weight[7, 0] = float("inf")
-    with pytest.raises(flashspec.NonFiniteLogitsError, match="assistant_model"):
-        target().generate(ids, attention_mask=mask, sampler="flash", max_new_tokens=3,
-                          assistant_model=assistant)
-
-
 def test_warmup_runs_every_bucket_and_view_and_leaves_the_engine_serving():
     """On CPU nothing compiles or captures, but warm-up still meets every batch size and KV
     view up to max_length through real calls, leaves the engine with those slots, and the
@@ -463,3 +447,100 @@ def test_one_compilation_per_decoder_serves_every_shape(monkeypatch):
     events = engine_module.cached_engine(model.model).events
     assert [e.kind for e in events] == ["compile", "compile"]
     assert counters["stats"]["unique_graphs"] - before == 2
+
+
+@pytest.fixture
+def emulated_graphs(monkeypatch):
+    """A CPU stand-in for CUDA graphs: batches padded to their bucket as on CUDA, and each
+    step's function kept under the engine's graph key and run again for later steps of that
+    key, as a captured graph replays what it captured (a key that misses something a step
+    depends on then replays the wrong step). Returns the keys in capture order."""
+    captured, order = {}, []
+    bucket_on_cuda = engine_module.batch_bucket
+    monkeypatch.setattr(engine_module, "batch_bucket", lambda rows, graphs: bucket_on_cuda(rows, True))
+
+    def run_step(self, slot, key, fn, drafter=None):
+        full_key = self.graph_key(slot, key, drafter)
+        if full_key not in captured:
+            captured[full_key] = fn
+            order.append(full_key)
+        return captured[full_key]()
+
+    monkeypatch.setattr(engine_module.Engine, "_run_step", run_step)
+    return order
+
+
+def _stats_equal(a, b) -> bool:
+    return all(torch.equal(getattr(a, name), getattr(b, name)) for name in ("drafted", "accepted"))
+
+
+def test_graph_keys_hold_everything_a_step_depends_on(emulated_graphs):
+    """Under emulated replay, one engine alternating drafters (prompt lookup with other
+    n-gram sizes, two assistants), padded buckets and one-token prompts drafts and emits
+    exactly what a fresh engine does for each call."""
+    model, twin = tiny_model("llama"), _Twin()
+    first, second = tiny_draft("llama"), tiny_draft("llama", seed=5)
+    ids, mask = left_pad(PROMPTS[:3])
+    one_token = torch.tensor([[5]])
+    calls = [(ids, mask, dict(prompt_lookup_num_tokens=3, max_matching_ngram_size=1)),
+             (ids, mask, dict(prompt_lookup_num_tokens=3, max_matching_ngram_size=3)),
+             (ids, mask, dict(assistant_model=second, num_assistant_tokens=3)),
+             (ids, mask, dict(assistant_model=first, num_assistant_tokens=3)),
+             (one_token, torch.ones_like(one_token), dict(assistant_model=first, num_assistant_tokens=3)),
+             (ids[:1], mask[:1], dict(do_sample=True, top_k=3, seed=2))]
+    for ids_, mask_, kwargs in calls * 2:
+        kwargs = dict(kwargs, max_new_tokens=12)
+        out, fresh = flash(model, ids_, mask_, **kwargs), twin(ids_, mask_, **kwargs)
+        assert torch.equal(out.sequences, fresh.sequences), kwargs
+        assert _stats_equal(out.flash_stats, fresh.flash_stats), kwargs
+    assert sorted(engine_module.cached_engine(model.model).slots) == [2, 4]
+
+
+def test_after_warmup_calls_capture_nothing(emulated_graphs):
+    """Warm-up meets every step a later call of its settings takes, over the slot's final
+    buffers: the calls after it add no graph."""
+    model = tiny_model("llama")
+    assistant = tiny_draft("llama")
+    settings = dict(assistant_model=assistant, num_assistant_tokens=10)
+    flashspec.generation.warmup(model, batch_sizes=(1, 3), max_length=600, progress=False,
+                                **settings)
+    captured = len(emulated_graphs)
+    g = torch.Generator().manual_seed(3)
+    for rows, length, new in [(1, 20, 40), (3, 300, 100), (2, 500, 90)]:
+        ids = torch.randint(1, 100, (rows, length), generator=g)
+        flash(model, ids, max_new_tokens=new, **settings)
+    assert [key[1:2] + key[3:5] for key in emulated_graphs[captured:]] == []
+
+
+class _FlagRowOne(samplers.MaterializedSampler):
+    """Flags row 1 as needing completion at every step (and gives it garbage)."""
+
+    def sample(self, hidden, positions):
+        tokens, logprobs, status = super().sample(hidden, positions)
+        return tokens, logprobs, torch.where(torch.arange(len(status)) == 1,
+                                             samplers.NEEDS_COMPLETION, status).to(torch.int32)
+
+
+def test_rows_padding_a_bucket_never_ask_for_work(emulated_graphs, monkeypatch):
+    """A batch of one runs in a bucket of two: the padding row is finished from the start,
+    so whatever the kernels flag for it, nothing is completed or reported for it."""
+    completions = []
+    complete = samplers.complete_sample
+    monkeypatch.setattr(samplers, "complete_sample",
+                        lambda *args: (completions.append(1), complete(*args))[1])
+    ids = torch.tensor([[5, 6, 7]])
+    plain = flash(target(), ids, max_new_tokens=6, do_sample=True, seed=1).sequences
+    model = tiny_model("llama")
+    monkeypatch.setattr(samplers, "MaterializedSampler", _FlagRowOne)
+    out = flash(model, ids, max_new_tokens=6, do_sample=True, seed=1)
+    assert torch.equal(out.sequences, plain) and not completions
+    assert engine_module.cached_engine(model.model).slots[2].batch_size == 2
+
+
+def test_more_end_of_sequence_ids_than_a_slot_holds():
+    eos = list(range(100, 100 + 2 * slot_module.EOS_SLOTS))
+    ids, mask = left_pad(PROMPTS)
+    for _ in range(2):                       # the second call reuses the widened buffer
+        out = flash(target(), ids, mask, eos_token_id=eos, max_new_tokens=16)
+        assert torch.equal(out.sequences, stock(target(), ids, mask, eos_token_id=eos,
+                                                max_new_tokens=16))

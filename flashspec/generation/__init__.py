@@ -7,7 +7,7 @@ engine.py    the engine of a target model: slots, graphs, memory, the step loop 
 slot.py      one batch bucket's device state and its fixed-shape steps (prefill, plain,
              verify, commit)
 drafters.py  the Drafter interface; assistant-model and prompt-lookup drafters
-compiled.py  decoder forwards, eager or compiled once per step kind; the on-disk cache
+compiled.py  decoder forwards, eager or compiled once per decoder; the on-disk cache
 kv_cache.py  the position-addressed KV cache (rollback by position, views, growth)
 samplers.py  the LM-head operations a step runs (fused kernels or materialized logits)
 outputs.py   FlashGenerateOutput, SpeculationStats

@@ -1,4 +1,4 @@
-"""How the engine runs a decoder forward: eagerly, or compiled once per decoder and step kind.
+"""How the engine runs a decoder forward: eagerly, or compiled once per decoder.
 
 A compiled forward is traced with symbolic sizes (`torch._dynamo.maybe_mark_dynamic`): the
 batch rows, the tokens fed per row, the cache's capacity and the KV columns attended over are
@@ -21,6 +21,7 @@ import logging
 import os
 import stat
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -91,7 +92,8 @@ class DecoderRunner:
     through its compiled forward."""
 
     def __init__(self, decoder: torch.nn.Module, role: str, compile: bool, events: list[Event]):
-        self.decoder = decoder
+        # Weak: the engine keeps runners by decoder, and an assistant the user drops must go.
+        self._decoder = weakref.ref(decoder)
         self.role = role
         self.compile = compile
         self.events = events
@@ -104,6 +106,10 @@ class DecoderRunner:
             dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
             dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 1024)
             self._compiled = torch.compile(self._forward)
+
+    @property
+    def decoder(self) -> torch.nn.Module:
+        return self._decoder()
 
     def forward(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 new_live: torch.Tensor | None = None) -> torch.Tensor:

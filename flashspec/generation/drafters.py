@@ -110,7 +110,9 @@ class _AttachedAssistant(AttachedDrafter):
     def _draft_first(self) -> None:
         slot = self.slot
         positions = (slot.length - 2)[:, None] + torch.arange(2, device=slot.device)
-        live = torch.ones_like(positions, dtype=torch.bool)
+        # A row of one token (a finished row padding the batch) has no token before its last.
+        live = positions >= 0
+        positions = positions.clamp_min(0)
         hidden = self.runner.step(self.cache, slot.seq.gather(1, positions), positions, live)[:, -1]
         self._write(0, self.sampler.argmax(hidden.to(self.head.weight.dtype)))
         self.count.fill_(1)

@@ -3,8 +3,8 @@
 The engine lives on the target's decoder (so it goes away with the model) and holds:
 
 * one `DecoderRunner` per decoder it has met (the target, assistants): on CUDA each runs
-  a forward compiled once per step kind with symbolic sizes (`compiled`), so no prompt
-  length, `max_new_tokens`, sampling value or batch size compiles again;
+  a forward compiled once with symbolic sizes (`compiled`), so no prompt length,
+  `max_new_tokens`, sampling value or batch size compiles again;
 * one `Slot` per batch bucket (on CUDA 2, 4, 8, ... rows; the rows a call lacks are
   finished padding): running state and KV caches, grown when a call needs more columns,
   evicted least recently used when a new one does not fit the memory budget;
@@ -46,11 +46,12 @@ def engine_for(plan, sampler: str = "fused") -> "Engine":
         raise ValueError(f"`sampler`={sampler!r} is not allowed: use one of {SAMPLER_KINDS}")
     decoder = plan.head.decoder
     engine = getattr(decoder, _ENGINE_ATTRIBUTE, None)
-    if engine is None or not engine.serves(plan.head, sampler):
+    if engine is None or not engine.serves(plan.head):
         if engine is not None:
             engine.release()
-        engine = Engine(plan.head, sampler)
+        engine = Engine(plan.head)
         object.__setattr__(decoder, _ENGINE_ATTRIBUTE, engine)
+    engine.sampler_kind = sampler
     return engine
 
 
@@ -85,9 +86,9 @@ def drop_engine(decoder: torch.nn.Module) -> None:
 
 
 class Engine:
-    def __init__(self, head, sampler: str):
+    def __init__(self, head):
         self.head = head
-        self.sampler_kind = sampler
+        self.sampler_kind = "fused"               # this call's: part of every graph's key
         self.device = head.weight.device
         self.graphs_enabled = self.device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
@@ -103,13 +104,14 @@ class Engine:
         if self.memory_budget is None and self.device.type == "cuda":
             self.memory_budget = int(0.5 * torch.cuda.mem_get_info(self.device)[0])
 
-    def serves(self, head, sampler: str) -> bool:
+    def serves(self, head) -> bool:
         """Same weights where the engine's graphs and samplers read them."""
-        return sampler == self.sampler_kind and _weight_storage(head) == self.weight_storage
+        return _weight_storage(head) == self.weight_storage
 
     def release(self) -> None:
         self.graphs.clear()
         self.slots.clear()
+        self.graph_bytes = 0
 
     # ---- what the engine holds ---------------------------------------------------------
 
@@ -158,11 +160,10 @@ class Engine:
             self.grow(slot, capacity)
         if max_drafts > slot.max_drafts:
             slot.widen(max_drafts)
-        if drafter is not None:
-            slot.attached(drafter)
         return slot
 
     def grow(self, slot: Slot, capacity: int) -> None:
+        """Grow `slot` to `capacity` KV columns within the memory budget."""
         extra = slot.nbytes() * (capacity / slot.capacity - 1)
         self._make_room(int(extra), keep=slot)
         slot.grow(capacity)
@@ -192,7 +193,8 @@ class Engine:
 
     def _evict(self, batch: int) -> None:
         slot = self.slots.pop(batch)
-        self.graphs = {key: value for key, value in self.graphs.items() if key[0] != id(slot)}
+        for key in [key for key in self.graphs if key[0] == id(slot)]:
+            self.graph_bytes -= self.graphs.pop(key)[2]
         LOG.info("evicted the slot of %d rows (%d KV columns)", slot.batch_size, slot.capacity)
 
     # ---- one generate() call -------------------------------------------------------------
@@ -214,7 +216,7 @@ class Engine:
                 break
             if plan.max_time is not None and time.monotonic() - started > plan.max_time:
                 break
-            width = self._width(plan, slot, report) if drafter is not None else 0
+            width = self._width(slot, report) if drafter is not None else 0
             # Room for the step's writes: a one-token forward writes a dead column too.
             if width == 0:
                 slot.ensure_room(report, 2)
@@ -224,7 +226,7 @@ class Engine:
                 step = self._step_width(slot, width)
                 slot.ensure_room(report, step + 2)
                 for key, fn in drafter.steps(width):
-                    self._run_step(slot, key, fn)
+                    self._run_step(slot, key, fn, plan.drafter.key)
                 hidden, drafts = self._run_step(slot, ("verify", step), lambda: slot.verify(step))
                 report = self._finish(slot, hidden, drafts)
         if plan.persist_schedule is not None:
@@ -247,7 +249,7 @@ class Engine:
             return self._finish(slot, hidden, None)
         drafter.start(prompt)
         for key, fn in drafter.steps(width):
-            self._run_step(slot, key, fn)
+            self._run_step(slot, key, fn, plan.drafter.key)
         hidden, drafts = slot.verify(width, prompt)
         return self._finish(slot, hidden, drafts)
 
@@ -258,7 +260,7 @@ class Engine:
         if plan.streamer is not None and report.emitted[0]:
             plan.streamer.put(torch.tensor([t[0] for t in report.tokens[: report.emitted[0]]]))
 
-    def _width(self, plan, slot: Slot, report: Report) -> int:
+    def _width(self, slot: Slot, report: Report) -> int:
         """Drafts to verify next: the most any running row may take (its draft count,
         leaving room in its budget for the target's own token)."""
         widths = [min(num, end - length - 1) for num, end, length, done in
@@ -275,18 +277,34 @@ class Engine:
             return slot.call_drafts
         return min(1 << (width - 1).bit_length(), slot.call_drafts)
 
-    def _run_step(self, slot: Slot, key, fn):
-        """Run a step: replay its CUDA graph (captured on first use), or call it."""
+    def graph_key(self, slot: Slot, key, drafter=None) -> tuple:
+        """Everything a captured step depends on: the slot and its buffers' generation, the
+        step (a drafter's steps with the drafter's key), each cache's view, the sampler, the
+        kernel flags and the schedule."""
+        return (id(slot), slot.generation, drafter, key, tuple(e.cache.view for e in slot.caches),
+                self.sampler_kind, slot.call_params.kernel_flags(self.head.vocab_size),
+                slot.heuristic)
+
+    def _run_step(self, slot: Slot, key, fn, drafter=None):
+        """Run a step (of `drafter`, a drafter key, if given): replay its CUDA graph (captured
+        on first use), or call it."""
         if not self.graphs_enabled:
             return fn()
-        full_key = (id(slot), slot.generation, key, tuple(e.cache.view for e in slot.caches),
-                    slot.call_params.kernel_flags(self.head.vocab_size), slot.heuristic)
+        full_key = self.graph_key(slot, key, drafter)
         if full_key not in self.graphs:
+            self._drop_stale_graphs(slot)
             self.graphs[full_key] = self._capture(slot, key, fn)
-        graph, outputs = self.graphs[full_key]
+        graph, outputs, _ = self.graphs[full_key]
         self.last_call_graphs[key] = graph
         graph.replay()
         return outputs
+
+    def _drop_stale_graphs(self, slot: Slot) -> None:
+        """Forget `slot`'s graphs over buffers it has since replaced (their pool memory is
+        reused by the next captures)."""
+        stale = [key for key in self.graphs if key[0] == id(slot) and key[1] != slot.generation]
+        for key in stale:
+            self.graph_bytes -= self.graphs.pop(key)[2]
 
     def _capture(self, slot: Slot, key, fn):
         started = time.perf_counter()
@@ -304,14 +322,15 @@ class Engine:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             outputs = fn()
-        self.graph_bytes += torch.cuda.memory_reserved(self.device) - reserved
+        pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
+        self.graph_bytes += pool_bytes
         compiling = sum(e.seconds for e in self.events[events_before:])   # its own events
         event = Event("capture", f"{key} for {slot.batch_size} rows, KV views "
                       f"{[e.cache.view for e in slot.caches]}",
                       time.perf_counter() - started - compiling)
         self.events.append(event)
         LOG.info("captured %s in %.2f s", event.what, event.seconds)
-        return graph, outputs
+        return graph, outputs, pool_bytes
 
     def _finish(self, slot: Slot, hidden, drafts) -> Report:
         """Read the step's report; raise on non-finite logits; complete flagged rows."""
@@ -376,20 +395,20 @@ class _StopStrings:
         mask = plan.attention_mask.bool().cpu()
         self.rows = [plan.input_ids[b].cpu()[mask[b]].tolist() for b in range(num_rows)]
         self.num_rows = num_rows
+        # The criteria read only a row's last `maximum_token_len` tokens.
+        self.tail = self.criteria.maximum_token_len
 
     def check(self, slot: Slot, report: Report) -> None:
         cut_rows, cut_lengths = [], []
         for b in range(self.num_rows):
             emitted = report.emitted[b]
             tokens = [report.tokens[j][b] for j in range(emitted)]
-            start = len(self.rows[b])
             for j, token in enumerate(tokens):
                 self.rows[b].append(token)
-                if bool(self.criteria(torch.tensor([self.rows[b]]), None)[0]):
+                if bool(self.criteria(torch.tensor([self.rows[b][-self.tail:]]), None)[0]):
                     if j + 1 < emitted or not report.finished[b]:
                         cut_rows.append(b)
                         cut_lengths.append(report.length[b] - emitted + j + 1)
-                    del self.rows[b][start + j + 1:]
                     report.emitted[b] = j + 1
                     report.finished[b] = True
                     break

@@ -26,7 +26,7 @@ be the whole buffer (which it would specialise on, and compile again for the oth
 Everything above is device arithmetic on ``[B, capacity]`` tensors: no host read, fixed
 shapes for a given view, so a forward through this cache can be captured in a CUDA graph.
 Rows that fall far behind leave holes; `WindowCache.compact` packs the live entries to the
-left (an eager copy, needed only when the write column would run past the view), and
+left (an eager copy, needed only when the write column would run past the capacity), and
 `WindowCache.grow` moves everything to larger buffers.
 """
 

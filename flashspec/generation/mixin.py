@@ -32,8 +32,8 @@ class FlashGenerationMixin(GenerationMixin):
             without an assistant or prompt lookup, alone or in any batch.
         output_logprobs: with ``return_dict_in_generate=True``, return per-token logprobs.
         drafter: a `flashspec.generation.drafters.Drafter` of your own as the source of
-            drafts (``num_assistant_tokens`` per step), instead of an assistant or prompt
-            lookup.
+            drafts (``num_assistant_tokens`` per step, default 4, constant schedule), instead
+            of an assistant or prompt lookup.
 
     ``sampler="materialized"`` runs the same engine with the ``[B, V]`` logits computed
     in the model's dtype and sampled by torch ops: the baseline the fused kernels are

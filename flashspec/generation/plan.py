@@ -27,6 +27,7 @@ from .heads import OutputHead, check_decoder, check_logits, output_head
 
 HOW_TO_RUN = "run generate() without sampler='flash'"
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
+DRAFTER_DEFAULT_DRAFTS = 4     # drafts per step of a caller's `drafter` without num_assistant_tokens
 
 # Options that rewrite or read the full logits (logits processors): name -> is_off(value).
 _LOGITS_OPTIONS = {
@@ -179,8 +180,12 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
         if not isinstance(drafter, Drafter):
             raise ValueError(f"`drafter` must be a flashspec.generation.drafters.Drafter, got "
                              f"{type(drafter).__name__}")
-        num_drafts = requested.get("num_assistant_tokens") or 4
+        num_drafts = requested.get("num_assistant_tokens")
+        num_drafts = DRAFTER_DEFAULT_DRAFTS if num_drafts is None else num_drafts
         _check_count("num_assistant_tokens", num_drafts)
+        if requested.get("num_assistant_tokens_schedule") not in (None, "constant"):
+            raise ValueError("`num_assistant_tokens_schedule`: a `drafter` of your own drafts "
+                             "`num_assistant_tokens` per step (schedule 'constant')")
         schedule, persist = "constant", None
     else:
         drafter, num_drafts, schedule, persist = _drafter(head, assistant_model, config, requested)

@@ -1,4 +1,4 @@
-"""The LM-head operations of the static engine, without host reads.
+"""The LM-head operations of the engine's steps, without host reads.
 
 Both classes answer the same three questions from final hidden states through
 `flashspec.sampling` with ``check=False``, reporting problems per row instead of raising, so

@@ -29,7 +29,7 @@ from .compiled import DecoderRunner
 from .kv_cache import WindowCache, layer_kinds
 
 MIN_VIEW = 256            # KV columns of the smallest view (and capacity)
-EOS_SLOTS = 8             # end-of-sequence ids a slot holds without growing
+EOS_SLOTS = 8             # end-of-sequence ids a slot holds before it needs a larger buffer
 NO_TOKEN = -2             # fills unused EOS entries: never a token, never the -1 of "none"
 
 
@@ -169,7 +169,7 @@ class Slot:
     def ensure_room(self, report: Report, columns: int) -> None:
         """Make every cache able to write `columns` more entries after what the next step
         keeps: compact a cache whose holes leave too little, grow the slot when even its live
-        entries do not fit; then set each cache's view to what it needs."""
+        entries do not fit; then set the caches' view (one for all of them: fewer graphs)."""
         fills = list(report.fills)
         for index, entry in enumerate(self.caches):
             if fills[index] + columns > self.capacity:
@@ -178,9 +178,9 @@ class Slot:
                 fills[index] = int(entry.cache.last_live_column())
         needed = max(fills) + columns
         if needed > self.capacity:
-            self.grow(bucket(needed))
-        for entry, fill in zip(self.caches, fills):
-            entry.cache.set_view(bucket(fill + columns))
+            self.engine.grow(self, bucket(needed))
+        for entry in self.caches:
+            entry.cache.set_view(bucket(needed))
 
     def grow(self, capacity: int) -> None:
         """Larger buffers for every cache and the token columns (graphs are captured anew)."""
@@ -222,6 +222,10 @@ class Slot:
         self.call_drafts = call_drafts
         self.finished.copy_(torch.arange(self.batch_size, device=self.device) >= rows)
         self.num_drafts.fill_(plan.num_drafts)
+        if plan.eos_token_ids is not None and plan.eos_token_ids.numel() > self.eos.numel():
+            self.eos = torch.full((plan.eos_token_ids.numel(),), NO_TOKEN, dtype=torch.long,
+                                  device=self.device)
+            self.generation += 1
         self.eos.fill_(NO_TOKEN)
         if plan.eos_token_ids is not None:
             self.eos[: plan.eos_token_ids.numel()] = plan.eos_token_ids
@@ -296,7 +300,8 @@ class Slot:
         flags and draft count, and write the report (with the drafts' `accept_probs`).
         Rows that are finished, flagged by `status`, or (with `rows`) not listed emit
         nothing."""
-        ok = ~self.finished & (status == 0)
+        running = ~self.finished
+        ok = running & (status == 0)
         if rows is not None:
             ok &= rows
         width = tokens.shape[1]
@@ -324,6 +329,8 @@ class Slot:
         probs_rows = torch.zeros(self.max_drafts, len(ok), dtype=torch.float64, device=self.device)
         if accept_probs is not None:
             probs_rows[: accept_probs.shape[1]] = torch.where(ok[:, None], accept_probs.double(), 0.0).T
+        # Rows finished before the step (padding rows among them) report nothing to act on.
+        status = torch.where(running, status, 0)
         self.report.copy_(torch.cat([
             torch.stack([emitted, drafted, accepted, self.finished.long(), status.long(),
                          broken.long(), self.length, self.num_drafts]),

@@ -1,10 +1,11 @@
 """`flashspec.warmup`: pay compilation and graph capture before the first real call.
 
-The engine compiles each step kind once per model and captures a CUDA graph the first time
-a (batch bucket, step, KV view, kernel flags) meets it; a server or a benchmark would rather
-pay that at start-up than inside its first requests. `warmup` runs short `generate` calls
-that meet every batch bucket of `batch_sizes`, every KV view up to `max_length` and every
-step of the chosen drafter, with a progress bar.
+The engine compiles each decoder once and captures a CUDA graph the first time a (batch
+bucket, step, KV view, kernel flags) meets it; a server or a benchmark would rather pay that
+at start-up than inside its first requests. `warmup` runs short `generate` calls that meet
+every batch bucket of `batch_sizes`, every KV view up to `max_length` (the largest first,
+so that the slot is grown once and the smaller views' graphs are captured over its final
+buffers) and every step of the chosen drafter, with a progress bar.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from .engine import cached_engine, set_memory_budget
 from .heads import output_head
 from .slot import bucket
 
-_NEW_TOKENS = 8          # enough for a few steps of every kind after the prefill
+_MIN_NEW_TOKENS = 8      # a few steps of every kind after the prefill
 
 
 def warmup(model, *, assistant_model=None, prompt_lookup_num_tokens: int | None = None,
@@ -56,7 +57,13 @@ def warmup(model, *, assistant_model=None, prompt_lookup_num_tokens: int | None 
     while view <= bucket(max_length):
         views.append(view)
         view *= 2
-    calls = [(batch, view) for batch in sorted(set(sizes)) for view in views]
+    calls = [(batch, view) for batch in sorted(set(sizes)) for view in reversed(views)]
+    # More new tokens than drafts per step, so that full-width verifications happen.
+    num_drafts = prompt_lookup_num_tokens or (
+        generate_kwargs.get("num_assistant_tokens")
+        or (assistant_model.generation_config.num_assistant_tokens or 20
+            if assistant_model is not None else 0))
+    new_tokens = max(_MIN_NEW_TOKENS, num_drafts + 2)
     bar = _bar(len(calls)) if progress else None
     started = time.perf_counter()
     drafter = dict(assistant_model=assistant_model,
@@ -64,11 +71,10 @@ def warmup(model, *, assistant_model=None, prompt_lookup_num_tokens: int | None 
     drafter = {name: value for name, value in drafter.items() if value is not None}
     for batch, view in calls:
         # A prompt past half the view: the steps after it attend over exactly this view.
-        length = min(view // 2 + 1, max(max_length - _NEW_TOKENS, 1))
+        length = min(view // 2 + 1, max(max_length - new_tokens, 1))
         ids = torch.arange(length, device=device).remainder(97).add(3).repeat(batch, 1)
         model.generate(ids, attention_mask=torch.ones_like(ids), sampler="flash",
-                       max_new_tokens=min(_NEW_TOKENS, max(max_length - length, 1)),
-                       **drafter, **generate_kwargs)
+                       max_new_tokens=new_tokens, **drafter, **generate_kwargs)
         if bar is not None:
             bar.update()
     if bar is not None:

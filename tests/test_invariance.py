@@ -1,0 +1,72 @@
+"""Bitwise invariance in bf16 on CPU: a row's seeded tokens are the same alone, in a batch,
+and with any drafter (issue 29's CPU part; its GPU part needs the decoder forward itself to
+be invariant, see test_generate_gpu.py).
+
+Tiny bf16 Llama, LM head scaled down so that Gumbel races are close: a forward whose hidden
+state differs in its last bit from the plain run's would change tokens, which
+`test_a_one_ulp_difference_is_seen` shows this comparison catches.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashspec.generation.compiled import DecoderRunner
+
+from _models import tiny_draft, tiny_model
+
+ROWS, NEW_TOKENS = 16, 32
+
+
+def _bf16(model):
+    model = model.to(torch.bfloat16)
+    with torch.no_grad():
+        model.lm_head.weight.div_(4.0)          # HEAD_SCALE 6 -> 1.5: close races
+    return model
+
+
+def _prompts() -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    halves = torch.randint(1, 128, (ROWS, 8), generator=g)
+    return torch.cat([halves, halves], dim=1)   # repeated n-grams: prompt lookup drafts
+
+
+def _runs(sampling: dict) -> dict:
+    model, assistant = _bf16(tiny_model("llama")), _bf16(tiny_draft("llama"))
+    ids, seeds = _prompts(), torch.arange(ROWS)
+    kwargs = dict(sampler="flash", max_new_tokens=NEW_TOKENS, pad_token_id=0, **sampling)
+    drafters = {"plain": {}, "self": dict(assistant_model=model, num_assistant_tokens=5),
+                "assistant": dict(assistant_model=assistant, num_assistant_tokens=3),
+                "lookup": dict(prompt_lookup_num_tokens=4)}
+    runs = {name: torch.cat([model.generate(ids[r:r + 1], seed=seeds[r:r + 1], **drafter, **kwargs)
+                             for r in range(ROWS)])
+            for name, drafter in drafters.items()}
+    runs["batch"] = model.generate(ids, seed=seeds, **kwargs)
+    return runs
+
+
+def _equal_rows(runs: dict) -> dict:
+    return {name: int((tokens == runs["plain"]).all(dim=1).sum()) for name, tokens in runs.items()}
+
+
+@pytest.mark.parametrize("sampling", [dict(do_sample=True, top_k=0), dict(do_sample=False)],
+                         ids=["sampled", "greedy"])
+def test_bf16_tokens_do_not_depend_on_drafts_or_batch(sampling):
+    assert _equal_rows(_runs(sampling)) == {name: ROWS for name in
+                                            ("plain", "self", "assistant", "lookup", "batch")}
+
+
+def test_a_one_ulp_difference_is_seen(monkeypatch):
+    """Verification forwards whose hidden states are one bf16 ulp off (what an M-dependent
+    GEMM does on a GPU) change some self-drafted row: the comparison above has teeth."""
+    step = DecoderRunner.step
+
+    def one_ulp_off(self, cache, input_ids, *args):
+        hidden = step(self, cache, input_ids, *args)
+        if input_ids.shape[1] > 2:                # a verification, not a one-token step
+            hidden = torch.nextafter(hidden, torch.full_like(hidden, float("inf")))
+        return hidden
+
+    monkeypatch.setattr(DecoderRunner, "step", one_ulp_off)
+    assert _equal_rows(_runs(dict(do_sample=True, top_k=0)))["self"] < ROWS
