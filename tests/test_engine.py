@@ -544,3 +544,16 @@ def test_more_end_of_sequence_ids_than_a_slot_holds():
         out = flash(target(), ids, mask, eos_token_id=eos, max_new_tokens=16)
         assert torch.equal(out.sequences, stock(target(), ids, mask, eos_token_id=eos,
                                                 max_new_tokens=16))
+
+
+def test_memory_follows_what_is_generated_not_the_limit():
+    """max_new_tokens of 10**12 with an EOS three tokens away: the run ends at the EOS, in a
+    slot of the smallest capacity (nothing is sized by the limit)."""
+    model = tiny_model("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    plain = flash(model, ids, max_new_tokens=6).sequences
+    eos = int(plain[0, 5])
+    for kwargs in ({}, dict(prompt_lookup_num_tokens=3)):
+        out = flash(model, ids, max_new_tokens=10**12, eos_token_id=eos, **kwargs).sequences
+        assert torch.equal(out, plain[:, :6])
+    assert engine_module.cached_engine(model.model).slots[1].capacity == slot_module.MIN_VIEW

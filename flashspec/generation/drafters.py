@@ -89,12 +89,16 @@ class _AttachedAssistant(AttachedDrafter):
         self.head = head
         self.slot = slot
         self.runner, self.cache = slot.add_cache(head.decoder, "assistant_model", refeed=2)
-        self.sampler = slot.sampler(head.weight)
         self.count = torch.zeros((), dtype=torch.long, device=slot.device)
         self.primed = False
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [self.count]
+
+    @property
+    def sampler(self):
+        """The LM-head operations of this call's sampler kind (its argmax)."""
+        return self.slot.sampler(self.head.weight)
 
     def start(self, prompt) -> None:
         hidden = self.runner.forward(self.cache, *prompt)[:, -1]

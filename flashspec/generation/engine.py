@@ -143,7 +143,7 @@ class Engine:
                 "graphs": len(self.graphs), "graph_pool_bytes": self.graph_bytes,
                 "budget_bytes": self.memory_budget}
 
-    def slot_for(self, plan, drafter) -> Slot:
+    def slot_for(self, plan) -> Slot:
         """A slot for `plan`'s rows, with room for its prompts and first drafts."""
         rows, width = plan.input_ids.shape
         batch = batch_bucket(rows, self.graphs_enabled)
@@ -151,10 +151,11 @@ class Engine:
         capacity = bucket(width + max(max_drafts, 1) + 2)
         slot = self.slots.pop(batch, None)
         if slot is None:
-            self._make_room(self._slot_bytes(plan, batch, capacity), keep=None)
+            kv_bytes = self._slot_bytes(plan, batch, capacity)
+            self._make_room(kv_bytes, keep=None)
             slot = Slot(self, batch, capacity, max(max_drafts, 1))
-            LOG.info("new slot: %d rows, %d KV columns (%.1f MiB)", batch, capacity,
-                     slot.nbytes() / 2**20)
+            LOG.info("new slot: %d rows, %d KV columns (%.1f MiB of KV cache)", batch, capacity,
+                     kv_bytes / 2**20)
         self.slots[batch] = slot                          # most recently used last
         if capacity > slot.capacity:
             self.grow(slot, capacity)
@@ -202,7 +203,7 @@ class Engine:
     def run(self, plan) -> Generated:
         started = time.monotonic()
         self.last_call_graphs = {}
-        slot = self.slot_for(plan, plan.drafter)
+        slot = self.slot_for(plan)
         drafter = slot.attached(plan.drafter) if plan.drafter is not None else None
         prompt = slot.load(plan, _max_drafts(plan))
         num_rows = plan.input_ids.shape[0]
