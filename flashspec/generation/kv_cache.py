@@ -92,6 +92,7 @@ class WindowCache(Cache):
         self.column_index = torch.arange(capacity + 1, device=device)
         self.columns = self.column_index[:0]
         self.num_updates = 0
+        self._views: dict[int, torch.Tensor] = {}
         self.set_view(capacity)
 
     @property
@@ -100,8 +101,10 @@ class WindowCache(Cache):
 
     def set_view(self, columns: int) -> None:
         """Attend over the first `columns` columns (at most the capacity) from now on."""
-        self.view_columns = torch.empty(min(columns, self.capacity), dtype=torch.uint8,
-                                        device=self.live.device)
+        columns = min(columns, self.capacity)
+        if columns not in self._views:       # one small tensor per view, not one per step
+            self._views[columns] = torch.empty(columns, dtype=torch.uint8, device=self.live.device)
+        self.view_columns = self._views[columns]
 
     def dynamic_tensors(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
         """Each tensor a compiled forward reads from the cache, with its dimensions that vary
