@@ -52,8 +52,9 @@ class FlashGenerationMixin(GenerationMixin):
                          drafter=drafter is not None)
             name = next((name for name in _FLASH_OPTIONS if given[name]), None)
             if name is not None:
-                raise ValueError(f"`{name}` is a flashspec option: pass sampler='flash' with it "
-                                 "(stock generate() is seeded with torch.manual_seed)")
+                seeding = " (stock generate() is seeded with torch.manual_seed)" if name == "seed" else ""
+                raise ValueError(f"`{name}` is a flashspec option: pass sampler='flash' with it"
+                                 f"{seeding}")
             return super().generate(inputs, generation_config, *args, **kwargs)
         if sampler not in SAMPLERS:
             raise ValueError(f"`sampler`={sampler!r} is not allowed: use None (stock transformers) "
