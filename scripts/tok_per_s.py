@@ -377,7 +377,7 @@ def _synchronize(cuda: bool) -> None:
 
 
 def timed_calls(generate: Callable, reps: int, cuda: bool) -> tuple[float, list[float], object]:
-    """Seconds of a first call (the static engine's compilation and graph capture happen
+    """Seconds of a first call (the engine's compilation and graph captures happen
     there) and of each of `reps` calls after it, and the last output."""
     seconds = []
     for _ in range(reps + 1):
