@@ -106,6 +106,8 @@ def main(argv=None) -> int:
                                      for r in rows),
         "total_capture_seconds": sum(r["first"]["capture_seconds"] + r["warm"]["capture_seconds"]
                                      for r in rows),
+        # Where compilation time went (dynamo's tracing, AOT autograd, inductor), per phase.
+        "compile_phases": torch._dynamo.utils.compile_times(repr="str"),
         "worst_extra_after_first_of_kind": max(
             (r["extra_seconds"] for r, first in zip(rows, firsts) if not first), default=0.0),
     }
@@ -125,6 +127,7 @@ def main(argv=None) -> int:
     for row in steady:
         print(f"{row['name']}: {row['tok_s']:.1f} tok/s (prompt {row['prompt_length']} + "
               f"{row['new_tokens']} new tokens, median of 3)")
+    print(report["compile_phases"])
     if second is not None:
         print(f"second process: first call {second['seconds']:.2f} s (compile "
               f"{second['compile_seconds']:.1f} s), model load {second['load_seconds']:.1f} s")

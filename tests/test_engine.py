@@ -449,6 +449,46 @@ def test_one_compilation_per_decoder_serves_every_shape(monkeypatch):
     assert counters["stats"]["unique_graphs"] - before == 2
 
 
+def test_layers_compile_once_for_any_depth(monkeypatch):
+    """Regional compilation: the layer's compiled code serves every layer, so two decoders of
+    one class and widths, 2 and 5 layers deep, compile one graph between them (a whole-decoder
+    compilation would trace each stack), and tokens equal the eager engine's."""
+    from torch._dynamo.utils import counters
+
+    from flashspec.generation.compiled import DecoderRunner
+
+    def compiling_runner(self, decoder, role):
+        if decoder not in self.runners:
+            self.runners[decoder] = DecoderRunner(decoder, role, True, self.events)
+        return self.runners[decoder]
+
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    ids = torch.randint(1, 100, (3, 7), generator=torch.Generator().manual_seed(1))
+    for layers in (2, 5):
+        stack = dict(num_hidden_layers=layers, layer_types=["full_attention"] * layers)
+        eager = flash(tiny_model("qwen3", **stack), ids, max_new_tokens=10, do_sample=False)
+        with monkeypatch.context() as patch:
+            patch.setattr(engine_module.Engine, "runner", compiling_runner)
+            model = tiny_model("qwen3", **stack)
+            compiled = flash(model, ids, max_new_tokens=10, do_sample=False)
+            assert [e.kind for e in engine_module.cached_engine(model.model).events] == ["compile"]
+        assert torch.equal(compiled.sequences, eager.sequences), layers
+    assert counters["stats"]["unique_graphs"] - before == 1
+
+
+def test_layers_whose_forward_is_hooked_compile_whole():
+    """A layer whose forward is replaced on the instance (accelerate's hooks) would lose the
+    replacement under regional compilation: such decoders are compiled whole."""
+    from flashspec.generation.compiled import _decoder_layers
+
+    decoder = tiny_model("qwen3", wrap=False).model
+    assert _decoder_layers(decoder) is decoder.layers
+    layer = decoder.layers[1]
+    layer.forward = layer.forward
+    assert _decoder_layers(decoder) is None
+
+
 @pytest.fixture
 def emulated_graphs(monkeypatch):
     """A CPU stand-in for CUDA graphs: batches padded to their bucket as on CUDA, and each

@@ -186,3 +186,18 @@ def test_graphed_steps_report_accept_probabilities(sampling):
     else:
         assert ((stats.accept_probs > 0) & (stats.accept_probs < 1)).any()
         assert_acceptance_matches(stats, what="graphed verification")
+
+
+def test_slots_grow_and_capture_again_in_the_engine_pool():
+    """A prompt longer than the slot's KV view grows the slot, which drops every graph over
+    its old buffers; the captures that follow go into the same engine pool (a pool whose
+    graphs were all dropped must stay usable), and tokens still equal stock's."""
+    model, draft = _pair(torch.float32)
+    torch.manual_seed(3)
+    for length in (8, 250, 8, 250):
+        ids = torch.randint(1, VOCAB, (1, length), device="cuda")
+        mask = torch.ones_like(ids)
+        stock = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+        for mode in MODES.values():
+            flash = _run(model, draft, ids, mask, mode, do_sample=False)
+            _assert_same_or_near_tie(ids, mask, flash, stock, {}, [0], 1e-4)

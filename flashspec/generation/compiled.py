@@ -1,13 +1,21 @@
-"""How the engine runs a decoder forward: eagerly, or compiled once per decoder.
+"""How the engine runs a decoder forward: eagerly, or with its layers compiled.
 
-A compiled forward is traced with symbolic sizes (`torch._dynamo.maybe_mark_dynamic`): the
+Regional compilation: a decoder is a stack of identical layers, so the engine compiles the
+layer class's forward once, with the layer module as an argument (its weights are graph
+inputs, not constants) and that layer's own `WindowLayer` as its cache; the same compiled code
+serves all of the decoder's layers, and every decoder of that class and widths. The embedding,
+rotary tables, mask and final norm around the layers run eagerly (inside the same CUDA graph).
+Compilation time is one layer's, not the stack's. A decoder without such a stack (or whose
+layers carry hooks that replace their forward) is compiled whole.
+
+The compiled code is traced with symbolic sizes (`torch._dynamo.maybe_mark_dynamic`): the
 batch rows, the tokens fed per row, the cache's capacity and the KV columns attended over are
 symbols; the model's own sizes (hidden, heads, head dimension) stay constants. One
-compilation per decoder then serves every batch bucket, draft count, prompt length and KV
-view. PyTorch specialises a size of 1, so the engine never feeds one token or one row to a
-compiled forward: a step that decodes one token per row feeds it with a second, dead column
-(not live in the cache, its output unused), and batches are bucketed to two rows or more.
-Compilation therefore depends on the model, its dtype and its device, nothing else.
+compilation then serves every batch bucket, draft count, prompt length and KV view. PyTorch
+specialises a size of 1, so the engine never feeds one token or one row to a compiled
+forward: a step that decodes one token per row feeds it with a second, dead column (not live
+in the cache, its output unused), and batches are bucketed to two rows or more. Compilation
+therefore depends on the model, its dtype and its device, nothing else.
 
 Compiled artifacts (inductor's FX graph and kernel caches) persist in `cache_dir()`, so a
 second process only retraces. Every compilation is logged (logger ``"flashspec"``) with the
@@ -17,6 +25,8 @@ shape that caused it.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import logging
 import os
 import stat
@@ -25,6 +35,8 @@ import weakref
 from pathlib import Path
 
 import torch
+
+from .kv_cache import WindowCache
 
 LOG = logging.getLogger("flashspec")
 CACHE_ENV = "FLASHSPEC_CACHE_DIR"
@@ -105,7 +117,12 @@ class DecoderRunner:
             # Every decoder (target, assistants) is a compilation of the same function.
             dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
             dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 1024)
-            self._compiled = torch.compile(self._forward)
+            layers = _decoder_layers(decoder)
+            if layers is not None:
+                self._layers = _RegionalLayers(layers)
+                self._compiled = self._regional_forward
+            else:
+                self._compiled = torch.compile(self._forward)
 
     @property
     def decoder(self) -> torch.nn.Module:
@@ -131,6 +148,11 @@ class DecoderRunner:
         mask = cache.begin(position_ids, new_live)
         return self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                             past_key_values=cache, use_cache=True).last_hidden_state
+
+    def _regional_forward(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                          new_live: torch.Tensor | None = None) -> torch.Tensor:
+        with self._layers:
+            return self._forward(cache, input_ids, position_ids, new_live)
 
     def step(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
              new_live: torch.Tensor) -> torch.Tensor:
@@ -159,3 +181,61 @@ class DecoderRunner:
         self.events.append(event)
         LOG.info("compiled %s in %.1f s", event.what, event.seconds)
         return hidden
+
+
+def _decoder_layers(decoder: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The decoder's stack of layers (``decoder.layers``): its longest ModuleList of one class
+    whose forward takes ``past_key_values``. None if there is none, or if a layer's forward is
+    replaced on the instance (accelerate's hooks do that): those decoders compile whole."""
+    stacks = [m for m in decoder.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1
+              and len({type(layer) for layer in m}) == 1
+              and "past_key_values" in inspect.signature(type(m[0]).forward).parameters]
+    if not stacks:
+        return None
+    layers = max(stacks, key=len)
+    return None if any("forward" in vars(layer) for layer in layers) else layers
+
+
+def _mark_all_dynamic(value) -> None:
+    """maybe_mark_dynamic every dim of every tensor in `value` (tuples, lists, dicts): dims
+    tied to the weights (hidden, head dimension) are specialised back while tracing; rows,
+    tokens and KV columns stay symbols. Needed on every call, as guards check the marks."""
+    if isinstance(value, torch.Tensor):
+        for dim in range(value.dim()):
+            torch._dynamo.maybe_mark_dynamic(value, dim)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _mark_all_dynamic(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _mark_all_dynamic(item)
+
+
+class _RegionalLayers:
+    """One torch.compile of the layer class's forward, called with the layer module as an
+    argument and the layer's own `WindowLayer` as ``past_key_values``. `WindowLayer.update`
+    ignores the layer index and the compiled frame reads no Python int that differs between
+    layers (an int it reads becomes a guard, and a recompilation per layer), so every layer
+    shares one compilation. Installed only inside ``with``: prefill and any use of the model
+    outside flashspec run the layers' own forward."""
+
+    def __init__(self, layers: torch.nn.ModuleList):
+        self.layers = list(layers)
+        self.compiled = torch.compile(type(self.layers[0]).forward)
+
+    def _call(self, layer, index: int, *args, past_key_values=None, **kwargs):
+        if isinstance(past_key_values, WindowCache):
+            _mark_all_dynamic(past_key_values.columns)      # begin() writes a new one per step
+            past_key_values = past_key_values.layers[index]
+        _mark_all_dynamic(args)
+        _mark_all_dynamic(kwargs)
+        return self.compiled(layer, *args, past_key_values=past_key_values, **kwargs)
+
+    def __enter__(self) -> "_RegionalLayers":
+        for index, layer in enumerate(self.layers):
+            layer.forward = functools.partial(self._call, layer, index)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for layer in self.layers:
+            del layer.forward

@@ -92,6 +92,7 @@ class Engine:
         self.device = head.weight.device
         self.graphs_enabled = self.device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
+        self._pool_anchor = _anchor(self.pool, self.device) if self.graphs_enabled else None
         self.weight_storage = _weight_storage(head)
         self.events: list[Event] = []            # compilations and captures, in order
         self.runners: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -417,6 +418,18 @@ class _StopStrings:
             slot.stop_rows(cut_rows, cut_lengths)
             for b, length in zip(cut_rows, cut_lengths):
                 report.length[b] = length
+
+
+def _anchor(pool, device: torch.device) -> "torch.cuda.CUDAGraph":
+    """A one-kernel graph in `pool` that lives as long as the engine. The caching allocator
+    counts a private pool's live graphs; once the engine has dropped them all (a slot grown,
+    evicted) while tensors allocated in the pool still live, capturing into the same pool
+    again fails an internal assert (``use_count > 0``). The anchor keeps the count above
+    zero, so graphs can be dropped and captured again for as long as the engine lives."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        torch.zeros(1, device=device)
+    return graph
 
 
 def _max_drafts(plan) -> int:

@@ -61,7 +61,6 @@ class WindowLayer(CacheLayerMixin):
         columns = self.cache.columns
         self.keys.index_copy_(2, columns, key_states.to(self.keys.dtype))
         self.values.index_copy_(2, columns, value_states.to(self.values.dtype))
-        self.cache.num_updates += 1
         view = self.cache.view_columns.shape[0]
         return self.keys[:, :, :view], self.values[:, :, :view]
 
@@ -94,6 +93,13 @@ class WindowCache(Cache):
         self.num_updates = 0
         self._views: dict[int, torch.Tensor] = {}
         self.set_view(capacity)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        # Counted here, not in WindowLayer.update: a compiled layer calls its WindowLayer
+        # directly, and would guard on this int (one compilation per layer). Only the eager
+        # forward checks the count.
+        self.num_updates += 1
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @property
     def view(self) -> int:
