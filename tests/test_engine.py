@@ -577,6 +577,31 @@ def test_rows_padding_a_bucket_never_ask_for_work(emulated_graphs, monkeypatch):
     assert engine_module.cached_engine(model.model).slots[2].batch_size == 2
 
 
+def test_prompts_are_read_for_the_call_rows_only(emulated_graphs):
+    """Three rows in a bucket of four: the prompt's forward (target's and assistant's) reads
+    the three rows, not the row that pads the bucket, and the tokens are stock's."""
+    model, assistant = tiny_model("llama"), tiny_draft("llama")
+    ids, mask = left_pad(PROMPTS[:3])
+    want = stock(model, ids, mask, max_new_tokens=8)       # greedy: the same for every drafter
+    shapes = []
+
+    def record(module, args, kwargs):
+        if kwargs.get("past_key_values") is not None:          # the engine's forwards
+            shapes.append(tuple(kwargs["input_ids"].shape))
+
+    for decoder in (model.model, assistant.model):
+        decoder.register_forward_pre_hook(record, with_kwargs=True)
+    for kwargs in ({}, dict(prompt_lookup_num_tokens=3),
+                   dict(assistant_model=assistant, num_assistant_tokens=3)):
+        shapes.clear()
+        out = flash(model, ids, mask, max_new_tokens=8, **kwargs)
+        assert torch.equal(out.sequences, want), kwargs
+        prompt_reads = [rows for rows, width in shapes if width >= ids.shape[1]]
+        steps = [rows for rows, width in shapes if width < ids.shape[1]]
+        assert prompt_reads and set(prompt_reads) == {3}, (kwargs, shapes)
+        assert steps and set(steps) == {4}, (kwargs, shapes)
+
+
 def test_more_end_of_sequence_ids_than_a_slot_holds():
     eos = list(range(100, 100 + 2 * slot_module.EOS_SLOTS))
     ids, mask = left_pad(PROMPTS)

@@ -101,7 +101,7 @@ class _AttachedAssistant(AttachedDrafter):
         return self.slot.sampler(self.head.weight)
 
     def start(self, prompt) -> None:
-        hidden = self.runner.forward(self.cache, *prompt)[:, -1]
+        hidden = self.slot.forward_prompt(self.runner, self.cache, *prompt)[:, -1]
         self._write(0, self.sampler.argmax(hidden.to(self.head.weight.dtype)))
         self.count.fill_(1)
         self.primed = True

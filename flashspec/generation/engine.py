@@ -247,7 +247,8 @@ class Engine:
         for entry in slot.caches:
             entry.cache.set_view(bucket(prompt[0].shape[1] + width + 1))
         if width == 0:
-            hidden = slot.sample(slot.target.runner.forward(slot.target.cache, *prompt)[:, -1])
+            target = slot.target
+            hidden = slot.sample(slot.forward_prompt(target.runner, target.cache, *prompt)[:, -1])
             return self._finish(slot, hidden, None)
         drafter.start(prompt)
         for key, fn in drafter.steps(width):

@@ -49,8 +49,8 @@ class WindowLayer(CacheLayerMixin):
         self.cache = cache
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, heads = key_states.shape[:2]
-        shape = (batch, heads, self.cache.capacity + 1)
+        # Every row of the batch, also when the first forward reads only its first rows.
+        shape = (self.cache.live.shape[0], key_states.shape[1], self.cache.capacity + 1)
         self.keys = key_states.new_zeros(*shape, key_states.shape[-1])
         self.values = value_states.new_zeros(*shape, value_states.shape[-1])
         self.is_initialized = True
@@ -59,10 +59,12 @@ class WindowLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         columns = self.cache.columns
-        self.keys.index_copy_(2, columns, key_states.to(self.keys.dtype))
-        self.values.index_copy_(2, columns, value_states.to(self.values.dtype))
+        keys = first_rows(self.keys, key_states.shape[0])
+        values = first_rows(self.values, key_states.shape[0])
+        keys.index_copy_(2, columns, key_states.to(keys.dtype))
+        values.index_copy_(2, columns, value_states.to(values.dtype))
         view = self.cache.view_columns.shape[0]
-        return self.keys[:, :, :view], self.values[:, :, :view]
+        return keys[:, :, :view], values[:, :, :view]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cache.view_columns.shape[0], 0
@@ -130,24 +132,27 @@ class WindowCache(Cache):
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def begin(self, position_ids: torch.Tensor, new_live: torch.Tensor | None = None):
-        """Prepare a forward of ``position_ids`` ``[B, n]`` (consecutive per row): drop the
-        stale entries, choose the write columns, record the new entries (live unless
-        `new_live` ``[B, n]`` says otherwise) and return the attention mask for the model:
-        one ``[B, 1, n, view]`` mask, or a dict by layer kind."""
+        """Prepare a forward of ``position_ids`` ``[b, n]`` (consecutive per row) over the
+        cache's first b rows (all of them, or the rows of a prefill that skips those padding
+        the batch): drop the stale entries, choose the write columns, record the new entries
+        (live unless `new_live` ``[b, n]`` says otherwise) and return the attention mask for
+        the model: one ``[b, 1, n, view]`` mask, or a dict by layer kind."""
+        rows = position_ids.shape[0]
         self.drop_from(position_ids[:, 0])
         self.columns = self.last_live_column() + self.column_index[: position_ids.shape[1]]
-        self.position.index_copy_(1, self.columns, position_ids)
+        first_rows(self.position, rows).index_copy_(1, self.columns, position_ids)
         live = torch.ones_like(position_ids, dtype=torch.bool) if new_live is None else new_live
-        self.live.index_copy_(1, self.columns, live)
+        first_rows(self.live, rows).index_copy_(1, self.columns, live)
         self.num_updates = 0
         masks = {kind: self._mask(position_ids, window) for kind, window in self.layer_kinds.items()}
         return masks if len(masks) > 1 else next(iter(masks.values()))
 
     def _mask(self, position_ids: torch.Tensor, window: int | None) -> torch.Tensor:
         view = self.view_columns.shape[0]
+        rows = position_ids.shape[0]
         query = position_ids[:, None, :, None]
-        key = self.position[:, None, None, :view]
-        allowed = self.live[:, None, None, :view] & (key <= query)
+        key = first_rows(self.position, rows)[:, None, None, :view]
+        allowed = first_rows(self.live, rows)[:, None, None, :view] & (key <= query)
         if window is not None:
             allowed &= key > query - window
         if self.mask_dtype is None:
@@ -160,8 +165,9 @@ class WindowCache(Cache):
         return torch.where(self.live.any(dim=0), self.column_index + 1, 0).max()
 
     def drop_from(self, positions: torch.Tensor) -> None:
-        """Drop row b's entries at positions ``>= positions[b]``."""
-        self.live &= self.position < positions[:, None]
+        """Drop row b's entries at positions ``>= positions[b]`` (b < ``len(positions)``)."""
+        rows = positions.shape[0]
+        first_rows(self.live, rows).logical_and_(first_rows(self.position, rows) < positions[:, None])
 
     def compact(self) -> None:
         """Move every row's live entries to its first columns, in column order (eager: a
@@ -199,6 +205,12 @@ class WindowCache(Cache):
         self.column_index = torch.arange(capacity + 1, device=device)
         self.set_view(self.view)
         self.columns = self.column_index[:0]
+
+
+def first_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """`tensor`'s first `rows` rows (a view, writes land in `tensor`); `tensor` itself when
+    that is all of them, so that a compiled step traces no slice."""
+    return tensor if rows == tensor.shape[0] else tensor[:rows]
 
 
 def layer_kinds(config) -> dict[str, int | None] | None:

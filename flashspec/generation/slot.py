@@ -82,6 +82,7 @@ class Slot:
         self.engine = engine
         self.device = engine.device
         self.batch_size = batch_size
+        self.rows = batch_size                    # the call's own rows; the rest pad the bucket
         self.capacity = capacity
         self.max_drafts = max_drafts
         self.caches: list[_Cache] = []
@@ -220,6 +221,7 @@ class Slot:
         self.end.copy_(self.prompt_length + plan.max_new_tokens)
         self.end_list = self.end.tolist()
         self.call_drafts = call_drafts
+        self.rows = rows
         self.finished.copy_(torch.arange(self.batch_size, device=self.device) >= rows)
         self.num_drafts.fill_(plan.num_drafts)
         if plan.eos_token_ids is not None and plan.eos_token_ids.numel() > self.eos.numel():
@@ -240,6 +242,17 @@ class Slot:
         for entry in self.caches:
             entry.cache.reset()
         return input_ids, (mask.cumsum(dim=1) - 1).clamp_min(0), mask.bool()
+
+    def forward_prompt(self, runner: DecoderRunner, cache: WindowCache, input_ids: torch.Tensor,
+                       positions: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """Eager forward of the prompts (and any first drafts) over the call's own rows: rows
+        that only pad the bucket emit nothing, and reading a prompt would cost as much for
+        them as for a real row. Their hidden states are zeros."""
+        rows = self.rows
+        hidden = runner.forward(cache, input_ids[:rows], positions[:rows], live[:rows])
+        if rows == self.batch_size:
+            return hidden
+        return torch.cat([hidden, hidden.new_zeros(self.batch_size - rows, *hidden.shape[1:])])
 
     # ---- steps (fixed shapes, no host reads: captured on CUDA) ---------------------------
 
@@ -280,10 +293,10 @@ class Slot:
                 torch.cat([torch.ones_like(last, dtype=torch.bool), within], dim=1))
         else:
             input_ids, positions, live = prompt
-            hidden = target.runner.forward(target.cache,
-                                           torch.cat([input_ids, drafts.clamp_min(0)], dim=1),
-                                           torch.cat([positions, draft_positions], dim=1),
-                                           torch.cat([live, within], dim=1))
+            hidden = self.forward_prompt(target.runner, target.cache,
+                                         torch.cat([input_ids, drafts.clamp_min(0)], dim=1),
+                                         torch.cat([positions, draft_positions], dim=1),
+                                         torch.cat([live, within], dim=1))
         sampler = self.engine.target_sampler(self)
         hidden = hidden[:, -(width + 1):].to(sampler.weight.dtype)
         num_accepted, tokens, logprobs, accept_probs, status = sampler.verify(
