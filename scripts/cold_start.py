@@ -2,10 +2,12 @@
 
 Runs issue 28's call sequence (`flashspec.bench.cold_start.CALLS`) in one process on a
 target/draft pair (random weights at real shapes, peaked so the draft is accepted), each call
-as it comes and then again warm; then starts a second process and times its first call
-(model loading excluded) with the disk cache warm. Prints a table (call, shape, wall
-seconds, seconds over warm, steady tok/s, compiled?, captures), writes cold_start.json and
-cold_start.png to --out.
+as it comes and then again warm; then the steady tok/s (prompt 128 and 2000), the time to
+first token against stock transformers, a plain call in a grown slot against a fresh one,
+and the first call of a second process (model loading excluded) with the disk cache warm.
+Prints a table (call, shape, wall seconds, seconds over warm, steady tok/s, compiled?,
+captures) and where compilation time went; writes cold_start.json and cold_start.png to
+--out.
 
     PYTHONPATH=. python scripts/cold_start.py                       # Qwen3-1.7B + 0.6B shapes
     PYTHONPATH=. python scripts/cold_start.py --pair tiny --new-tokens 16 --device cpu
@@ -26,8 +28,8 @@ import transformers
 
 import flashspec
 from flashspec.bench.cli import Progress, package_version, positive_int, pyplot_or_note, resolve_device
-from flashspec.bench.cold_start import (CALLS, first_of_its_kind, run_sequence, steady_state,
-                                        timed_call)
+from flashspec.bench.cold_start import (CALLS, capacity_cost, first_of_its_kind, run_sequence,
+                                        steady_state, time_to_first_token, timed_call)
 from flashspec.bench.random_init import peak_weights, random_model
 from flashspec.generation.engine import batch_bucket
 
@@ -73,6 +75,9 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=positive_int, default=128)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench_out"))
+    parser.add_argument("--ttft-prompt", type=positive_int, default=2000,
+                        help="prompt length of the time-to-first-token comparison and of the "
+                        "call that grows the slot for the capacity check")
     parser.add_argument("--no-second-process", action="store_true",
                         help="skip the fresh process's first call")
     parser.add_argument("--first-call-only", action="store_true", help=argparse.SUPPRESS)
@@ -96,12 +101,15 @@ def main(argv=None) -> int:
     for row, first in zip(rows, firsts):
         row["first_of_kind"] = first
     steady = steady_state(target, draft)
+    ttft = time_to_first_token(target, args.ttft_prompt)
+    capacity = capacity_cost(target, long_prompt=args.ttft_prompt)
     second = None if args.no_second_process else second_process(args)
     report = {
         "device": torch.cuda.get_device_name() if graphs else "cpu", "pair": args.pair,
         "new_tokens": args.new_tokens, "date": time.strftime("%Y-%m-%d"),
         "versions": {name: package_version(name) for name in ("torch", "triton", "transformers")},
         "load_seconds": load_seconds, "calls": rows, "steady": steady, "second_process": second,
+        "time_to_first_token": ttft, "capacity_cost": capacity,
         "total_compile_seconds": sum(r["first"]["compile_seconds"] + r["warm"]["compile_seconds"]
                                      for r in rows),
         "total_capture_seconds": sum(r["first"]["capture_seconds"] + r["warm"]["capture_seconds"]
@@ -127,6 +135,11 @@ def main(argv=None) -> int:
     for row in steady:
         print(f"{row['name']}: {row['tok_s']:.1f} tok/s (prompt {row['prompt_length']} + "
               f"{row['new_tokens']} new tokens, median of 3)")
+    print(f"time to first token, prompt {ttft['prompt_length']}: flash {ttft['flash'] * 1e3:.1f} ms, "
+          f"stock {ttft['stock'] * 1e3:.1f} ms ({ttft['ratio']:.2f}x)")
+    print(f"plain call in a slot of {capacity['large']['capacity']} KV columns against "
+          f"{capacity['small']['capacity']}: {capacity['ratio']:.3f}x "
+          f"({capacity['large']['seconds']:.3f} s / {capacity['small']['seconds']:.3f} s)")
     print(report["compile_phases"])
     if second is not None:
         print(f"second process: first call {second['seconds']:.2f} s (compile "

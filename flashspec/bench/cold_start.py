@@ -3,18 +3,21 @@
 `CALLS` is issue 28's sequence, in one process: each call is timed once as it comes (what a
 user waits for), then again at once (the same call warm); the difference is what that call
 paid for compiling and capturing, next to the engine's own account of it (its `Event`s).
-`second_process_first_call` times the first call of a fresh process whose disk cache
-(`flashspec.generation.compiled.cache_dir`) is warm, model loading excluded.
+The script (`scripts/cold_start.py`) also times the first call of a fresh process whose disk
+cache (`flashspec.generation.compiled.cache_dir`) is warm, model loading excluded.
+`capacity_cost` checks that decoding follows the live length, not the KV capacity;
+`time_to_first_token` compares the prompt's forward with stock transformers'.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 
 import torch
 
-from ..generation.engine import cached_engine
+from ..generation.engine import cached_engine, drop_engine
 from ..generation.heads import output_head
 
 QWEN3_SAMPLING = dict(do_sample=True, temperature=0.6, top_k=20, top_p=0.95)
@@ -45,8 +48,11 @@ CALLS = (
 )
 
 
-# Steady state at issue 28's shape: prompt 128, 256 new tokens, plain and 0.6B-draft.
-STEADY_CALLS = (Call("steady plain", 1, 128), Call("steady assistant 5", 1, 128, drafter="assistant"))
+# Steady state at issue 28's shape: prompt 128, 256 new tokens, plain and 0.6B-draft; and
+# the same at prompt 2000.
+STEADY_CALLS = (Call("steady plain", 1, 128), Call("steady assistant 5", 1, 128, drafter="assistant"),
+                Call("steady plain, prompt 2000", 1, 2000),
+                Call("steady assistant 5, prompt 2000", 1, 2000, drafter="assistant"))
 STEADY_TOKENS = 256
 
 
@@ -130,3 +136,56 @@ def first_of_its_kind(rows: list[dict], bucket_of) -> list[bool]:
         first.append(key not in seen)
         seen.add(key)
     return first
+
+
+def _median_seconds(run, repeats: int) -> float:
+    """Median wall seconds of `run()` over `repeats` calls, after one untimed call."""
+    run()
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def capacity_cost(model, prompt_length: int = 128, new_tokens: int = 100,
+                  long_prompt: int = 2000, repeats: int = 5) -> dict:
+    """Seconds of one plain call (B=1, `prompt_length` + `new_tokens`, inside the smallest
+    KV view) in a fresh engine's slot and again after a `long_prompt` call grew the slot to
+    thousands of columns: attention reads the view, so the two should match. (The fresh
+    engine reuses the compiled code; it captures its graphs again.)"""
+    decoder = output_head(model, "model").decoder
+    drop_engine(decoder)
+    ids = prompt_ids(1, prompt_length, model.config.vocab_size, model.device)
+    kwargs = dict(sampler="flash", max_new_tokens=new_tokens, do_sample=False,
+                  attention_mask=torch.ones_like(ids))
+
+    def call():
+        model.generate(ids, **kwargs)
+
+    def capacity():
+        return max(slot.capacity for slot in cached_engine(decoder).slots.values())
+
+    small = _median_seconds(call, repeats)
+    small_capacity = capacity()
+    long = prompt_ids(1, long_prompt, model.config.vocab_size, model.device)
+    model.generate(long, attention_mask=torch.ones_like(long), sampler="flash", max_new_tokens=8,
+                   do_sample=False)
+    large = _median_seconds(call, repeats)
+    return {"prompt_length": prompt_length, "new_tokens": new_tokens,
+            "small": {"capacity": small_capacity, "seconds": small},
+            "large": {"capacity": capacity(), "seconds": large}, "ratio": large / small}
+
+
+def time_to_first_token(model, prompt_length: int = 2000, repeats: int = 5) -> dict:
+    """Median seconds of a one-token ``generate`` (B=1, greedy): flash and stock."""
+    ids = prompt_ids(1, prompt_length, model.config.vocab_size, model.device)
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False)
+    stock = _median_seconds(lambda: model.generate(ids, **kwargs), repeats)
+    flash = _median_seconds(lambda: model.generate(ids, sampler="flash", **kwargs), repeats)
+    return {"prompt_length": prompt_length, "stock": stock, "flash": flash, "ratio": flash / stock}
