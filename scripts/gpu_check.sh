@@ -2,7 +2,7 @@
 # One call on a CUDA machine: the GPU tests, then the kernel and verification benchmarks. Logs
 # and JSON go to $OUT (default ./gpu_out); the benchmarks' tables are printed last.
 #   bash scripts/gpu_check.sh [pytest args...]
-#   PARTS="kernels verify" bash scripts/gpu_check.sh     # a subset: tests, kernels, verify, probe
+#   PARTS="kernels verify" bash scripts/gpu_check.sh     # a subset: tests, kernels, verify
 # Without arguments the tests are the kernels compiled for the GPU (Triton, and the Gluon
 # stage 1 on Hopper) and the engine's GPU tests (the rest of the suite is CPU code, which CI
 # runs). Measured durations, H100: the tests one file after another take more than the device
@@ -13,10 +13,6 @@
 # So two calls:
 #   PARALLEL=1 TEST_TIMEOUT=540 PARTS=tests bash scripts/gpu_check.sh
 #   PARTS="kernels verify" bash scripts/gpu_check.sh            # both benchmark tables, 232-312 s
-# PARTS=probe: scripts/epilogue_probe.py at R = 256 on the default 4-warp entry (needs ncu; 17
-# points, 536 s on an H100, fourteenth session). The grouped-noise cost model is a call of its own
-# (157 s): python scripts/epilogue_probe.py --kernels sample,verify --rows 256 \
-#     --variants full,grouped-noise --out $OUT
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -24,8 +20,8 @@ OUT=${OUT:-gpu_out}
 PARTS=${PARTS:-tests kernels verify}
 for part in $PARTS; do
     case $part in
-        tests|kernels|verify|probe) ;;
-        *) echo "gpu_check.sh: PARTS has '$part'; allowed: tests, kernels, verify, probe" >&2; exit 2 ;;
+        tests|kernels|verify) ;;
+        *) echo "gpu_check.sh: PARTS has '$part'; allowed: tests, kernels, verify" >&2; exit 2 ;;
     esac
 done
 mkdir -p "$OUT"
@@ -55,12 +51,5 @@ for part in $PARTS; do
             fi ;;
         kernels) python scripts/bench_kernels.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
         verify) python scripts/bench_verify.py --out "$OUT" 2>&1 | tee "$OUT/bench_verify.log" | tail -28 ;;
-        probe)
-            python scripts/epilogue_probe.py --kernels argmax --rows 256 \
-                --variants full,no-load,no-mma \
-                --out "$OUT/probe_argmax" 2>&1 | tee "$OUT/probe_argmax.log" | tail -8
-            python scripts/epilogue_probe.py --kernels sample,verify --rows 256 \
-                --variants full,no-mma,no-load+no-mma,cheap-bits,pad-16 \
-                --out "$OUT/probe_epilogue" 2>&1 | tee "$OUT/probe_epilogue.log" | tail -15 ;;
     esac
 done

@@ -121,7 +121,7 @@ def _warp_specialized_config(num_rows: int, truncation: bool) -> TileConfig:
     # candidates per tile, the budget per token of the Triton truncation table's 33-64 rows
     # (its 64-wide tiles above had twice that; exact either way, completions counted in
     # `stats()`).
-    # scripts/sweep_tiles.py, H100, ratios to matmul in one run. 2026-11-23, tenth session:
+    # probes/sweep_tiles.py, H100, ratios to matmul in one run. 2026-11-23, tenth session:
     # untruncated, the noise screen with 4 epilogue warps up to 256 rows (sample R = 128
     # 0.985x, R = 256 1.19-1.24x, against 1.31-1.35x for the exact epilogue on 8 warps), 8
     # above (verify R = 512 1.22x against 1.42x on 4). Truncation: 8 warps without the screen,
@@ -151,7 +151,7 @@ def _warp_specialized_config(num_rows: int, truncation: bool) -> TileConfig:
         return TileConfig(block_v=128, block_r=64, block_d=64, num_warps=4, num_stages=8,
                           warp_specialized=True)
     # 129-256 rows: the race too. Seventeenth session, H100, stage 1 at locked base clocks
-    # (scripts/epilogue_probe.py, variant full), R = 256: sample 1.199 -> 1.102x matmul,
+    # (probes/epilogue_probe.py, variant full), R = 256: sample 1.199 -> 1.102x matmul,
     # verify 1.271 -> 1.231x. On 8 epilogue warps it loses (R = 512: sample 1.236 -> 1.261x,
     # verify 1.296 -> 1.394x); 64-row tiles with the exact epilogue too (verify R = 128
     # 0.995 -> 1.03x matmul in a sweep). Eighteenth session, the leaders' path
@@ -167,9 +167,9 @@ def _warp_specialized_config(num_rows: int, truncation: bool) -> TileConfig:
 
 
 def _bf16_config(num_rows: int) -> TileConfig:
-    # From scripts/sweep_tiles.py on an H200 and scratch probes on an H100 (D=4096,
+    # From probes/sweep_tiles.py on an H200 and scratch probes on an H100 (D=4096,
     # V=151,936, bf16), 2026-11-21. Up to 16 rows, 64-wide vocab tiles: five programs of
-    # 40 KB per SM instead of three of 72 KB (scripts/kernel_registers.py), more of them
+    # 40 KB per SM instead of three of 72 KB (probes/kernel_registers.py), more of them
     # streaming while others are in their prologue or epilogue (graph-timed H100, B=16:
     # sample 0.441 -> 0.432 ms, argmax 0.435 -> 0.430; B=1 and the H200 tie). Truncation
     # keeps 128 (its own table). 512-deep steps (H100, 2026-11-23, sweeps in one call):
@@ -193,8 +193,8 @@ def _bf16_config(num_rows: int) -> TileConfig:
 def _bf16_verification_config(num_rows: int) -> TileConfig:
     # Verification's epilogue (log-sum-exp, the draft's mask and logit) takes 209 registers
     # on 128x128 tiles, one program per SM; 64-row tiles keep it at 128 registers, two per
-    # SM, one's epilogue beside the other's main loop (scripts/kernel_registers.py).
-    # scripts/sweep_tiles.py --kernel verify, H100, 2026-11-21, same run each: R = 96
+    # SM, one's epilogue beside the other's main loop (probes/kernel_registers.py).
+    # probes/sweep_tiles.py --kernel verify, H100, 2026-11-21, same run each: R = 96
     # 0.645 -> 0.590 ms, R = 128 0.652 -> 0.540 (sampling gains nothing: 128 rows tie, 96
     # and 256 rows are 12-14% slower). R = 256: -4% in one probe, not taken yet.
     if 64 < num_rows <= 128:
@@ -203,7 +203,7 @@ def _bf16_verification_config(num_rows: int) -> TileConfig:
 
 
 def _bf16_truncation_config(num_rows: int) -> TileConfig:
-    # scripts/sweep_tiles.py --truncation on an H200, 2026-11-21 (top_k=20, top_p=0.95),
+    # probes/sweep_tiles.py --truncation on an H200, 2026-11-21 (top_k=20, top_p=0.95),
     # after candidates were extracted from the fp32 logits (no int64 sort in the
     # epilogue): 128-wide tiles win again, and halve the tile maxima stage 2 sorts.
     # 17-32 rows: 0.368 -> 0.354 ms; 33-64 rows: 0.404 -> 0.377 ms.

@@ -9,13 +9,13 @@ runs at the base clock with L2 flushed before it, and the same kernel repeats wi
 a change of a few percent shows in a few repeats (the twelfth session's verification
 epilogue: -1.7% at R = 256 and -4.5% at R = 512, not resolved by graph timing):
 
-    PYTHONPATH=. python scripts/locked_clock_times.py --kernels matmul,sample,verify \
+    PYTHONPATH=. python probes/locked_clock_times.py --kernels matmul,sample,verify \
         --rows 256,512 --out $OUT                    # a CUDA machine with ncu, ~20 s a point
-    python scripts/locked_clock_times.py --summarize $OUT/locked_clock_times.json
+    python probes/locked_clock_times.py --summarize $OUT/locked_clock_times.json
 
 Each point (kernel, rows) runs this script again under ncu, which profiles every kernel
 launched inside an NVTX range around three calls after three untimed ones: for `matmul` the
-cuBLAS GEMM of the R rows, for flashspec's kernels (scripts/sweep_tiles.py's, at D = 4096,
+cuBLAS GEMM of the R rows, for flashspec's kernels (probes/sweep_tiles.py's, at D = 4096,
 V = 151,936; verify rows are B * (G + 1), G = --drafts) stage 1, stage 2, the finaliser and
 any padding copy. The table gives each kernel's median duration, the call's total (the sum of
 its kernels' times, each run alone by ncu: no launch gaps, no overlap) and its ratio to

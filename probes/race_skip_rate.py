@@ -2,7 +2,7 @@
 
 Runs stage 1 alone (`flashspec.kernels.ops.stage1_best_scores`) with the race on and the
 log-sum-exp, as sampling always computes it, every row sampled without truncation, on the
-benchmarks' random problem (scripts/sweep_tiles.py's weight; hidden states scaled by
+benchmarks' random problem (probes/sweep_tiles.py's weight; hidden states scaled by
 --hidden-scale), and reports the share of (row, vocab tile)
 summaries that the race left out (their best is -inf: the whole chunk of rows was beaten, or,
 since the leaders' path, the row had no column the bound could not rule out in a chunk where
@@ -10,8 +10,8 @@ no row had two), over all tiles, the first 200 and the last 500 (programs that s
 see stronger bounds).
 On a GPU the share depends on which programs run at once, so it varies a little between runs.
 
-    PYTHONPATH=. python scripts/race_skip_rate.py --rows 256 --out $OUT
-    PYTHONPATH=. TRITON_INTERPRET=1 python scripts/race_skip_rate.py --quick   # CPU smoke run
+    PYTHONPATH=. python probes/race_skip_rate.py --rows 256 --out $OUT
+    PYTHONPATH=. TRITON_INTERPRET=1 python probes/race_skip_rate.py --quick   # CPU smoke run
 
 Before the leaders' path (H100, T 0.7, whole chunks beaten): seventeenth session, hidden
 scale 1, 0.860 / 0.456 / 0.963 at R = 256 and 0.789 / 0.345 / 0.929 at R = 512 (the 8-warp

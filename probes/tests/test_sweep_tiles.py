@@ -1,4 +1,4 @@
-"""scripts/sweep_tiles.py: the --quick run (CPU, kernels interpreted) and its refusals."""
+"""probes/sweep_tiles.py: the --quick run (CPU, kernels interpreted) and its refusals."""
 
 import argparse
 import json
@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
-from script_module import load_script
+from probe_module import load_probe
 
 from flashspec import kernels
 
-sweep = load_script("sweep_tiles")
+sweep = load_probe("sweep_tiles")
 
 
 def _run(tmp_path, *args):

@@ -1,13 +1,13 @@
-"""scripts/locked_clock_times.py: reading Nsight Compute's per-launch durations and the table
+"""probes/locked_clock_times.py: reading Nsight Compute's per-launch durations and the table
 (the profiling itself needs a CUDA machine with ncu)."""
 
 import json
 
 import pytest
 
-from script_module import load_script
+from probe_module import load_probe
 
-times = load_script("locked_clock_times")
+times = load_probe("locked_clock_times")
 
 HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
           '"Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit",'

@@ -6,9 +6,9 @@ address block say which partition waits, and on what. This is how the eleventh s
 the Gluon main loop short of bytes in flight (BENCHMARKS.md, docs/bench/h100/stages/
 ncu_stalls_r256.txt):
 
-    PYTHONPATH=. python scripts/stall_profile.py --kernel sample --rows 256 \
+    PYTHONPATH=. python probes/stall_profile.py --kernel sample --rows 256 \
         --config 128,128,64,4,5,ws,screen,race --out $OUT  # a CUDA machine with ncu, ~1 min
-    python scripts/stall_profile.py --summarize $OUT/source.csv    # any machine
+    python probes/stall_profile.py --summarize $OUT/source.csv    # any machine
 
 The first form runs this script again under `ncu` (stage 1's third launch, sections
 WarpStateStats and SourceCounters), exports the source page with SASS to source.csv in --out
@@ -17,8 +17,8 @@ instruction), the stall samples, their share, the instructions executed, which m
 instructions the block holds (HGMMA: the MMA loop; UTMALDG: TMA loads; TRYWAIT: an mbarrier
 wait; BAR: a named barrier; MUFU, LDS, STS, LDG, STG, LDL/STL: spills) and its three main
 stall reasons; then the single instructions with the most samples. The kernels (--kernel)
-and their problem are scripts/sweep_tiles.py's, at D = 4096, V = 151,936. --config is
-"bv,br,bd,warps,stages[,parts][,ws][,screen][,race]" as in scripts/sweep_tiles.py (default: the
+and their problem are probes/sweep_tiles.py's, at D = 4096, V = 151,936. --config is
+"bv,br,bd,warps,stages[,parts][,ws][,screen][,race]" as in probes/sweep_tiles.py (default: the
 default table's).
 """
 
@@ -33,7 +33,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-# As scripts/sweep_tiles.py's (not imported: --summarize runs without torch).
+# As probes/sweep_tiles.py's (not imported: --summarize runs without torch).
 KERNELS = ("argmax", "sample", "qwen", "topp", "verify", "verify-qwen", "verify-topp")
 MARKERS = ("HGMMA", "UTMALDG", "TRYWAIT", "BAR", "MUFU", "LDS", "STS", "LDG", "STG", "LDL", "STL")
 SAMPLES = "Warp Stall Sampling (All Samples)"
@@ -109,7 +109,7 @@ def summarize(instructions: list[dict], block: int = 0x400, top: int = 15,
 
 
 def _launch(kernel: str, rows: int, config_text: str | None, drafts: int) -> None:
-    """Stage 1 (and stage 2) three times on scripts/sweep_tiles.py's problem at D = 4096,
+    """Stage 1 (and stage 2) three times on probes/sweep_tiles.py's problem at D = 4096,
     V = 151,936: ncu profiles the third launch of stage 1."""
     import torch
 

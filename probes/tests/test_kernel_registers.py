@@ -1,4 +1,4 @@
-"""scripts/kernel_registers.py: stage 1 compiled for sm_90a on the CPU (Triton + ptxas)."""
+"""probes/kernel_registers.py: stage 1 compiled for sm_90a on the CPU (Triton + ptxas)."""
 
 import json
 import os
@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from flashspec import kernels
-from script_module import SCRIPTS, load_script
+from probe_module import PROBES, load_probe
 
-registers = load_script("kernel_registers")
+registers = load_probe("kernel_registers")
 
 
 def _reports(tmp_path, kernel: str, configs: str, *options: str) -> list[dict]:
@@ -18,8 +18,8 @@ def _reports(tmp_path, kernel: str, configs: str, *options: str) -> list[dict]:
     (set by conftest) Triton's own jitted helpers are interpreted functions and nothing
     compiles."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS.parent), env.get("PYTHONPATH", "")])
-    subprocess.run([sys.executable, str(SCRIPTS / "kernel_registers.py"), "--kernel", kernel,
+    env["PYTHONPATH"] = os.pathsep.join([str(PROBES.parent), env.get("PYTHONPATH", "")])
+    subprocess.run([sys.executable, str(PROBES / "kernel_registers.py"), "--kernel", kernel,
                     "--configs", configs, "--out", str(tmp_path), *options],
                    env=env, check=True, capture_output=True, timeout=300)
     return json.loads((tmp_path / "kernel_registers.json").read_text())["reports"]

@@ -49,14 +49,14 @@ the SM, and shared memory is the likely place: a 128x128 tile moves 4.1-5.1 MiB 
 D = 4096, which is 608-755k cycles per SM at R = 256 against argmax's 725k. These variants do
 not isolate shared memory; a variant that keeps the TMA writes from an L2-resident tile would.
 
-Each point runs under ``ncu --clock-control base`` (scripts/locked_clock_times.py's method:
+Each point runs under ``ncu --clock-control base`` (probes/locked_clock_times.py's method:
 three calls after three untimed ones, every kernel at the base clock with L2 flushed).
 matmul and argmax at the same rows are timed as the references:
 
-    PYTHONPATH=. python scripts/epilogue_probe.py --kernels sample,verify --rows 256 \\
+    PYTHONPATH=. python probes/epilogue_probe.py --kernels sample,verify --rows 256 \\
         --configs "128,128,64,4,5,ws,screen 128,128,64,8,4,ws,screen" \\
         --variants full,no-mma,no-load+no-mma,cheap-bits,pad-16 --out $OUT   # ~20 s a point
-    python scripts/epilogue_probe.py --summarize $OUT/epilogue_probe.json
+    python probes/epilogue_probe.py --summarize $OUT/epilogue_probe.json
 
 The table gives, per point, stage 1's median, its ratio to the matmul at the same rows, and
 its ratio to the same configuration's ``full`` variant.
@@ -84,7 +84,7 @@ STAGE1 = "lm_head_tiles_ws_kernel"
 ADDED_PER_LOGIT = {"pad-8": 224 / 32, "pad-16": 481 / 32, "cheap-bits": -254 / 32}
 BASE_CLOCK_HZ = 1.413e9  # an H100 under ncu --clock-control base (cycles / time, twelfth session)
 SCHEDULERS = 132 * 4  # H100 and H200: 132 SMs of 4 schedulers
-VOCAB = 151_936  # the probe's problem (scripts/sweep_tiles.py at D = 4096)
+VOCAB = 151_936  # the probe's problem (probes/sweep_tiles.py at D = 4096)
 
 if lm_head_ws.gluon is not None:
     import triton
@@ -443,7 +443,7 @@ def main(argv=None) -> int:
                         help="comma-separated row counts (verify: B * (G + 1), G = --drafts)")
     parser.add_argument("--configs", type=_ws_configs,
                         default=_ws_configs("128,128,64,4,5,ws,screen"),
-                        help='"bv,br,bd,warps,stages,ws[,screen]" items (scripts/sweep_tiles.py)')
+                        help='"bv,br,bd,warps,stages,ws[,screen]" items (probes/sweep_tiles.py)')
     parser.add_argument("--variants", type=_variants,
                         default=[(), ("no-mma",), ("no-load", "no-mma"), ("cheap-bits",)],
                         help=f"comma-separated: full, or '+'-joined flags from {', '.join(FLAGS)}")

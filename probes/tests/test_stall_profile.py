@@ -1,11 +1,11 @@
-"""scripts/stall_profile.py: reading Nsight Compute's exported source page and summing its
+"""probes/stall_profile.py: reading Nsight Compute's exported source page and summing its
 stall samples by address block (the profiling itself needs a CUDA machine with ncu)."""
 
 import pytest
 
-from script_module import load_script
+from probe_module import load_probe
 
-profile = load_script("stall_profile")
+profile = load_probe("stall_profile")
 
 # The layout of `ncu --page source --print-source sass --csv`: a kernel-name line, the header,
 # one row per SASS instruction (numbers may carry thousands separators).

@@ -7,13 +7,13 @@ Whether a configuration's epilogue fits in registers, and how many programs shar
 (so that one program's epilogue can overlap another's main loop), decide much of its speed
 at large B; this answers both before a device is lent:
 
-    PYTHONPATH=. python scripts/kernel_registers.py --kernel sample \
+    PYTHONPATH=. python probes/kernel_registers.py --kernel sample \
         --configs "128,128,128,8,3,2 128,64,64,8,4"
 
 Prints one line per configuration; writes kernel_registers.json to --out, and with --sass
 each configuration's disassembly (nvdisasm -c) beside it, for counting what an epilogue
 executes per logit (BENCHMARKS.md, thirteenth session). Configurations
-are "bv,br,bd,warps,stages[,parts][,ws][,screen][,race]" as in scripts/sweep_tiles.py; "ws"
+are "bv,br,bd,warps,stages[,parts][,ws][,screen][,race]" as in probes/sweep_tiles.py; "ws"
 compiles the
 warp-specialized Gluon stage 1 (`flashspec/kernels/lm_head_ws.py`) and also reports the
 setmaxnreg values in its PTX (what the load warp, the MMA warpgroup and the epilogue warps set

@@ -2,10 +2,10 @@
 
 How the fixed tile tables in `flashspec/kernels/ops.py::default_config` are chosen:
 
-    PYTHONPATH=. python scripts/sweep_tiles.py --kernel sample --rows 1,16,64
-    PYTHONPATH=. python scripts/sweep_tiles.py --kernel verify --drafts 3 --rows 64,128,256 \
+    PYTHONPATH=. python probes/sweep_tiles.py --kernel sample --rows 1,16,64
+    PYTHONPATH=. python probes/sweep_tiles.py --kernel verify --drafts 3 --rows 64,128,256 \
         --configs "128,64,64,8,4 128,128,128,8,3,2"
-    PYTHONPATH=. TRITON_INTERPRET=1 python scripts/sweep_tiles.py --quick   # CPU smoke run
+    PYTHONPATH=. TRITON_INTERPRET=1 python probes/sweep_tiles.py --quick   # CPU smoke run
 
 --kernel: argmax; sample (T 0.7); qwen (T 0.6, top-k 20, top-p 0.95); topp (T 0.8, top-p 0.9
 with no top-k, as vLLM's defaults leave it); verify, verify-qwen and verify-topp (the same
@@ -32,8 +32,8 @@ from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_kernels as bk  # noqa: E402 - a sibling script, not a package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import bench_kernels as bk  # noqa: E402 - a user script (scripts/), not a package
 
 KERNELS = ("argmax", "sample", "qwen", "topp", "verify", "verify-qwen", "verify-topp")
 SETTINGS = {"sample": dict(temperature=0.7), "qwen": dict(temperature=0.6, top_k=20, top_p=0.95),

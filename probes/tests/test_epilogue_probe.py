@@ -1,4 +1,4 @@
-"""scripts/epilogue_probe.py: its variants compile for sm_90a on the CPU with the partitions
+"""probes/epilogue_probe.py: its variants compile for sm_90a on the CPU with the partitions
 swapped (and restored), its arguments and its table (the timing needs a CUDA machine with
 ncu)."""
 
@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from script_module import SCRIPTS, load_script
+from probe_module import PROBES, load_probe
 
-probe = load_script("epilogue_probe")
+probe = load_probe("epilogue_probe")
 
 # Compiles stage 1 for sampling (128x128 tiles, 4 epilogue warps, the screen; "variant@kernel"
 # for another kernel) under each variant named on the command line, and prints what its PTX
@@ -52,8 +52,8 @@ print(json.dumps(found))
 def _compiled(variants: list[str]) -> list[dict]:
     # In a process of its own: under TRITON_INTERPRET=1 (conftest) nothing compiles.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS.parent), env.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, "-c", COMPILE, str(SCRIPTS), *variants], env=env,
+    env["PYTHONPATH"] = os.pathsep.join([str(PROBES.parent), env.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", COMPILE, str(PROBES), *variants], env=env,
                             check=True, capture_output=True, text=True, timeout=600)
     return json.loads(result.stdout.splitlines()[-1])
 
