@@ -32,14 +32,10 @@ the shipped kernel is not edited. Each variant runs in a fresh process:
   epilogue is late on its own (it issues 0.25-0.33 a cycle), 0.6-1.1 if it contends with the
   MMA, none if it is hidden.
 
-* ``grouped-noise``: the chunk's summary computed as docs/proposals/grouped_gumbel_noise.md
-  would (a Gumbel per 16-token group from Philox, the groups' log-sum-exps, the best group and
-  the inverse CDF inside it). Timing only: a cost model of the proposal, not its sampler.
-
 Measured (H100, 2026-11-23, BENCHMARKS.md "Fourteenth session"): 3.0-3.7 cycles per added
 instruction and 5.2-7.7 per removed Philox instruction, the epilogue alone at 0.46-0.56x the
 full kernel: the epilogue sets the time, and runs about half as fast beside the main loop as
-alone. grouped-noise: sample 1.042x and verify 1.072x the matmul on whole calls.
+alone.
 
 For argmax, whose epilogue is light, ``no-load`` and ``no-mma`` bound the main loop from its
 two sides. no-load is the MMA without the TMA writes and without the HBM stream (at least the
@@ -75,7 +71,7 @@ import locked_clock_times as lct  # noqa: E402 - a sibling script, not a package
 from flashspec.bench import cli  # noqa: E402
 from flashspec.kernels import lm_head_ws  # noqa: E402
 
-FLAGS = ("no-load", "no-mma", "cheap-bits", "pad-8", "pad-16", "grouped-noise")
+FLAGS = ("no-load", "no-mma", "cheap-bits", "pad-8", "pad-16")
 KERNELS = ("argmax", "sample", "verify", "qwen", "verify-qwen")
 STAGE1 = "lm_head_tiles_ws_kernel"
 # Instructions per logit that a variant adds to the epilogue's main path (cheap-bits: removes),
@@ -87,14 +83,9 @@ SCHEDULERS = 132 * 4  # H100 and H200: 132 SMs of 4 schedulers
 VOCAB = 151_936  # the probe's problem (probes/sweep_tiles.py at D = 4096)
 
 if lm_head_ws.gluon is not None:
-    import triton
-    import triton.language as tl
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
-
-    from flashspec.kernels import lm_head
-    from flashspec.kernels.noise import gumbel_from_bits
 
     @gluon.jit
     def _load_partition_no_copy(h_desc, w_desc, h_bufs, w_bufs, ready, empty, acc_smem,
@@ -168,121 +159,11 @@ if lm_head_ws.gluon is not None:
         return _xorshifts(_shipped_tile_bits(seed, position, pid_v, NUM_VT, CR, BV, INTERLEAVE,
                                              layout), 8)
 
-    LOG2E = gl.constexpr(1.4426950408889634)
-
-    @triton.jit
-    def _pair_words(seed, position, pairs):
-        """Philox's four words of each (row, pair of 16-token groups): two groups' Gumbel
-        words and their two within-group uniforms' (one call, as a grouped contract could
-        key them)."""
-        c0 = (pairs + position * 0).to(tl.uint32)
-        c1 = (position + pairs * 0).to(tl.uint32)
-        zero = c0 * 0
-        return tl.philox(seed, c0, c1, zero, zero)
-
-    @triton.jit
-    def _add(a, b):
-        return a + b
-
-    @gluon.jit
-    def _summarise_chunk_grouped(acc, rows, pid_v, V, NUM_VT, best_ptr, best_id_ptr, best_s_ptr,
-                                 max_ptr, sumexp_ptr, bad_ptr, draft_s_ptr, cand_ptr, bound_ptr,
-                                 SAMPLE: gl.constexpr, LSE: gl.constexpr, DRAFT: gl.constexpr,
-                                 CAND: gl.constexpr, INTERLEAVE: gl.constexpr,
-                                 EVEN_V: gl.constexpr, SCREEN: gl.constexpr,
-                                 RACE: gl.constexpr, layout: gl.constexpr):
-        """Stand-in for `lm_head_ws._summarise_chunk` with the work of
-        docs/proposals/grouped_gumbel_noise.md (timing only; untruncated launches): per
-        16-token group a log-sum-exp and an exact Gumbel from Philox, the best group per row,
-        the inverse CDF inside it; the tile's log-sum-exp from the groups'; in the tile that
-        holds a row's draft, the draft's s."""
-        CR: gl.constexpr = acc.shape[0]
-        BV: gl.constexpr = acc.shape[1]
-        A: gl.constexpr = BV // 16
-        offs_r, r_ok, sampled, temperature, seed, position, draft, _ = rows
-        inv_t = 1.0 / temperature
-        columns = gl.arange(0, BV, layout=gl.SliceLayout(0, layout))
-        s, row_sum, offs_v = lm_head._scaled_logits(acc, columns, pid_v, NUM_VT, V, inv_t, BV,
-                                                    INTERLEAVE, EVEN_V)
-        # Column 16 a + 8 h + 2 m + l: group a; h and l in the thread, m one of the row's 4
-        # threads (the tensor-core layout). Each group's sum is taken against its own max, so
-        # that it does not depend on the tile.
-        s5 = gl.reshape(s, [CR, A, 2, 4, 2])
-        group_max = gl.max(gl.max(gl.max(s5, axis=4), axis=3), axis=2)
-        e5 = gl.exp2((s5 - group_max[:, :, None, None, None]) * LOG2E)
-        group_sum = gl.sum(gl.sum(gl.sum(e5, axis=4), axis=3), axis=2)
-        # Each of a row's 4 threads takes 2 of its 8 groups: one Philox call each.
-        pair_layout: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [gl.num_warps(), 1], [1, 0])
-        even_sum, odd_sum = gl.split(gl.reshape(gl.convert_layout(group_sum, pair_layout),
-                                                [CR, A // 2, 2]))
-        even_max, odd_max = gl.split(gl.reshape(gl.convert_layout(group_max, pair_layout),
-                                                [CR, A // 2, 2]))
-        pairs_layout: gl.constexpr = even_sum.type.layout
-        pair = gl.arange(0, A // 2, layout=gl.SliceLayout(0, pairs_layout))
-        first_pair = lm_head._column_tokens(pair * 32, pid_v, NUM_VT, BV, INTERLEAVE) // 32
-        row_of_pairs: gl.constexpr = gl.SliceLayout(1, pairs_layout)
-        w0, w1, w2, w3 = _pair_words(gl.convert_layout(seed, row_of_pairs)[:, None],
-                                     gl.convert_layout(position, row_of_pairs)[:, None],
-                                     first_pair.to(gl.int64)[None, :])
-        score_even = even_max + gl.log(even_sum) + gumbel_from_bits(w0)
-        score_odd = odd_max + gl.log(odd_sum) + gumbel_from_bits(w1)
-        best = gl.max(gl.maximum(score_even, score_odd), axis=1)
-        group = pair[None, :] * 2
-        win = gl.min(gl.where(score_even == best[:, None], group,
-                              gl.where(score_odd == best[:, None], group + 1, A)), axis=1)
-        win = gl.minimum(win, A - 1)
-        u_pair = gl.where((win[:, None] & 1) == 0, w2, w3).to(gl.float32) * 2.3283064365386963e-10
-        in_pair = pair[None, :] == win[:, None] // 2
-        u = gl.sum(gl.where(in_pair, u_pair, 0.0), axis=1)
-        win_max = gl.sum(gl.where(in_pair, gl.where((win[:, None] & 1) == 0, even_max, odd_max),
-                                  0.0), axis=1)
-        # The tile's log-sum-exp against its max, from the groups'.
-        top_p = gl.max(gl.maximum(even_max, odd_max), axis=1)
-        sumexp = gl.sum(gl.exp2((even_max - top_p[:, None]) * LOG2E) * even_sum
-                        + gl.exp2((odd_max - top_p[:, None]) * LOG2E) * odd_sum, axis=1)
-        # The winning group's 16 values in id order, their cumulative sums, the first that
-        # passes u times the last.
-        row_and_group: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(
-            4, e5.type.layout)))
-        groups5: gl.constexpr = gl.SliceLayout(0, row_and_group)
-        rows5: gl.constexpr = gl.SliceLayout(1, row_and_group)
-        a5 = gl.arange(0, A, layout=groups5)[None, :, None, None, None]
-        win5 = gl.convert_layout(win, rows5)[:, None, None, None, None]
-        # (Triton's scan takes blocked layouts: 4 consecutive values a thread.)
-        scan_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [gl.num_warps(), 1], [1, 0])
-        chosen = gl.convert_layout(
-            gl.reshape(gl.sum(gl.where(a5 == win5, e5, 0.0), axis=1), [CR, 16]), scan_layout)
-        cumulative = gl.associative_scan(chosen, 1, _add)
-        last = gl.max(cumulative, axis=1)
-        u_c = gl.convert_layout(u, gl.SliceLayout(1, cumulative.type.layout))
-        count = gl.sum((cumulative <= (u_c * last)[:, None]).to(gl.int32), axis=1)
-        count = gl.minimum(count, 15)
-        position16 = gl.arange(0, 16, layout=gl.SliceLayout(0, cumulative.type.layout))
-        e_token = gl.sum(gl.where(position16[None, :] == count[:, None], chosen, 0.0), axis=1)
-        rows_s: gl.constexpr = gl.SliceLayout(1, layout)
-        best_column = gl.convert_layout(win * 16, rows_s) + gl.convert_layout(count, rows_s)
-        top = gl.convert_layout(top_p, rows_s)
-        best_s = gl.convert_layout(win_max, rows_s) + gl.log(gl.convert_layout(e_token, rows_s))
-        # (Greedy rows: their max, but not their argmax's column, which a real kernel would
-        # find with about 2 more instructions per logit or a branch; the probe's rows sample.)
-        best = gl.where(sampled, gl.convert_layout(best, rows_s), top)
-        sumexp = gl.convert_layout(sumexp, rows_s)
-        draft_s = row_sum
-        if DRAFT:
-            if lm_head._drafts_in_tile(draft, pid_v, NUM_VT, BV, INTERLEAVE):
-                draft_s = gl.sum(gl.where(offs_v[None, :] == draft[:, None], s, 0.0), axis=1)
-        best_id = lm_head._column_tokens(best_column, pid_v, NUM_VT, BV, INTERLEAVE)
-        summary = (best, best_id, row_sum, top, sumexp, best_s, draft_s)
-        lm_head._store_summary(summary, offs_r, r_ok, draft, pid_v, NUM_VT, best_ptr,
-                               best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr,
-                               draft_s_ptr, BV, INTERLEAVE, LSE, DRAFT)
-
     REPLACEMENTS = {"no-load": ("_load_partition", _load_partition_no_copy),
                     "no-mma": ("_mma_partition", _mma_partition_idle),
                     "cheap-bits": ("_tile_bits", _cheap_tile_bits),
                     "pad-8": ("_tile_bits", _tile_bits_pad8),
-                    "pad-16": ("_tile_bits", _tile_bits_pad16),
-                    "grouped-noise": ("_summarise_chunk", _summarise_chunk_grouped)}
+                    "pad-16": ("_tile_bits", _tile_bits_pad16)}
 
 
 def parse_variant(text: str) -> tuple[str, ...]:
@@ -294,7 +175,7 @@ def parse_variant(text: str) -> tuple[str, ...]:
     if not flags or unknown:
         raise argparse.ArgumentTypeError(
             f"variant {text!r}: 'full' or '+'-joined flags from {', '.join(FLAGS)}")
-    words = [flag for flag in flags if flag in ("cheap-bits", "pad-8", "pad-16", "grouped-noise")]
+    words = [flag for flag in flags if flag in ("cheap-bits", "pad-8", "pad-16")]
     if len(words) > 1:
         raise argparse.ArgumentTypeError(
             f"variant {text!r}: {' and '.join(words)} each replace the epilogue's noise; one "

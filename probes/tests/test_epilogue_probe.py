@@ -16,8 +16,7 @@ probe = load_probe("epilogue_probe")
 # Compiles stage 1 for sampling (128x128 tiles, 4 epilogue warps, the screen; "variant@kernel"
 # for another kernel) under each variant named on the command line, and prints what its PTX
 # holds: wgmma instructions, TMA copies, Philox's second multiplier (0xD2511F53 as PTX's signed
-# decimal), the stand-in words' multiplier and the up-shuffles of a scan (grouped noise's
-# inverse CDF).
+# decimal) and the stand-in words' multiplier.
 COMPILE = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -44,7 +43,7 @@ for text in sys.argv[2:]:
     found.append(dict(variant=text, wgmma=text_ptx.count("wgmma.mma_async"),
                       tma=text_ptx.count("cp.async.bulk.tensor"),
                       philox=text_ptx.count("-766435501"), stand_in=text_ptx.count("40503"),
-                      xor=text_ptx.count("xor.b32"), scan=text_ptx.count("shfl.sync.up")))
+                      xor=text_ptx.count("xor.b32")))
 print(json.dumps(found))
 """
 
@@ -60,9 +59,8 @@ def _compiled(variants: list[str]) -> list[dict]:
 
 @pytest.mark.skipif(probe.lm_head_ws.gluon is None, reason="Gluon needs Triton 3.6")
 def test_each_variant_compiles_without_what_it_switches_off_and_full_is_restored():
-    full, no_mma, no_load, cheap, padded, grouped, grouped_verify, full_again = _compiled(
-        ["full", "no-mma", "no-load", "cheap-bits", "pad-16", "grouped-noise",
-         "grouped-noise@verify", "full"])
+    full, no_mma, no_load, cheap, padded, full_again = _compiled(
+        ["full", "no-mma", "no-load", "cheap-bits", "pad-16", "full"])
     assert full["wgmma"] > 0 and full["tma"] > 0 and full["philox"] > 0
     assert full["stand_in"] == 0
     assert no_mma["wgmma"] == 0 and no_mma["tma"] == full["tma"]
@@ -74,14 +72,6 @@ def test_each_variant_compiles_without_what_it_switches_off_and_full_is_restored
     # 8 xorshift rounds per word, each a shift and a xor, on the screen's and the fallback's
     # 32 words a thread: 256 more xors at least.
     assert padded["philox"] == full["philox"] and padded["xor"] >= full["xor"] + 2 * 8 * 32
-    # Grouped noise: one Philox call per thread and chunk (2 of a row's 8 groups), as many
-    # as cheap-bits leaves for the leader's exact noise, where the shipped epilogue also
-    # makes 8 for the screen and 8 for the exact fallback; and the winning group's scan.
-    assert 0 < grouped["philox"] <= cheap["philox"]
-    assert grouped["scan"] > 0
-    assert full["scan"] == 0
-    assert grouped["wgmma"] == full["wgmma"] and grouped["tma"] == full["tma"]
-    assert grouped_verify["scan"] > 0 and grouped_verify["philox"] == grouped["philox"]
     assert full_again == dict(full, variant="full")
 
 
@@ -130,7 +120,7 @@ def test_variant_names_parse_to_sorted_flags():
     assert probe.variant_name(("no-load", "no-mma")) == "no-load+no-mma"
     assert probe.variant_name(()) == "full"
     assert probe.parse_variant("pad-16+no-mma") == ("no-mma", "pad-16")
-    for bad in ("no-epilogue", "no-mma+", "", "cheap-bits+pad-8", "grouped-noise+pad-16"):
+    for bad in ("no-epilogue", "no-mma+", "", "cheap-bits+pad-8", "pad-8+pad-16"):
         with pytest.raises(Exception, match="variant"):
             probe.parse_variant(bad)
 
