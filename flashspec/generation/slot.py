@@ -15,7 +15,7 @@ back on the device:
 
 Rows never move: the caches roll back by position. Rows that are finished, or that only pad
 the batch up to its bucket, stay in the batch, emit nothing and cost a little compute, which
-keeps every shape fixed. The host reads one small report per step (`Report`).
+keeps every shape fixed (the prefill, eager, skips the padding rows). The host reads one small report per step (`Report`).
 """
 
 from __future__ import annotations
