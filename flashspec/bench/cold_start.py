@@ -119,9 +119,10 @@ def steady_state(model, draft, calls=STEADY_CALLS, new_tokens: int = STEADY_TOKE
     """tok/s of each call once warm: a call to warm it, then the median of `repeats`."""
     rows = []
     for call in calls:
-        timed_call(model, draft, call, new_tokens)
-        runs = sorted(timed_call(model, draft, call, new_tokens)["seconds"] for _ in range(repeats))
-        seconds = runs[len(runs) // 2]
+        ids = prompt_ids(call.batch_size, call.prompt_length, model.config.vocab_size, model.device)
+        kwargs = call_kwargs(call, draft, new_tokens)
+        seconds = _median_seconds(
+            lambda: model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs), repeats)
         rows.append({**dataclasses.asdict(call), "new_tokens": new_tokens, "seconds": seconds,
                      "tok_s": call.batch_size * new_tokens / seconds})
     return rows

@@ -1,27 +1,15 @@
-"""Setup of the probes' tests (not in CI's default run: pytest's testpaths is tests/).
+"""The probes' tests (not in CI's default run: pytest's testpaths is tests/) share the test
+suite's session setup: tests/conftest.py (without a GPU the Triton interpreter, tests marked
+gpu skipped, tests/ importable, hence `script_module`).
 
     TRITON_INTERPRET=1 PYTHONPATH=. python -m pytest -q probes/tests
-
-As tests/conftest.py: without a GPU, Triton kernels run through the interpreter, chosen before
-Triton compiles anything; tests marked gpu are skipped; probe_module is importable.
 """
 
-import os
-import sys
+import importlib.util
+from pathlib import Path
 
-import pytest
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-sys.path.insert(0, os.path.dirname(__file__))
-
-
-def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+_spec = importlib.util.spec_from_file_location(
+    "tests_conftest", Path(__file__).resolve().parents[2] / "tests" / "conftest.py")
+_suite = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_suite)
+pytest_collection_modifyitems = _suite.pytest_collection_modifyitems

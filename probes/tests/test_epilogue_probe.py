@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from probe_module import PROBES, load_probe
+from script_module import PROBES, load_script
 
-probe = load_probe("epilogue_probe")
+probe = load_script("epilogue_probe", PROBES)
 
 # Compiles stage 1 for sampling (128x128 tiles, 4 epilogue warps, the screen; "variant@kernel"
 # for another kernel) under each variant named on the command line, and prints what its PTX

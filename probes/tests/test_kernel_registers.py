@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from flashspec import kernels
-from probe_module import PROBES, load_probe
+from script_module import PROBES, load_script
 
-registers = load_probe("kernel_registers")
+registers = load_script("kernel_registers", PROBES)
 
 
 def _reports(tmp_path, kernel: str, configs: str, *options: str) -> list[dict]:

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from probe_module import load_probe
+from script_module import PROBES, load_script
 
-times = load_probe("locked_clock_times")
+times = load_script("locked_clock_times", PROBES)
 
 HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
           '"Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit",'

@@ -3,9 +3,9 @@ stall samples by address block (the profiling itself needs a CUDA machine with n
 
 import pytest
 
-from probe_module import load_probe
+from script_module import PROBES, load_script
 
-profile = load_probe("stall_profile")
+profile = load_script("stall_profile", PROBES)
 
 # The layout of `ncu --page source --print-source sass --csv`: a kernel-name line, the header,
 # one row per SASS instruction (numbers may carry thousands separators).

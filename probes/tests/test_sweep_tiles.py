@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
-from probe_module import load_probe
+from script_module import PROBES, load_script
 
 from flashspec import kernels
 
-sweep = load_probe("sweep_tiles")
+sweep = load_script("sweep_tiles", PROBES)
 
 
 def _run(tmp_path, *args):
