@@ -622,3 +622,22 @@ def test_memory_follows_what_is_generated_not_the_limit():
         out = flash(model, ids, max_new_tokens=10**12, eos_token_id=eos, **kwargs).sequences
         assert torch.equal(out, plain[:, :6])
     assert engine_module.cached_engine(model.model).slots[1].capacity == slot_module.MIN_VIEW
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_compiled_kernel_variants_cover_every_sampling_setting(verify):
+    """The variants a call compiles up front (`samplers.kernel_settings`) are every variant
+    that rows sharing one sampling setting select: a later call changing only its sampling
+    options compiles no kernel."""
+    from flashspec.kernels.ops import kernel_variant
+    from flashspec.params import SamplingParams
+    vocab = 1000
+    compiled = {kernel_variant(SamplingParams.create(2, **setting), vocab, verify)
+                for setting in samplers.kernel_settings(vocab).values()}
+    assert len(compiled) == len(samplers.kernel_settings(vocab))
+    settings = [dict(do_sample=False), dict(temperature=0.0)] + [
+        dict(temperature=t, top_k=k, top_p=p, min_p=m)
+        for t in (0.6, 1.0) for k in (0, 1, 20, vocab, vocab + 1)
+        for p in (1.0, 0.95) for m in (0.0, 0.05)]
+    for setting in settings:
+        assert kernel_variant(SamplingParams.create(2, **setting), vocab, verify) in compiled, setting

@@ -101,6 +101,7 @@ class Engine:
         self.graphs: dict = {}
         self.graph_bytes = 0
         self.last_call_graphs: dict = {}          # step key -> graph replayed by the last call
+        self.compiled_kernels: dict[int, set[int]] = {}   # rows -> step widths (0: sampling)
         self.memory_budget = getattr(head.decoder, _BUDGET_ATTRIBUTE, None)
         if self.memory_budget is None and self.device.type == "cuda":
             self.memory_budget = int(0.5 * torch.cuda.mem_get_info(self.device)[0])
@@ -207,6 +208,7 @@ class Engine:
         slot = self.slot_for(plan)
         drafter = slot.attached(plan.drafter) if plan.drafter is not None else None
         prompt = slot.load(plan, _max_drafts(plan))
+        self._compile_kernels(slot, plan)
         num_rows = plan.input_ids.shape[0]
         stops = _StopStrings(plan, num_rows) if plan.stop_criteria is not None else None
         steps = []
@@ -237,6 +239,29 @@ class Engine:
             plan.streamer.end()
         tokens, count, logprobs = slot.outputs(num_rows, plan.pad_token_id, plan.output_logprobs)
         return Generated(tokens, count, logprobs, _stats(steps, num_rows))
+
+    def _compile_kernels(self, slot: Slot, plan) -> None:
+        """Compile the fused LM-head kernels' variants that `slot`'s steps of this call's
+        widths meet, for every sampling setting (`samplers.kernel_settings`), the first time
+        a (rows, width) comes: a later call that changes only its sampling options then
+        compiles no kernel. Triton keeps them on disk, so another process only loads them."""
+        if not isinstance(self.target_sampler(slot), samplers.FusedSampler):
+            return
+        widths = {0}
+        if plan.drafter is not None:
+            first = min(plan.num_drafts, slot.call_drafts)
+            widths |= {first, slot.call_drafts} | {self._step_width(slot, w)
+                                                   for w in range(1, slot.call_drafts + 1)}
+        for width in sorted(widths - self.compiled_kernels.get(slot.batch_size, set())):
+            started = time.perf_counter()
+            samplers.compile_variants(self.head.weight, slot.batch_size, width)
+            self.compiled_kernels.setdefault(slot.batch_size, set()).add(width)
+            event = Event("compile", f"LM-head kernels ({', '.join(samplers.kernel_settings(self.head.vocab_size))}) "
+                          f"for {slot.batch_size} rows, "
+                          + (f"verifying {width} drafts" if width else "sampling"),
+                          time.perf_counter() - started)
+            self.events.append(event)
+            LOG.info("compiled %s in %.1f s", event.what, event.seconds)
 
     def _prefill(self, plan, slot: Slot, drafter, prompt) -> Report:
         """Eager: the decoders read the prompts; the first step verifies drafts (when there

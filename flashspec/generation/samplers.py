@@ -95,3 +95,29 @@ def complete_verify(sampler, hidden: torch.Tensor, drafts: torch.Tensor, rows: t
                           sampler.params.select(rows, validate=False), positions[rows],
                           check=False, backend="reference")
     return out.num_accepted, out.tokens, out.logprobs.float(), out.accept_probs
+
+
+def kernel_settings(vocab_size: int) -> dict[str, dict]:
+    """One sampling setting per variant of the fused kernels that rows sharing one setting
+    select (`kernels.ops.kernel_variant`): the argmax epilogue, Gumbel-max over the whole
+    vocabulary, candidates normalised over a top-k, candidates with the full log-sum-exp (a
+    top-p or min-p without a top-k), and a top-k that keeps the whole vocabulary."""
+    return {"greedy": dict(do_sample=False), "sampled": dict(top_k=0),
+            "top-k": dict(top_k=min(50, vocab_size - 1)), "top-p": dict(top_k=0, top_p=0.9),
+            "top-k of V": dict(top_k=vocab_size)}
+
+
+def compile_variants(weight: torch.Tensor, rows: int, width: int) -> None:
+    """Run the fused `sample` (``width == 0``) or `verify` of `width` drafts for `rows` rows
+    with every setting of `kernel_settings` on zeros, so that Triton compiles (or loads from
+    its disk cache) each variant now: a later call that only changes its sampling setting
+    then compiles nothing. Eager, outside any graph."""
+    hidden = weight.new_zeros(rows, width + 1, weight.shape[1]) if width else \
+        weight.new_zeros(rows, weight.shape[1])
+    positions = torch.zeros(rows, dtype=torch.long, device=weight.device)
+    for setting in kernel_settings(weight.shape[0]).values():
+        sampler = FusedSampler(weight, SamplingParams.create(rows, device=weight.device, **setting))
+        if width:
+            sampler.verify(hidden, positions.new_zeros(rows, width), positions)
+        else:
+            sampler.sample(hidden, positions)

@@ -315,29 +315,21 @@ class _Rows(NamedTuple):
     draft_logprobs: torch.Tensor | None = None
 
 
-def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams | None,
-            positions: torch.Tensor | None, rows_per_param: int, config: TileConfig | None,
-            drafts: torch.Tensor | None = None) -> _Rows:
-    """Stage 1 + stage 2 over rows of `hidden` ``[R, D]``; row r uses parameter row
-    r // rows_per_param and noise position positions[r // rows_per_param] + r % rows_per_param.
-    With `drafts` (``[R // rows_per_param, rows_per_param - 1]``, -1 padded), row r also
-    verifies draft ``drafts[r // rows_per_param, r % rows_per_param]`` (none on the last)."""
-    num_rows, dim = hidden.shape
-    vocab_size = weight.shape[0]
+class KernelVariant(NamedTuple):
+    """What selects the fused kernels' compiled variant (besides the tile config): two
+    calls whose parameters give the same variant run the same compiled kernels."""
+
+    sample: bool          # some row is sampled
+    truncate: bool        # some row keeps a truncated support: candidates per tile
+    need_lse: bool        # stage 1 sums the whole vocabulary's log-sum-exp
+    tile_noise: bool      # stage 1 draws the Gumbel-max of sampled rows
+    tile_drafts: bool     # stage 1 leaves each row's draft out and reads its logit
+
+
+def kernel_variant(params: SamplingParams | None, vocab_size: int, verify: bool) -> KernelVariant:
+    """The variant of the fused kernels that `params` (None: argmax) select."""
     sample = params is not None and not params.all_greedy
     truncate = params is not None and params.any_truncation
-    device = hidden.device
-    if hidden.stride(-1) != 1:
-        hidden = hidden.contiguous()
-    verify = drafts is not None
-    warp_specialized = warp_specialized_ready(hidden, weight)
-    config = config or default_config(num_rows, hidden.element_size(), truncate, verify,
-                                      warp_specialized)
-    if config.warp_specialized and not warp_specialized:
-        raise ValueError("TileConfig(warp_specialized=True) needs CUDA tensors on a Hopper GPU "
-                         "(not Triton's interpreter), Triton " + lm_head_ws.TESTED_TRITON + "x "
-                         "with Gluon, and bf16 or fp16 operands with 16-byte aligned rows; use "
-                         "another TileConfig")
     # Stage 1's full log-sum-exp: for the logprobs of rows without a top-k below V (sampling
     # and verification always report them; argmax none) and for a top-p without one (a top-k
     # of V or more keeps everything: the top-p then needs the whole sum). Where every row has
@@ -354,6 +346,31 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
                                    and params.sampled_rows_truncated(vocab_size))
     tile_noise = sample and not every_sampled_row_truncated
     tile_drafts = verify and (params.any_greedy or not every_sampled_row_truncated)
+    return KernelVariant(sample, truncate, need_lse, tile_noise, tile_drafts)
+
+
+def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams | None,
+            positions: torch.Tensor | None, rows_per_param: int, config: TileConfig | None,
+            drafts: torch.Tensor | None = None) -> _Rows:
+    """Stage 1 + stage 2 over rows of `hidden` ``[R, D]``; row r uses parameter row
+    r // rows_per_param and noise position positions[r // rows_per_param] + r % rows_per_param.
+    With `drafts` (``[R // rows_per_param, rows_per_param - 1]``, -1 padded), row r also
+    verifies draft ``drafts[r // rows_per_param, r % rows_per_param]`` (none on the last)."""
+    num_rows, dim = hidden.shape
+    vocab_size = weight.shape[0]
+    verify = drafts is not None
+    sample, truncate, need_lse, tile_noise, tile_drafts = kernel_variant(params, vocab_size, verify)
+    device = hidden.device
+    if hidden.stride(-1) != 1:
+        hidden = hidden.contiguous()
+    warp_specialized = warp_specialized_ready(hidden, weight)
+    config = config or default_config(num_rows, hidden.element_size(), truncate, verify,
+                                      warp_specialized)
+    if config.warp_specialized and not warp_specialized:
+        raise ValueError("TileConfig(warp_specialized=True) needs CUDA tensors on a Hopper GPU "
+                         "(not Triton's interpreter), Triton " + lm_head_ws.TESTED_TRITON + "x "
+                         "with Gluon, and bf16 or fp16 operands with 16-byte aligned rows; use "
+                         "another TileConfig")
     cand = config.candidates if truncate else 0
     if params is None:  # argmax: every row reads the one greedy parameter row
         do_sample, temperature, zeros = _greedy_row_params(device)
