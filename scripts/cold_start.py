@@ -56,12 +56,14 @@ def load_pair(pair: str, device: str):
     return target.eval(), draft.eval()
 
 
-def second_process(args) -> dict:
-    """The first call of a new process (this script with --first-call-only)."""
+def second_process(args, environment: dict) -> dict:
+    """The first call of a new process (this script with --first-call-only), started with
+    `environment`: this one's as it started, before compilers set cache variables
+    (TRITON_CACHE_DIR...) for their own process."""
     command = [sys.executable, __file__, "--first-call-only", "--pair", args.pair, "--device",
                args.device, "--new-tokens", str(args.new_tokens)]
     started = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy())
+    done = subprocess.run(command, capture_output=True, text=True, env=environment)
     if done.returncode != 0:
         raise RuntimeError(f"the second process failed:\n{done.stderr[-4000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -70,6 +72,7 @@ def second_process(args) -> dict:
 
 
 def main(argv=None) -> int:
+    environment = os.environ.copy()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", choices=sorted(PAIRS), default="qwen3")
     parser.add_argument("--new-tokens", type=positive_int, default=128)
@@ -103,7 +106,7 @@ def main(argv=None) -> int:
     steady = steady_state(target, draft)
     ttft = time_to_first_token(target, args.ttft_prompt)
     capacity = capacity_cost(target, long_prompt=args.ttft_prompt)
-    second = None if args.no_second_process else second_process(args)
+    second = None if args.no_second_process else second_process(args, environment)
     report = {
         "device": torch.cuda.get_device_name() if graphs else "cpu", "pair": args.pair,
         "new_tokens": args.new_tokens, "date": time.strftime("%Y-%m-%d"),

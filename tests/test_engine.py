@@ -7,6 +7,8 @@ for mixed sliding/full layers, and its refusals."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import Qwen3Config
@@ -415,6 +417,24 @@ def test_the_disk_cache_is_private(tmp_path, monkeypatch):
     monkeypatch.setenv(compiled.CACHE_ENV, str(shared))
     with pytest.raises(PermissionError, match="writable by others"):
         compiled.cache_dir()
+
+
+def test_compilers_cache_in_the_private_directory(tmp_path, monkeypatch):
+    """Inductor's and Triton's caches go under flashspec's directory before anything
+    compiles (inductor would otherwise point Triton at its own directory mid-process, and
+    the LM-head kernels compiled before it would be looked up elsewhere next time); a
+    directory the user chose is kept."""
+    from flashspec.generation import compiled
+    monkeypatch.setenv(compiled.CACHE_ENV, str(tmp_path / "mine"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "chosen"))
+    compiled.use_disk_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine" / "torchinductor")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "chosen")
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    compiled.use_disk_cache()
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine" / "triton")
+    assert (tmp_path / "mine" / "triton").stat().st_mode & 0o777 == 0o700
 
 
 def test_one_compilation_per_decoder_serves_every_shape(monkeypatch):

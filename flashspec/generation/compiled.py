@@ -17,8 +17,8 @@ forward: a step that decodes one token per row feeds it with a second, dead colu
 in the cache, its output unused), and batches are bucketed to two rows or more. Compilation
 therefore depends on the model, its dtype and its device, nothing else.
 
-Compiled artifacts (inductor's FX graph and kernel caches) persist in `cache_dir()`, so a
-second process only retraces. Every compilation is logged (logger ``"flashspec"``) with the
+Compiled artifacts (inductor's FX graph and kernel caches, Triton's kernels) persist in
+`cache_dir()`, so a second process only retraces. Every compilation is logged (logger ``"flashspec"``) with the
 shape that caused it.
 """
 
@@ -82,12 +82,18 @@ def cache_dir() -> Path:
 
 
 def use_disk_cache() -> None:
-    """Point inductor's caches at ``cache_dir()/torchinductor`` unless the user chose a
-    directory (``TORCHINDUCTOR_CACHE_DIR``)."""
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        inductor = cache_dir() / "torchinductor"
-        inductor.mkdir(mode=0o700, exist_ok=True)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)
+    """Point inductor's caches at ``cache_dir()/torchinductor`` and Triton's at
+    ``cache_dir()/triton``, unless the user chose directories (``TORCHINDUCTOR_CACHE_DIR``,
+    ``TRITON_CACHE_DIR``). Triton's must be fixed before anything compiles: inductor sets it
+    to its own directory at its first kernel, so the fused LM-head kernels would land in
+    ``~/.triton/cache`` or there depending on which compiled first, and a second process
+    would miss them."""
+    for variable, name in (("TORCHINDUCTOR_CACHE_DIR", "torchinductor"),
+                           ("TRITON_CACHE_DIR", "triton")):
+        if variable not in os.environ:
+            directory = cache_dir() / name
+            directory.mkdir(mode=0o700, exist_ok=True)
+            os.environ[variable] = str(directory)
 
 
 @dataclasses.dataclass

@@ -256,8 +256,8 @@ class Engine:
             started = time.perf_counter()
             samplers.compile_variants(self.head.weight, slot.batch_size, width)
             self.compiled_kernels.setdefault(slot.batch_size, set()).add(width)
-            event = Event("compile", f"LM-head kernels ({', '.join(samplers.kernel_settings(self.head.vocab_size))}) "
-                          f"for {slot.batch_size} rows, "
+            settings = ", ".join(samplers.kernel_settings(self.head.vocab_size))
+            event = Event("compile", f"LM-head kernels ({settings}) for {slot.batch_size} rows, "
                           + (f"verifying {width} drafts" if width else "sampling"),
                           time.perf_counter() - started)
             self.events.append(event)
