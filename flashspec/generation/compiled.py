@@ -24,6 +24,7 @@ shape that caused it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -36,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-from .kv_cache import WindowCache
+from .invariant import invariant_forward
+from .kv_cache import WindowCache, first_rows
 
 LOG = logging.getLogger("flashspec")
 CACHE_ENV = "FLASHSPEC_CACHE_DIR"
@@ -109,11 +111,13 @@ class DecoderRunner:
     """Runs one decoder (a causal LM without its LM head) over a `WindowCache`, eagerly or
     through its compiled forward."""
 
-    def __init__(self, decoder: torch.nn.Module, role: str, compile: bool, events: list[Event]):
+    def __init__(self, decoder: torch.nn.Module, role: str, compile: bool, events: list[Event],
+                 invariant: bool = False):
         # Weak: the engine keeps runners by decoder, and an assistant the user drops must go.
         self._decoder = weakref.ref(decoder)
         self.role = role
         self.compile = compile
+        self.invariant = invariant
         self.events = events
         self.compiled = False
         self._compiled = None
@@ -139,7 +143,8 @@ class DecoderRunner:
         """Final hidden states ``[B, n, D]`` of `input_ids` at `position_ids` ``[B, n]``,
         eager (the prefill, whose width varies from call to call); checks that every layer
         kept its state in `cache`."""
-        hidden = self._forward(cache, input_ids, position_ids, new_live)
+        with self._kernels():
+            hidden = self._forward(cache, input_ids, position_ids, new_live)
         layers = self.decoder.config.num_hidden_layers
         if cache.num_updates != layers:
             raise ValueError(
@@ -149,11 +154,18 @@ class DecoderRunner:
                 "cache; run generate() without sampler='flash'")
         return hidden
 
+    def _kernels(self):
+        """The invariant kernels (`invariant.invariant_forward`) when this runner uses them."""
+        return invariant_forward(self.decoder) if self.invariant else contextlib.nullcontext()
+
     def _forward(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
                  new_live: torch.Tensor | None = None) -> torch.Tensor:
-        mask = cache.begin(position_ids, new_live)
+        mask = cache.begin(position_ids, new_live, masks=not self.invariant)
+        # The invariant attention reads keys by position through the cache's index.
+        extra = ({"key_index": first_rows(cache.key_index, input_ids.shape[0])}
+                 if self.invariant else {})
         return self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                            past_key_values=cache, use_cache=True).last_hidden_state
+                            past_key_values=cache, use_cache=True, **extra).last_hidden_state
 
     def _regional_forward(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
                           new_live: torch.Tensor | None = None) -> torch.Tensor:
@@ -164,6 +176,11 @@ class DecoderRunner:
              new_live: torch.Tensor) -> torch.Tensor:
         """`forward` of a fixed-shape step (at least two rows and two tokens per row):
         compiled when this runner compiles."""
+        with self._kernels():
+            return self._step(cache, input_ids, position_ids, new_live)
+
+    def _step(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
+              new_live: torch.Tensor) -> torch.Tensor:
         if self._compiled is None:
             return self._forward(cache, input_ids, position_ids, new_live)
         if min(input_ids.shape) < 2:
@@ -181,7 +198,8 @@ class DecoderRunner:
         with torch.fx.experimental._config.patch(use_duck_shape=False):
             hidden = self._compiled(cache, input_ids, position_ids, new_live)
         self.compiled = True
-        event = Event("compile", f"{self.role} ({type(self.decoder).__name__}), first at "
+        kernels = ", invariant kernels" if self.invariant else ""
+        event = Event("compile", f"{self.role} ({type(self.decoder).__name__}{kernels}), first at "
                       f"{input_ids.shape[0]} rows x {input_ids.shape[1]} tokens, {cache.view} KV "
                       "columns", time.perf_counter() - started)
         self.events.append(event)

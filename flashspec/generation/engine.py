@@ -28,7 +28,7 @@ import weakref
 import torch
 
 from ..checks import NonFiniteLogitsError
-from . import samplers
+from . import invariant, samplers
 from .compiled import LOG, DecoderRunner, Event
 from .outputs import Generated, SpeculationStats
 from .slot import Report, Slot, bucket
@@ -119,7 +119,8 @@ class Engine:
 
     def runner(self, decoder: torch.nn.Module, role: str) -> DecoderRunner:
         if decoder not in self.runners:
-            self.runners[decoder] = DecoderRunner(decoder, role, self.graphs_enabled, self.events)
+            self.runners[decoder] = DecoderRunner(decoder, role, self.graphs_enabled, self.events,
+                                                  invariant.wanted(decoder, self.device))
         return self.runners[decoder]
 
     def dtype_of(self, decoder: torch.nn.Module) -> torch.dtype:

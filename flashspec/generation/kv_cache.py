@@ -90,6 +90,9 @@ class WindowCache(Cache):
         self.mask_dtype = mask_dtype        # None: boolean masks (sdpa), else additive masks
         self.live = torch.zeros(batch_size, capacity + 1, dtype=torch.bool, device=device)
         self.position = torch.zeros(batch_size, capacity + 1, dtype=torch.long, device=device)
+        # Per row, the column of each live position (the invariant attention reads keys in
+        # position order); dead and padding entries point at the unused last index.
+        self.key_index = torch.zeros(batch_size, capacity + 1, dtype=torch.long, device=device)
         self.column_index = torch.arange(capacity + 1, device=device)
         self.columns = self.column_index[:0]
         self.num_updates = 0
@@ -119,31 +122,38 @@ class WindowCache(Cache):
         (batch rows, capacity, view): symbolic in the compiled code."""
         layers = [(t, (0, 2)) for layer in self.layers if layer.is_initialized
                   for t in (layer.keys, layer.values)]
-        return [(self.live, (0, 1)), (self.position, (0, 1)), (self.column_index, (0,)),
-                (self.view_columns, (0,)), *layers]
+        return [(self.live, (0, 1)), (self.position, (0, 1)), (self.key_index, (0, 1)),
+                (self.column_index, (0,)), (self.view_columns, (0,)), *layers]
 
     def reset(self) -> None:
         self.live.zero_()
 
     def nbytes(self) -> int:
         """Bytes held by the buffers (keys, values, positions, flags)."""
-        tensors = [self.live, self.position] + [t for layer in self.layers if layer.is_initialized
+        tensors = [self.live, self.position, self.key_index] + [t for layer in self.layers if layer.is_initialized
                                                 for t in (layer.keys, layer.values)]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def begin(self, position_ids: torch.Tensor, new_live: torch.Tensor | None = None):
+    def begin(self, position_ids: torch.Tensor, new_live: torch.Tensor | None = None,
+              masks: bool = True):
         """Prepare a forward of ``position_ids`` ``[b, n]`` (consecutive per row) over the
         cache's first b rows (all of them, or the rows of a prefill that skips those padding
         the batch): drop the stale entries, choose the write columns, record the new entries
         (live unless `new_live` ``[b, n]`` says otherwise) and return the attention mask for
-        the model: one ``[b, 1, n, view]`` mask, or a dict by layer kind."""
+        the model: one ``[b, 1, n, view]`` mask, or a dict by layer kind (None without
+        `masks`: attention by `key_index` needs none)."""
         rows = position_ids.shape[0]
         self.drop_from(position_ids[:, 0])
         self.columns = self.last_live_column() + self.column_index[: position_ids.shape[1]]
         first_rows(self.position, rows).index_copy_(1, self.columns, position_ids)
         live = torch.ones_like(position_ids, dtype=torch.bool) if new_live is None else new_live
         first_rows(self.live, rows).index_copy_(1, self.columns, live)
+        spare = self.key_index.shape[1] - 1      # a size, not an int a compiled step guards on
+        first_rows(self.key_index, rows).scatter_(
+            1, torch.where(live, position_ids, spare), self.columns.expand(rows, -1))
         self.num_updates = 0
+        if not masks:
+            return None
         masks = {kind: self._mask(position_ids, window) for kind, window in self.layer_kinds.items()}
         return masks if len(masks) > 1 else next(iter(masks.values()))
 
@@ -182,6 +192,8 @@ class WindowCache(Cache):
                 states.copy_(states.gather(2, index))
         self.position.copy_(self.position.gather(1, order))
         self.live.copy_(self.column_index[None, :] < count)
+        self.key_index.scatter_(1, torch.where(self.live, self.position, self.capacity),
+                                self.column_index.expand(self.live.shape[0], -1))
 
     def grow(self, capacity: int) -> None:
         """Move to buffers of `capacity` columns (more than now), keeping every entry where it
@@ -189,7 +201,7 @@ class WindowCache(Cache):
         old = self.capacity
         device = self.live.device
         self.capacity = capacity
-        for name in ("live", "position"):
+        for name in ("live", "position", "key_index"):
             buffer = getattr(self, name)
             grown = buffer.new_zeros(buffer.shape[0], capacity + 1)
             grown[:, :old] = buffer[:, :old]
