@@ -221,8 +221,10 @@ class SamplingParams:
         Fields left as ``None`` take transformers' global defaults
         (``GenerationConfig._get_default_generation_params``: ``top_k=50``, ``temperature=1``,
         ``top_p=1``), as `generate` does once the model's own config has been merged in.
-        Warpers flashspec does not fuse (``typical_p``, ``epsilon_cutoff``, ``eta_cutoff``,
-        ``top_h``) and beam search raise instead of being silently dropped.
+        Warpers the fused kernels do not make (``typical_p``, ``epsilon_cutoff``,
+        ``eta_cutoff``, ``top_h``) and beam search raise instead of being silently dropped
+        (``generate(sampler="flash")`` runs the warpers on its materialized path and defers
+        beam search to stock transformers).
         """
         from transformers import GenerationConfig
 
@@ -235,8 +237,8 @@ class SamplingParams:
         num_beams = field("num_beams")
         if num_beams is not None and num_beams > 1:
             raise ValueError(
-                f"`num_beams`={num_beams}: beam search is not supported by flashspec's fused "
-                "sampler; use num_beams=1, or run generate() without sampler='flash'"
+                f"`num_beams`={num_beams}: beam search is not sampling; SamplingParams takes "
+                "num_beams=1 (generate(sampler='flash') defers beam search to stock generate)"
             )
         do_sample = bool(field("do_sample"))
         temperature, top_k, top_p, min_p = 1.0, 0, 1.0, 0.0
@@ -250,9 +252,9 @@ class SamplingParams:
             for name, is_set in unsupported.items():
                 if is_set:
                     raise ValueError(
-                        f"`{name}`={field(name)!r} is not supported by flashspec's fused sampler "
-                        "(supported: temperature, top_k, top_p, min_p); unset it, or run "
-                        "generate() without sampler='flash'"
+                        f"`{name}`={field(name)!r} is not supported by SamplingParams (the fused "
+                        "sampler takes temperature, top_k, top_p, min_p); unset it, or use "
+                        "generate(sampler='flash'), which applies it on its materialized path"
                     )
             temperature = float(field("temperature"))
             top_k = field("top_k")

@@ -136,6 +136,10 @@ class Engine:
         return samplers.MaterializedSampler(weight, params)
 
     def target_sampler(self, slot: Slot):
+        """The target's LM-head operations: the call's materialized path when its logits are
+        edited (`processing`), else this engine's sampler."""
+        if slot.processing is not None:
+            return slot.processing.sampler(slot)
         return self.sampler(self.head.weight, slot)
 
     def memory(self) -> dict:
@@ -283,9 +287,12 @@ class Engine:
         return self._finish(slot, hidden, drafts)
 
     def _after_step(self, plan, slot: Slot, report: Report, stops) -> None:
-        """Host-side work on a step's report: stop strings, the streamer."""
+        """Host-side work on a step's report: stop strings, the streamer, the scores kept for
+        `output_scores` / `output_logits`."""
         if stops is not None:
             stops.check(slot, report)
+        if plan.processing is not None:
+            plan.processing.record(report.emitted)
         if plan.streamer is not None and report.emitted[0]:
             plan.streamer.put(torch.tensor([t[0] for t in report.tokens[: report.emitted[0]]]))
 
@@ -316,8 +323,8 @@ class Engine:
 
     def _run_step(self, slot: Slot, key, fn, drafter=None):
         """Run a step (of `drafter`, a drafter key, if given): replay its CUDA graph (captured
-        on first use), or call it."""
-        if not self.graphs_enabled:
+        on first use), or call it (always on the materialized path, which reads the host)."""
+        if not self.graphs_enabled or slot.processing is not None:
             return fn()
         full_key = self.graph_key(slot, key, drafter)
         if full_key not in self.graphs:

@@ -1,23 +1,25 @@
-"""What the engine takes from a transformers causal LM: its decoder and output head, or a
-refusal naming what it cannot reproduce.
+"""What the engine takes from a transformers causal LM: its decoder and output head (the
+LM-head weight and the transforms the model applies to its logits), or a refusal naming
+what it cannot reproduce.
 
-The kernels compute ``hidden @ weight.T`` and nothing else, so a model whose forward
-transforms the logits after the LM head must either have that transform folded into the
-sampling parameters exactly, or be refused: never silently sampled from the wrong
-distribution.
+The fused kernels compute ``hidden @ weight.T`` and nothing else, so a transform after the
+LM head is either folded into the sampling parameters exactly or makes the call run on the
+exact materialized path (`processing`), which forms the model's own logits
+(`head_logits`):
 
 * Cohere's ``logits * logit_scale`` and Granite's ``logits / logits_scaling`` are a positive
   scale s of the logits: greedy rows are unaffected and a sampled row's ``logits * s / T``
-  is ``logits / (T / s)``, so the scale folds into the row temperature.
+  is ``logits / (T / s)``, so the scale folds into the row temperature (fused).
 * Gemma-2/3/4's ``final_logit_softcapping`` (``c * tanh(logits / c)``) changes the
-  distribution nonlinearly: refused for the target; a greedy draft is unaffected (tanh
-  is increasing) so it is accepted there.
-* An LM-head bias is refused (the kernels have no bias term).
+  distribution nonlinearly, and an LM-head bias shifts it: the target's logits are formed
+  with them (materialized path). An assistant only drafts greedily: its softcap (tanh is
+  increasing) changes nothing there, and its bias is left out of its drafts, which decide
+  the speed only (verification makes the output exact whatever the drafts).
 
 Any other transform (a model-specific multiplier, say) is caught by `check_logits`, which
 runs the model's own forward once per model on one token and compares its logits with
-``hidden @ weight.T * s``. `check_decoder` refuses attention the engine's position-addressed
-KV cache cannot serve.
+`head_logits`. `check_decoder` refuses attention the engine's position-addressed KV cache
+cannot serve.
 """
 
 from __future__ import annotations
@@ -35,12 +37,21 @@ _CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 @dataclasses.dataclass(frozen=True)
 class OutputHead:
-    """What the kernels need from a model: its decoder (base model), the LM-head weight
-    ``[V, D]`` and the positive factor s the model multiplies its logits by."""
+    """What the engine needs from a model: its decoder (base model), the LM-head weight
+    ``[V, D]``, the positive factor s the model multiplies its logits by, and the
+    transforms only the materialized path reproduces: an LM-head bias ``[V]`` and a
+    softcap c (``c * tanh(logits / c)``)."""
 
     decoder: torch.nn.Module
     weight: torch.Tensor
     logit_scale: float
+    bias: torch.Tensor | None = None
+    softcap: float | None = None
+
+    @property
+    def transforms_logits(self) -> bool:
+        """The model's logits are not a scale of ``hidden @ weight.T`` (bias, softcap)."""
+        return self.bias is not None or self.softcap is not None
 
     @property
     def vocab_size(self) -> int:
@@ -51,7 +62,7 @@ def output_head(model, role: str, greedy_only: bool = False) -> OutputHead:
     """The `OutputHead` of `model`, or a ValueError naming what flashspec cannot reproduce.
 
     `role` names the model in messages ("model" or "assistant_model"); `greedy_only`: the
-    model only ever drafts greedily, so a monotone transform of its logits does not matter.
+    model only ever drafts greedily (an assistant), so its bias and softcap are left out.
     """
     name = type(model).__name__
     config = model.config
@@ -66,18 +77,13 @@ def output_head(model, role: str, greedy_only: bool = False) -> OutputHead:
             f"`{role}` ({name}) has no linear output embedding (get_output_embeddings() returned "
             f"{type(head).__name__}); sampler='flash' needs an LM head weight [vocab, hidden]"
         )
-    if getattr(head, "bias", None) is not None:
-        raise ValueError(
-            f"`{role}` ({name}) has an LM-head bias, which flashspec's fused kernels do not "
-            "apply; run generate() without sampler='flash'"
-        )
+    bias = getattr(head, "bias", None)
     softcap = getattr(config.get_text_config(decoder=True), "final_logit_softcapping", None)
-    if softcap is not None and not greedy_only:
-        raise ValueError(
-            f"`{role}` ({name}) applies final_logit_softcapping={softcap} (Gemma-style "
-            "c * tanh(logits / c)), which flashspec's fused kernels do not reproduce yet; run "
-            "generate() without sampler='flash'"
-        )
+    if greedy_only:
+        bias = softcap = None
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"`{role}` ({name}) has final_logit_softcapping={softcap}; a softcap "
+                         "must be positive")
     scale = 1.0
     if getattr(model, "logit_scale", None) is not None:            # Cohere: logits * s
         scale = float(model.logit_scale)
@@ -97,21 +103,36 @@ def output_head(model, role: str, greedy_only: bool = False) -> OutputHead:
             "get_decoder() returned the model itself); sampler='flash' needs it to skip the LM "
             "head"
         )
-    return OutputHead(decoder=decoder, weight=head.weight.contiguous(), logit_scale=scale)
+    return OutputHead(decoder=decoder, weight=head.weight.contiguous(), logit_scale=scale,
+                      bias=None if bias is None else bias.detach(),
+                      softcap=None if softcap is None else float(softcap))
+
+
+def head_logits(head: OutputHead, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's own logits from final hidden states ``[..., D]``, in the order the models
+    apply them: ``hidden @ weight.T`` (+ bias), times the logit scale, then the softcap;
+    float32 (float64 for float64 hidden states), as `flashspec.reference` forms logits."""
+    logits = reference.compute_logits(hidden, head.weight)
+    if head.bias is not None:
+        logits = logits + head.bias.to(logits.dtype)
+    if head.logit_scale != 1.0:
+        logits = logits * head.logit_scale
+    if head.softcap is not None:
+        logits = torch.tanh(logits / head.softcap) * head.softcap
+    return logits
 
 
 def check_logits(model, head: OutputHead, token_ids: torch.Tensor, role: str = "model") -> None:
-    """Raise unless `model`'s own logits for one token equal ``hidden @ weight.T * s`` up to
-    rounding: the guard against head transforms flashspec does not know. Runs once per
-    model (two one-token forwards)."""
+    """Raise unless `model`'s own logits for one token equal `head_logits` up to rounding:
+    the guard against head transforms flashspec does not know. Runs once per model (two
+    one-token forwards)."""
     if _CHECKED.get(model) == (head.weight.data_ptr(), head.logit_scale):
         return
     ids = token_ids.reshape(-1)[-1:].reshape(1, 1)
     with torch.no_grad():
         logits = model(input_ids=ids, use_cache=False).logits[0, -1].double()
         hidden = head.decoder(input_ids=ids, use_cache=False).last_hidden_state[0, -1:]
-        ours = reference.compute_logits(hidden.to(head.weight.dtype), head.weight)[0].double()
-    ours = ours * head.logit_scale
+        ours = head_logits(head, hidden.to(head.weight.dtype))[0].double()
     if not bool(torch.isfinite(logits).all()):
         return                 # not comparable; the sampler reports non-finite logits itself
     error, size = float((logits - ours).abs().max()), float(logits.abs().max())
@@ -121,7 +142,8 @@ def check_logits(model, head: OutputHead, token_ids: torch.Tensor, role: str = "
         raise ValueError(
             f"`{role}` ({type(model).__name__}) transforms its logits after the LM head in a way "
             f"flashspec does not reproduce: its logits differ from hidden @ lm_head.weight.T "
-            f"(x {head.logit_scale:g}) by up to {error:.3g} (largest logit {size:.3g}); run "
+            f"(+ bias, x {head.logit_scale:g}, softcap) by up to {error:.3g} (largest logit "
+            f"{size:.3g}); run "
             "generate() without sampler='flash'"
         )
     _CHECKED[model] = (head.weight.data_ptr(), head.logit_scale)

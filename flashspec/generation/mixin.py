@@ -9,12 +9,14 @@ Without ``sampler=`` the call is transformers' own `generate`, untouched.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from transformers import AutoModelForCausalLM, GenerationMixin
 
 from .engine import engine_for
 from .outputs import FlashGenerateOutput
-from .plan import plan_generation
+from .plan import StockDelegation, plan_generation
 
 SAMPLERS = ("flash", "materialized")
 _FLASH_OPTIONS = ("seed", "output_logprobs", "drafter")
@@ -43,6 +45,11 @@ class FlashGenerationMixin(GenerationMixin):
     ``num_assistant_tokens_schedule`` honoured from the call, else from the assistant's
     generation config) or ``prompt_lookup_num_tokens=`` (with ``max_matching_ngram_size``).
     Batches of any size, with left padding, in every mode.
+
+    Options that edit the logits beyond temperature / top-k / top-p / min-p run on the
+    engine's exact materialized path (`flashspec.generation.processing`, one warning); a
+    call that selects another decoding method (beam search, ...) runs stock `generate`,
+    with a warning (README, "Every GenerationConfig option").
     """
 
     def generate(self, inputs=None, generation_config=None, *args, sampler=None, seed=None,
@@ -65,15 +72,35 @@ class FlashGenerationMixin(GenerationMixin):
         with torch.no_grad():
             plan = plan_generation(self, inputs, generation_config, seed=seed,
                                    output_logprobs=output_logprobs, drafter=drafter, **kwargs)
-            kind = "fused" if sampler == "flash" else "materialized"
-            generated = engine_for(plan, kind).run(plan)
+            if isinstance(plan, StockDelegation):
+                _check_stock_call(plan, seed, output_logprobs, drafter)
+                warnings.warn(f"sampler='{sampler}' defers this call to stock transformers "
+                              f"generate(): {plan.reason}", UserWarning, stacklevel=2)
+            else:
+                kind = "fused" if sampler == "flash" else "materialized"
+                generated = engine_for(plan, kind).run(plan)
+        if isinstance(plan, StockDelegation):
+            return super().generate(inputs, generation_config, **kwargs)
         width = int(generated.count.max())
         sequences = torch.cat([plan.input_ids, generated.tokens[:, :width]], dim=1)
         if not plan.return_dict_in_generate:
             return sequences
         logprobs = generated.logprobs[:, :width] if generated.logprobs is not None else None
-        return FlashGenerateOutput(sequences=sequences, logprobs=logprobs,
-                                   flash_stats=generated.stats)
+        scores, logits = plan.processing.outputs() if plan.processing is not None else (None, None)
+        return FlashGenerateOutput(sequences=sequences, scores=scores, logits=logits,
+                                   logprobs=logprobs, flash_stats=generated.stats)
+
+
+def _check_stock_call(plan: StockDelegation, seed, output_logprobs, drafter) -> None:
+    """flashspec's own options have no meaning in stock `generate`: refuse them there."""
+    if output_logprobs or drafter is not None:
+        name = "output_logprobs" if output_logprobs else "drafter"
+        raise ValueError(f"`{name}` needs flashspec's engine, but this call runs stock "
+                         f"generate() ({plan.reason}); drop `{name}` or that option")
+    if seed is not None and plan.samples:
+        raise ValueError(f"`seed` keys flashspec's noise, but this call samples in stock "
+                         f"generate() ({plan.reason}); drop `seed` and seed stock sampling "
+                         "with torch.manual_seed")
 
 
 _WRAPPED: dict[type, type] = {}

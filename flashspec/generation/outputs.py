@@ -115,8 +115,9 @@ class Generated:
 
 @dataclasses.dataclass
 class FlashGenerateOutput(GenerateDecoderOnlyOutput):
-    """transformers' `GenerateDecoderOnlyOutput` (``sequences``; ``scores`` and ``logits`` stay
-    None: flashspec never materializes them) plus:
+    """transformers' `GenerateDecoderOnlyOutput`: ``sequences``; ``scores`` and ``logits``
+    with `output_scores` / `output_logits` (one ``[B, V]`` tensor per new token, formed on
+    the materialized path; NaN for a row after its end), else None; plus:
 
     Attributes:
         logprobs: float32 ``[B, new_tokens]`` with ``output_logprobs=True``: log-probability

@@ -3,8 +3,18 @@
 The generation config is merged by transformers itself (call kwargs > `generation_config`
 > `model.generation_config` > global defaults), and inputs, special tokens, attention
 mask and lengths go through transformers' own preparation helpers, so a flash run starts
-from exactly what stock `generate` would. Everything flashspec cannot do exactly is
-refused here, with the option's name and how to run it instead.
+from exactly what stock `generate` would.
+
+Every option stock `generate` accepts in greedy or sampling mode runs on flashspec's
+engine: temperature, top-k, top-p and min-p in the fused kernels; everything else that edits
+the logits (transformers' processors, the unfused warpers, a user's `logits_processor` or
+`prefix_allowed_tokens_fn`, watermarking, a head's softcap or bias, `output_scores` /
+`output_logits`) on the engine's exact materialized path (`processing`), with one warning
+naming what forced it. What selects another decoding method (beam search, contrastive
+search, DoLa, constrained beams, guidance, SynthID watermarking, ...) or output flashspec
+does not collect is `StockDelegation`: `generate` defers to stock transformers with a
+warning. What neither can run is refused with a ValueError naming the option, where its
+value came from and the override that works.
 
 Deliberate differences: `num_assistant_tokens` passed to `generate` is honoured (stock
 transformers reads only the assistant's generation config); batches work with an
@@ -14,59 +24,83 @@ token (stock transformers keeps generating that row).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import inspect
+import warnings
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessorList, SynthIDTextWatermarkingConfig
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ..params import SamplingParams
 from .drafters import AssistantDrafter, Drafter, PromptLookupDrafter
 from .heads import OutputHead, check_decoder, check_logits, output_head
+from .processing import LogitsProcessing
 
 HOW_TO_RUN = "run generate() without sampler='flash'"
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 DRAFTER_DEFAULT_DRAFTS = 4     # drafts per step of a caller's `drafter` without num_assistant_tokens
+_ENGINE_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE,
+                 GenerationMode.ASSISTED_GENERATION)
 
-# Options that rewrite or read the full logits (logits processors): name -> is_off(value).
-_LOGITS_OPTIONS = {
+# Options transformers applies as logits processors (whatever the mode), which the fused
+# kernels do not make: set, the call runs on the materialized path. name -> is_off(value).
+PROCESSOR_OPTIONS = {
     "repetition_penalty": lambda v: v is None or v == 1.0,
     "encoder_repetition_penalty": lambda v: v is None or v == 1.0,
     "no_repeat_ngram_size": lambda v: not v,
     "encoder_no_repeat_ngram_size": lambda v: not v,
     "bad_words_ids": lambda v: v is None,
-    "suppress_tokens": lambda v: not v,
-    "begin_suppress_tokens": lambda v: not v,
-    "sequence_bias": lambda v: not v,
+    "suppress_tokens": lambda v: v is None,
+    "begin_suppress_tokens": lambda v: v is None,
+    "sequence_bias": lambda v: v is None,
     "forced_bos_token_id": lambda v: v is None,
     "forced_eos_token_id": lambda v: v is None,
     "min_length": lambda v: not v,
     "min_new_tokens": lambda v: not v,
     "exponential_decay_length_penalty": lambda v: v is None,
-    "guidance_scale": lambda v: v is None or v == 1.0,
+    "remove_invalid_values": lambda v: not v,
+    "renormalize_logits": lambda v: not v,
     "watermarking_config": lambda v: v is None,
-    "diversity_penalty": lambda v: not v,
-    "penalty_alpha": lambda v: v is None,
-    "dola_layers": lambda v: v is None,
     "output_scores": lambda v: not v,
     "output_logits": lambda v: not v,
-    "assistant_ensemble_weight": lambda v: v is None,
 }
-# Every refused option: name -> (is_off(value), why it is refused).
-_NEEDS_LOGITS = "it needs the full logits, which flashspec never materializes"
-_REFUSED_OPTIONS = {
-    **{name: (is_off, _NEEDS_LOGITS) for name, is_off in _LOGITS_OPTIONS.items()},
+# Warpers transformers applies only when sampling, which the fused kernels do not make.
+UNFUSED_WARPERS = {
+    "typical_p": lambda v: v is None or v >= 1.0,
+    "epsilon_cutoff": lambda v: v is None or not 0.0 < v < 1.0,
+    "eta_cutoff": lambda v: v is None or not 0.0 < v < 1.0,
+    "top_h": lambda v: v is None,
+}
+# Options for which generate() defers to stock transformers: name -> (is_off(value), why).
+STOCK_OPTIONS = {
+    "guidance_scale": (lambda v: v is None or v == 1.0,
+                       "classifier-free guidance runs the model again inside a logits processor "
+                       "that keeps state from step to step"),
+    "assistant_ensemble_weight": (lambda v: v is None, "it mixes the assistant's distribution "
+                                                       "into the target's"),
     "token_healing": (lambda v: not v, "it rewrites the prompt with a tokenizer"),
     "output_attentions": (lambda v: not v, "per-step attentions are not collected"),
     "output_hidden_states": (lambda v: not v, "per-step hidden states are not collected"),
     "assistant_early_exit": (lambda v: v is None, "self-speculation by early exit is not "
-                                                  "implemented; pass an assistant_model"),
+                                                  "implemented"),
     "use_mtp": (lambda v: not v, "multi-token-prediction drafts are not implemented"),
     "speculation_type": (lambda v: v is None, "only assistant-model and prompt-lookup drafts "
                                               "are implemented"),
     "cache_implementation": (lambda v: v in (None, "dynamic", "hybrid", "static"),
                              "flashspec keeps its own full-precision KV caches"),
+}
+# Arguments of generate() for which it defers to stock transformers: name -> why.
+STOCK_HOOKS = {
+    "negative_prompt_ids": "classifier-free guidance keeps state from step to step",
+    "negative_prompt_attention_mask": "classifier-free guidance keeps state from step to step",
+    "custom_generate": "it replaces the decoding loop that sampler='flash' provides",
+    "synced_gpus": "multi-GPU synchronised generation is not implemented",
+    "assistant_tokenizer": "an assistant with another tokenizer (universal assisted decoding) "
+                           "needs the target's vocabulary translated",
+    "stopping_criteria": "custom stopping criteria are not evaluated by the engine",
 }
 _MODEL_KWARGS = ("attention_mask", "input_ids", "use_cache", "logits_to_keep")
 
@@ -91,28 +125,37 @@ class GenerationPlan:
     streamer: object
     output_logprobs: bool
     return_dict_in_generate: bool
+    processing: LogitsProcessing | None = None   # the materialized path's edits, if any
+
+
+@dataclasses.dataclass
+class StockDelegation:
+    """The call selects what flashspec's engine does not do: stock `generate` runs it.
+    `reason` names the option and why; `samples`: stock would sample (from torch's
+    generator, which flashspec's `seed` cannot key)."""
+
+    reason: str
+    samples: bool
 
 
 def plan_generation(model, inputs, generation_config, *, logits_processor=None,
                     stopping_criteria=None, prefix_allowed_tokens_fn=None, synced_gpus=None,
                     assistant_model=None, streamer=None, negative_prompt_ids=None,
                     negative_prompt_attention_mask=None, custom_generate=None, seed=None,
-                    output_logprobs=False, drafter=None, **kwargs) -> GenerationPlan:
-    """`generate()`'s arguments as a `GenerationPlan`, or a ValueError naming what cannot
-    run. `drafter`: a `Drafter` of the caller's own (instead of an assistant or prompt
-    lookup), with `num_assistant_tokens` drafts per step."""
-    _refuse_hooks(logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-                  prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
-                  negative_prompt_ids=negative_prompt_ids,
-                  negative_prompt_attention_mask=negative_prompt_attention_mask,
-                  custom_generate=custom_generate, synced_gpus=synced_gpus)
+                    output_logprobs=False, drafter=None,
+                    **kwargs) -> GenerationPlan | StockDelegation:
+    """`generate()`'s arguments as a `GenerationPlan`, a `StockDelegation`, or a ValueError
+    naming what cannot run. `drafter`: a `Drafter` of the caller's own (instead of an
+    assistant or prompt lookup), with `num_assistant_tokens` drafts per step."""
     if not isinstance(output_logprobs, bool):
         raise ValueError(f"`output_logprobs` must be a bool, got {output_logprobs!r}")
     kwargs.pop("trust_remote_code", None)       # only matters for hub decoding methods
     tokenizer = kwargs.pop("tokenizer", None)
-    if kwargs.pop("assistant_tokenizer", None) is not None:
-        raise ValueError("`assistant_tokenizer`: an assistant with a different tokenizer is not "
-                         f"supported by sampler='flash' (it needs the target's vocabulary); {HOW_TO_RUN}")
+    hooks = dict(negative_prompt_ids=negative_prompt_ids,
+                 negative_prompt_attention_mask=negative_prompt_attention_mask,
+                 custom_generate=custom_generate, synced_gpus=synced_gpus or None,
+                 assistant_tokenizer=kwargs.pop("assistant_tokenizer", None),
+                 stopping_criteria=stopping_criteria or None)
     requested = {**(generation_config.to_dict() if generation_config is not None else {}), **kwargs}
     has_default_max_length = (kwargs.get("max_length") is None
                               and (generation_config is None or generation_config.max_length is None)
@@ -121,7 +164,10 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
                               and (generation_config is None or generation_config.min_length is None)
                               and model.generation_config.min_length is None)
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
-    _refuse_options(config, model_kwargs)
+    source = _Sources(model, generation_config, kwargs)
+    delegation = _stock_delegation(model, config, model_kwargs, hooks, source)
+    if delegation is not None:
+        return delegation
 
     if output_logprobs and not config.return_dict_in_generate:
         raise ValueError("`output_logprobs=True` needs `return_dict_in_generate=True` (the "
@@ -161,12 +207,32 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
 
     if torch.is_tensor(seed):          # one seed per row, wherever the user built it
         seed = seed.to(device)
-    params = SamplingParams.from_generation_config(config, batch_size, seed=seed, device=device)
-    if head.logit_scale != 1.0:
-        params = dataclasses.replace(params, temperature=params.temperature / head.logit_scale)
-
     eos = config._eos_token_tensor
     pad = config._pad_token_tensor
+    pad_token_id = int(pad.reshape(-1)[0]) if pad is not None else 0
+    reasons = _materialized_reasons(config, head, logits_processor, prefix_allowed_tokens_fn, source)
+    processing = None
+    if reasons:
+        greedy = _greedy(config)
+        params = SamplingParams.create(batch_size, do_sample=not greedy, seed=seed, device=device)
+        processors = model._get_logits_processor(
+            generation_config=_with_sampling(config, not greedy),
+            input_ids_seq_length=input_length, encoder_input_ids=inputs_tensor,
+            prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+            logits_processor=logits_processor if logits_processor is not None else LogitsProcessorList(),
+            device=device, model_kwargs=model_kwargs)
+        processing = LogitsProcessing(processors, head, input_ids, pad_token_id, tuple(reasons),
+                                      keep_scores=bool(config.output_scores),
+                                      keep_logits=bool(config.output_logits))
+        warnings.warn(f"sampler='flash' runs this call on its exact materialized path (the "
+                      f"logits formed per step, transformers' processors applied as stock "
+                      f"generate applies them), slower than the fused kernels, because of: "
+                      f"{'; '.join(reasons)}", UserWarning, stacklevel=3)
+    else:
+        params = SamplingParams.from_generation_config(config, batch_size, seed=seed, device=device)
+        if head.logit_scale != 1.0:
+            params = dataclasses.replace(params, temperature=params.temperature / head.logit_scale)
+
     stop_criteria = None
     if config.stop_strings:
         if tokenizer is None:
@@ -188,56 +254,113 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
                              "`num_assistant_tokens` per step (schedule 'constant')")
         schedule, persist = "constant", None
     else:
-        drafter, num_drafts, schedule, persist = _drafter(head, assistant_model, config, requested)
+        drafter, num_drafts, schedule, persist = _drafter(head, assistant_model, config, requested,
+                                                          source)
     return GenerationPlan(
         input_ids=input_ids, attention_mask=attention_mask, params=params, head=head,
         drafter=drafter, num_drafts=num_drafts, schedule=schedule, persist_schedule=persist,
         max_new_tokens=config.max_length - input_length,
         eos_token_ids=None if eos is None else eos.reshape(-1).to(device),
-        pad_token_id=int(pad.reshape(-1)[0]) if pad is not None else 0,
-        stop_criteria=stop_criteria, max_time=config.max_time, streamer=streamer,
-        output_logprobs=output_logprobs, return_dict_in_generate=bool(config.return_dict_in_generate))
+        pad_token_id=pad_token_id, stop_criteria=stop_criteria, max_time=config.max_time,
+        streamer=streamer, output_logprobs=output_logprobs,
+        return_dict_in_generate=bool(config.return_dict_in_generate), processing=processing)
 
 
-def _refuse_hooks(**hooks) -> None:
-    for name, value in hooks.items():
-        if name == "synced_gpus" and not value:
-            continue
-        if value is None or (name in ("logits_processor", "stopping_criteria") and len(value) == 0):
-            continue
-        what = {
-            "logits_processor": "custom logits processors need the full [batch, vocab] logits, "
-                                "which flashspec never materializes",
-            "stopping_criteria": "custom stopping criteria are not supported (EOS, max_new_tokens, "
-                                 "max_length, max_time and stop_strings are)",
-            "prefix_allowed_tokens_fn": "constrained decoding is a logits processor",
-            "negative_prompt_ids": "classifier-free guidance is a logits processor",
-            "negative_prompt_attention_mask": "classifier-free guidance is a logits processor",
-            "custom_generate": "it replaces the decoding loop that sampler='flash' provides",
-            "synced_gpus": "multi-GPU synchronised generation is not supported",
-        }[name]
-        raise ValueError(f"`{name}` is not supported with sampler='flash': {what}; {HOW_TO_RUN}")
+class _Sources:
+    """Where an option's value came from, for messages: the call, the `generation_config`
+    argument, or the model's own generation config (generation_config.json)."""
+
+    def __init__(self, model, generation_config, call_kwargs: dict):
+        self.model_config = model.generation_config
+        self.argument = generation_config
+        self.call = call_kwargs
+
+    def __call__(self, name: str) -> str:
+        if name in self.call:
+            return "set in the call"
+        default = getattr(GenerationConfig(), name, None)
+        if self.argument is not None and getattr(self.argument, name, default) != default:
+            return "from the `generation_config` argument"
+        if getattr(self.model_config, name, default) != default:
+            return "from the model's generation_config (generation_config.json)"
+        return "transformers' default"
 
 
-def _refuse_options(config: GenerationConfig, model_kwargs: dict) -> None:
-    if (config.num_beams or 1) > 1:
-        raise ValueError(f"`num_beams`={config.num_beams}: beam search is not supported with "
-                         f"sampler='flash'; use num_beams=1, or {HOW_TO_RUN}")
-    for name, (is_off, why) in _REFUSED_OPTIONS.items():
+def _greedy(config: GenerationConfig) -> bool:
+    """flashspec's rule (`SamplingParams`): greedy without sampling or at temperature 0."""
+    return not config.do_sample or config.temperature == 0
+
+
+def _with_sampling(config: GenerationConfig, do_sample: bool) -> GenerationConfig:
+    """`config` with `do_sample` set (temperature 0 means greedy to flashspec, and transformers
+    then builds no warpers)."""
+    if bool(config.do_sample) == do_sample:
+        return config
+    config = copy.copy(config)          # keeps the prepared special-token tensors
+    config.do_sample = do_sample
+    return config
+
+
+def _materialized_reasons(config: GenerationConfig, head: OutputHead, logits_processor,
+                          prefix_allowed_tokens_fn, source: _Sources) -> list[str]:
+    """What makes the call run on the materialized path (empty: the fused path)."""
+    reasons = []
+    options = dict(PROCESSOR_OPTIONS)
+    if not _greedy(config):
+        options.update(UNFUSED_WARPERS)
+    for name, is_off in options.items():
         value = getattr(config, name, None)
         if not is_off(value):
-            raise ValueError(f"`{name}`={value!r} is not supported with sampler='flash' ({why}); "
-                             f"{HOW_TO_RUN}")
+            reasons.append(f"`{name}`={value!r} ({source(name)})")
+    if logits_processor:
+        reasons.append(f"`logits_processor` ({', '.join(type(p).__name__ for p in logits_processor)})")
+    if prefix_allowed_tokens_fn is not None:
+        reasons.append("`prefix_allowed_tokens_fn`")
+    if head.softcap is not None:
+        reasons.append(f"the model's final_logit_softcapping={head.softcap}")
+    if head.bias is not None:
+        reasons.append("the model's LM-head bias")
+    return reasons
+
+
+def _stock_delegation(model, config: GenerationConfig, model_kwargs: dict, hooks: dict,
+                      source: _Sources) -> StockDelegation | None:
+    """A `StockDelegation` when the call selects what the engine does not do, else None."""
+    samples = bool(config.do_sample)
+
+    def delegate(what: str) -> StockDelegation:
+        return StockDelegation(what, samples)
+
+    if getattr(model.config, "is_encoder_decoder", False):
+        return delegate(f"the model ({type(model).__name__}) is an encoder-decoder; "
+                        "sampler='flash' runs decoder-only causal LMs")
     mode = config.get_generation_mode()
-    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE,
-                    GenerationMode.ASSISTED_GENERATION):
-        raise ValueError(f"this configuration selects transformers' {mode.value!r} decoding "
-                         "(e.g. through `constraints` or `force_words_ids`), which sampler='flash' "
-                         f"does not implement; {HOW_TO_RUN}")
+    if mode not in _ENGINE_MODES:
+        options = [name for name in ("num_beams", "num_beam_groups", "penalty_alpha", "dola_layers",
+                                     "constraints", "force_words_ids")
+                   if getattr(config, name, None) not in (None, 1, getattr(GenerationConfig(), name, None))]
+        named = ", ".join(f"`{name}`={getattr(config, name)!r} ({source(name)})" for name in options)
+        return delegate(f"{named or 'the configuration'} selects transformers' {mode.value!r} "
+                        "decoding, which is not sampling or greedy search")
+    for name, (is_off, why) in STOCK_OPTIONS.items():
+        value = getattr(config, name, None)
+        if not is_off(value):
+            return delegate(f"`{name}`={value!r} ({source(name)}): {why}")
+    if isinstance(config.watermarking_config, SynthIDTextWatermarkingConfig):
+        return delegate(f"`watermarking_config` ({source('watermarking_config')}) is SynthID, "
+                        "whose processor keeps state from step to step")
+    for name, value in hooks.items():
+        if value is not None:
+            return delegate(f"`{name}`: {STOCK_HOOKS[name]}")
+    inputs = inspect.signature(model.forward).parameters
     for name in model_kwargs:
-        if name not in _MODEL_KWARGS and model_kwargs[name] is not None:
-            raise ValueError(f"`{name}` is not supported with sampler='flash' (supported model "
-                             f"inputs: input_ids, attention_mask); {HOW_TO_RUN}")
+        if name in _MODEL_KWARGS or model_kwargs[name] is None:
+            continue
+        if name not in inputs:
+            raise ValueError(f"`{name}` is not supported with sampler='flash': it is neither an "
+                             f"option of generate() nor an input of {type(model).__name__}.forward")
+        return delegate(f"`{name}`: the engine takes input_ids and attention_mask only")
+    return None
 
 
 def _check_left_padded(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -253,15 +376,17 @@ def _check_left_padded(attention_mask: torch.Tensor, input_ids: torch.Tensor) ->
     return mask
 
 
-def _drafter(head: OutputHead, assistant_model, config, requested: dict):
+def _drafter(head: OutputHead, assistant_model, config, requested: dict, source: _Sources):
     lookup = config.prompt_lookup_num_tokens
     if assistant_model is not None and lookup is not None:
         raise ValueError("pass either `assistant_model` or `prompt_lookup_num_tokens` to "
-                         "generate(), not both")
+                         f"generate(), not both (`prompt_lookup_num_tokens`={lookup} "
+                         f"{source('prompt_lookup_num_tokens')}; override it with "
+                         "prompt_lookup_num_tokens=None)")
     if lookup is not None:
-        _check_count("prompt_lookup_num_tokens", lookup)
+        _check_count("prompt_lookup_num_tokens", lookup, source("prompt_lookup_num_tokens"))
         ngram = config.max_matching_ngram_size or 2
-        _check_count("max_matching_ngram_size", ngram)
+        _check_count("max_matching_ngram_size", ngram, source("max_matching_ngram_size"))
         return PromptLookupDrafter(ngram), lookup, "constant", None
     if assistant_model is None:
         return None, 0, "constant", None
@@ -272,8 +397,9 @@ def _drafter(head: OutputHead, assistant_model, config, requested: dict):
         raise ValueError(
             f"`assistant_model` has a vocabulary of {draft.vocab_size} tokens but the model has "
             f"{head.vocab_size}: sampler='flash' needs an assistant with the same tokenizer and "
-            f"vocabulary (different tokenizers are transformers' Universal Assisted Decoding); "
-            f"{HOW_TO_RUN}")
+            f"vocabulary; for an assistant with another tokenizer pass `tokenizer=` and "
+            f"`assistant_tokenizer=` (transformers' universal assisted decoding, run by stock "
+            f"generate)")
     if draft.weight.device != head.weight.device:
         raise ValueError(f"`assistant_model` is on {draft.weight.device} but the model is on "
                          f"{head.weight.device}; put both on the same device")
@@ -282,17 +408,20 @@ def _drafter(head: OutputHead, assistant_model, config, requested: dict):
     assistant_config = assistant_model.generation_config
 
     def setting(name, default):
-        for value in (requested.get(name), getattr(assistant_config, name, None)):
+        for value, where in ((requested.get(name), "set in the call"),
+                             (getattr(assistant_config, name, None),
+                              "from the assistant's generation_config")):
             if value is not None:
-                return value
-        return default
+                return value, where
+        return default, "transformers' default"
 
-    num_drafts = setting("num_assistant_tokens", 20)
-    _check_count("num_assistant_tokens", num_drafts)
-    schedule = setting("num_assistant_tokens_schedule", "constant")
+    num_drafts, where = setting("num_assistant_tokens", 20)
+    _check_count("num_assistant_tokens", num_drafts, where)
+    schedule, where = setting("num_assistant_tokens_schedule", "constant")
     if schedule not in SCHEDULES:
         raise ValueError(f"`num_assistant_tokens_schedule`={schedule!r} is not supported with "
-                         f"sampler='flash'; use one of {SCHEDULES}")
+                         f"sampler='flash' ({where}); pass num_assistant_tokens_schedule= one of "
+                         f"{SCHEDULES}")
     # "heuristic" (not "heuristic_transient"), like transformers, leaves the final draft
     # count on the assistant for its next call (the mean over rows, for a batch).
     persist = _persist_draft_count(assistant_config) if schedule == "heuristic" else None
@@ -306,6 +435,7 @@ def _persist_draft_count(assistant_config):
     return persist
 
 
-def _check_count(name: str, value) -> None:
+def _check_count(name: str, value, where: str = "set in the call") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{name}` must be an int >= 1, got {value!r}")
+        raise ValueError(f"`{name}` must be an int >= 1, got {value!r} ({where}); pass "
+                         f"{name}= an int >= 1 to generate()")

@@ -97,6 +97,7 @@ class Slot:
         self.eos = torch.full((EOS_SLOTS,), NO_TOKEN, **long)
         self.params = SamplingParams.create(batch_size, device=self.device)
         self.call_params = self.params
+        self.processing = None                    # the call's `LogitsProcessing`, if any
         self.heuristic = False
         # A one-token step feeds its token and a dead copy (see `compiled`): live flags.
         self.one_live = torch.tensor([[True, False]], device=self.device).repeat(batch_size, 1)
@@ -238,6 +239,7 @@ class Slot:
         for name in ("do_sample", "temperature", "top_k", "top_p", "min_p", "seed"):
             getattr(self.params, name).copy_(getattr(params, name))
         self.call_params = _with_flags(self.params, params)
+        self.processing = plan.processing
         self.heuristic = plan.schedule == "heuristic" and plan.drafter is not None
         for entry in self.caches:
             entry.cache.reset()
