@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from transformers import LlamaForCausalLM, MambaConfig, MambaForCausalLM
 
 import flashspec
@@ -96,16 +97,30 @@ def test_heuristic_schedule_persists_on_the_assistant_like_transformers():
     assert transient.generation_config.num_assistant_tokens == 3
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(force_words_ids=[[5]], num_beams=1), "decoding"),
-    (dict(output_logprobs=True), "needs `return_dict_in_generate=True`"),
-    (dict(cache_implementation="quantized"), "its own full-precision KV caches"),
-    (dict(output_attentions=True), "attentions are not collected"),
-])
-def test_more_refusals(kwargs, message):
+def test_logprobs_need_the_output_object():
     ids, mask = left_pad(PROMPTS[:1])
-    with pytest.raises(ValueError, match=message):
-        target().generate(ids, attention_mask=mask, sampler="flash", max_new_tokens=2, **kwargs)
+    with pytest.raises(ValueError, match="needs `return_dict_in_generate=True`"):
+        target().generate(ids, attention_mask=mask, sampler="flash", max_new_tokens=2,
+                          output_logprobs=True)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_beams=2), r"`num_beams`=2 \(set in the call\) selects transformers' 'beam_search'"),
+    (dict(guidance_scale=1.5), "classifier-free guidance"),
+    (dict(output_attentions=True, return_dict_in_generate=True), "attentions are not collected"),
+    (dict(past_key_values=transformers.DynamicCache()), "`past_key_values`: the engine takes"),
+])
+def test_other_methods_defer_to_stock_with_a_warning(kwargs, message):
+    """What the engine does not do runs stock generate (same tokens), with a warning."""
+    ids, mask = left_pad(PROMPTS[:1])
+    with pytest.warns(UserWarning, match=message):
+        ours = target().generate(ids, attention_mask=mask, sampler="flash", max_new_tokens=3,
+                                 **kwargs)
+    if "past_key_values" in kwargs:
+        kwargs = dict(past_key_values=transformers.DynamicCache())
+    theirs = target().generate(ids, attention_mask=mask, max_new_tokens=3, **kwargs)
+    ours = ours if torch.is_tensor(ours) else ours.sequences
+    assert torch.equal(ours, theirs if torch.is_tensor(theirs) else theirs.sequences)
 
 
 def test_trust_remote_code_is_accepted():
