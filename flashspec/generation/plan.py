@@ -175,6 +175,8 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
 
     head = output_head(model, "model")
     check_decoder(head.decoder, "model")
+    # The values as given (transformers later derives min_length from min_new_tokens).
+    reasons = _materialized_reasons(config, head, logits_processor, prefix_allowed_tokens_fn, source)
     inputs_tensor, input_name, model_kwargs = model._prepare_model_inputs(
         inputs, config.bos_token_id, model_kwargs)
     if input_name != "input_ids" or inputs_tensor.dim() != 2 or inputs_tensor.dtype != torch.long:
@@ -210,7 +212,6 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
     eos = config._eos_token_tensor
     pad = config._pad_token_tensor
     pad_token_id = int(pad.reshape(-1)[0]) if pad is not None else 0
-    reasons = _materialized_reasons(config, head, logits_processor, prefix_allowed_tokens_fn, source)
     processing = None
     if reasons:
         greedy = _greedy(config)
