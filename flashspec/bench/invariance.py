@@ -1,8 +1,9 @@
 """Are seeded tokens the same with and without drafts, alone and in a batch? (issue 29)
 
-`invariance_runs` generates the same rows, each with its own seed, five ways: one row per
-call without drafts (the reference), drafted by the target itself, by an assistant, by
-prompt lookup, and all rows as one batch without drafts. `equal_rows` counts, per way, the
+`invariance_runs` generates the same rows, each with its own seed, six ways: one row per
+call without drafts (the reference), drafted by the target itself (a constant and the
+heuristic schedule), by an assistant, by prompt lookup, and all rows as one batch without
+drafts. `equal_rows` counts, per way, the
 rows whose tokens equal the reference's. With the invariant decoder kernels
 (`flashspec.generation.invariant`) every count is the number of rows; with cuBLAS and
 PyTorch's reductions a near race goes the other way wherever a forward's shape changed the
@@ -18,7 +19,7 @@ import time
 
 import torch
 
-WAYS = ("plain", "self", "assistant", "lookup", "batch")
+WAYS = ("plain", "self", "self heuristic", "assistant", "lookup", "batch")
 
 
 def repeating_prompts(rows: int, length: int, vocab_size: int, device, seed: int = 1) -> torch.Tensor:
@@ -42,8 +43,12 @@ def invariance_runs(model, assistant, ids: torch.Tensor, new_tokens: int, sampli
     rows = ids.shape[0]
     seeds = torch.arange(rows)
     kwargs = dict(sampler="flash", max_new_tokens=new_tokens, **sampling)
-    drafters = {"plain": {}, "self": dict(assistant_model=model, num_assistant_tokens=num_drafts),
-                "assistant": dict(assistant_model=assistant, num_assistant_tokens=num_drafts),
+    constant = dict(num_assistant_tokens=num_drafts, num_assistant_tokens_schedule="constant")
+    drafters = {"plain": {}, "self": dict(assistant_model=model, **constant),
+                # Draft counts grow while drafts are accepted: wider verifications.
+                "self heuristic": dict(assistant_model=model, num_assistant_tokens=num_drafts,
+                                       num_assistant_tokens_schedule="heuristic"),
+                "assistant": dict(assistant_model=assistant, **constant),
                 "lookup": dict(prompt_lookup_num_tokens=num_drafts)}
     tokens, seconds = {}, {}
     for name, drafter in drafters.items():

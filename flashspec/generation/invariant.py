@@ -178,10 +178,11 @@ def unsupported_reason(decoder: torch.nn.Module) -> str | None:
 
 def wanted(decoder: torch.nn.Module, device: torch.device) -> bool:
     """Whether the engine runs `decoder` with the invariant kernels: ``FLASHSPEC_INVARIANT``
-    = ``auto`` (default: on CUDA, for decoders they support; others are logged), ``1``
-    (everywhere, CPU included through Triton's interpreter; an unsupported decoder is an
-    error) or ``0`` (off: cuBLAS and PyTorch's own kernels)."""
-    setting = os.environ.get(SWITCH_ENV, "auto")
+    = ``0`` (default: cuBLAS and PyTorch's own kernels), ``1`` (everywhere, CPU included
+    through Triton's interpreter; an unsupported decoder is an error) or ``auto`` (on CUDA,
+    for the decoders they support; others are logged). Read when an engine is built
+    (`flashspec.generation.engine.drop_engine` rebuilds it)."""
+    setting = os.environ.get(SWITCH_ENV, "0")
     if setting not in _SWITCH_VALUES:
         raise ValueError(f"{SWITCH_ENV}={setting!r} is not allowed: use one of {_SWITCH_VALUES}")
     if setting == "0" or (setting == "auto" and device.type != "cuda"):
