@@ -37,9 +37,9 @@ def scaled_head(model, scale: float) -> None:
 
 
 def invariance_runs(model, assistant, ids: torch.Tensor, new_tokens: int, sampling: dict,
-                    num_drafts: int = 4) -> dict:
-    """Tokens ``[rows, new_tokens]`` of each way of `WAYS`, and each way's wall seconds.
-    Row r uses seed r; `sampling`: generate's sampling options (``do_sample`` etc.)."""
+                    num_drafts: int = 4, ways=WAYS) -> dict:
+    """Tokens ``[rows, new_tokens]`` of each of `ways` (of `WAYS`; "plain" always), and each
+    way's wall seconds. Row r uses seed r; `sampling`: generate's sampling options."""
     rows = ids.shape[0]
     seeds = torch.arange(rows)
     kwargs = dict(sampler="flash", max_new_tokens=new_tokens, **sampling)
@@ -52,12 +52,16 @@ def invariance_runs(model, assistant, ids: torch.Tensor, new_tokens: int, sampli
                 "lookup": dict(prompt_lookup_num_tokens=num_drafts)}
     tokens, seconds = {}, {}
     for name, drafter in drafters.items():
+        if name != "plain" and name not in ways:
+            continue
         started = time.perf_counter()
         tokens[name] = torch.cat([
             model.generate(ids[r:r + 1], attention_mask=torch.ones_like(ids[r:r + 1]),
                            seed=seeds[r:r + 1], **drafter, **kwargs)[:, ids.shape[1]:]
             for r in range(rows)])
         seconds[name] = time.perf_counter() - started
+    if "batch" not in ways:
+        return {"tokens": tokens, "seconds": seconds}
     started = time.perf_counter()
     tokens["batch"] = model.generate(ids, attention_mask=torch.ones_like(ids), seed=seeds,
                                      **kwargs)[:, ids.shape[1]:]
