@@ -28,7 +28,6 @@ import warnings
 
 import pytest
 import torch
-import transformers
 from transformers import LogitsProcessor, LogitsProcessorList, WatermarkingConfig
 from transformers.generation import logits_process as lp
 
@@ -37,6 +36,7 @@ from flashspec import rng
 from flashspec.params import row_seeds
 
 from _models import VOCAB, tiny_draft, tiny_model
+from test_generate import _quiet_single_threaded  # noqa: F401 - the module's autouse fixture
 
 MAX_NEW = 12
 SEED = 11
@@ -47,18 +47,6 @@ NEAR_TIE = 1e-4
 
 # The materialized path's warning has its own tests.
 pytestmark = pytest.mark.filterwarnings("ignore:sampler='flash' runs this call")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _quiet_single_threaded():
-    """One thread (tiny matmuls), transformers' logging silenced."""
-    threads = torch.get_num_threads()
-    verbosity = transformers.logging.get_verbosity()
-    torch.set_num_threads(1)
-    transformers.logging.set_verbosity_error()
-    yield
-    torch.set_num_threads(threads)
-    transformers.logging.set_verbosity(verbosity)
 
 
 @functools.lru_cache(maxsize=None)
