@@ -13,6 +13,7 @@ that every implementation can round them the way transformers does.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Sequence, Union
 
 import torch
@@ -221,6 +222,8 @@ class SamplingParams:
         Fields left as ``None`` take transformers' global defaults
         (``GenerationConfig._get_default_generation_params``: ``top_k=50``, ``temperature=1``,
         ``top_p=1``), as `generate` does once the model's own config has been merged in.
+        Values are checked by transformers' rules (`generation_sampling`): e.g.
+        ``do_sample=True, temperature=0`` is refused, as transformers refuses it.
         Warpers the fused kernels do not make (``typical_p``, ``epsilon_cutoff``,
         ``eta_cutoff``, ``top_h``) and beam search raise instead of being silently dropped
         (``generate(sampler="flash")`` runs the warpers on its materialized path and defers
@@ -228,6 +231,10 @@ class SamplingParams:
         """
         from transformers import GenerationConfig
 
+        if not isinstance(generation_config, GenerationConfig):
+            raise TypeError(f"`generation_config` must be a transformers GenerationConfig, got "
+                            f"{type(generation_config).__name__} (for a dict d, pass "
+                            "GenerationConfig(**d))")
         defaults = GenerationConfig._get_default_generation_params()
 
         def field(name):
@@ -240,9 +247,8 @@ class SamplingParams:
                 f"`num_beams`={num_beams}: beam search is not sampling; SamplingParams takes "
                 "num_beams=1 (generate(sampler='flash') defers beam search to stock generate)"
             )
-        do_sample = bool(field("do_sample"))
-        temperature, top_k, top_p, min_p = 1.0, 0, 1.0, 0.0
-        if do_sample:
+        options = generation_sampling(field, lambda name: "in the generation config")
+        if options["do_sample"]:
             unsupported = {
                 "typical_p": field("typical_p") is not None and field("typical_p") < 1.0,
                 "epsilon_cutoff": _in_open_unit(field("epsilon_cutoff")),
@@ -256,14 +262,69 @@ class SamplingParams:
                         "sampler takes temperature, top_k, top_p, min_p); unset it, or use "
                         "generate(sampler='flash'), which applies it on its materialized path"
                     )
-            temperature = float(field("temperature"))
-            top_k = field("top_k")
-            if isinstance(top_k, bool) or not isinstance(top_k, int):
-                raise ValueError(f"`top_k` must be an int >= 0, got {top_k!r}")
-            top_p = float(field("top_p"))
-            min_p = 0.0 if field("min_p") is None else float(field("min_p"))
-        return cls.create(batch_size, do_sample=do_sample, temperature=temperature,
-                          top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, device=device)
+        return cls.create(batch_size, **options, seed=seed, device=device)
+
+
+def generation_sampling(value_of, where) -> dict:
+    """`SamplingParams.create`'s keywords (do_sample, temperature, top_k, top_p, min_p) for
+    a merged generation config, by transformers' rules: each value is read where
+    transformers' `generate` reads it (the warpers only when sampling, each only when set
+    away from its neutral value) and is refused where transformers refuses it, with a
+    ValueError or TypeError naming the option, its value, what is allowed and `where(name)`
+    (where the value came from). `value_of(name)`: the merged value, None when unset.
+
+    As in transformers: ``top_p=0`` keeps only the most likely token (here top_k=1), a
+    ``top_p`` of 1 or more (or NaN) and a ``top_k`` of 0 truncate nothing, a ``top_k`` beyond
+    the vocabulary keeps everything. Not as in transformers: an infinite temperature (which
+    transformers turns into uniform sampling) is refused.
+    """
+    def refuse(error, name, allowed):
+        value = value_of(name)
+        shown = f"{value!r} ({type(value).__name__})" if not isinstance(value, (bool, int, float)) \
+            else repr(value)
+        return error(f"`{name}`={shown} ({where(name)}) is not allowed: {allowed}")
+
+    do_sample = value_of("do_sample")
+    if do_sample is not None and not isinstance(do_sample, (bool, numbers.Integral)):
+        raise refuse(TypeError, "do_sample", "must be a bool")
+    if not do_sample:
+        return dict(do_sample=False, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+
+    temperature = value_of("temperature")
+    if temperature is None or (_is_real(temperature) and temperature == 1):
+        temperature = 1.0
+    elif not (isinstance(temperature, float) and temperature > 0):
+        raise refuse(ValueError, "temperature", "with do_sample=True transformers takes a float "
+                     "> 0 (for greedy decoding set do_sample=False)")
+    elif temperature == float("inf"):
+        raise refuse(ValueError, "temperature", "must be finite")
+    top_k = value_of("top_k")
+    if top_k is None or (_is_real(top_k) and top_k == 0):
+        top_k = 0
+    elif not (isinstance(top_k, int) and top_k > 0):
+        raise refuse(ValueError, "top_k", "must be an int > 0 (0 or None: no top-k)")
+    top_p = value_of("top_p")
+    if top_p is not None and not _is_real(top_p):
+        raise refuse(TypeError, "top_p", "must be a real number (>= 1: no top-p)")
+    if top_p is None or not top_p < 1:
+        top_p = 1.0
+    elif not top_p >= 0:
+        raise refuse(ValueError, "top_p", "must be in [0, 1] (>= 1: no top-p)")
+    elif top_p == 0:                    # transformers keeps min_tokens_to_keep=1 token
+        top_k, top_p = 1, 1.0
+    min_p = value_of("min_p")
+    if min_p is not None and not _is_real(min_p):
+        raise refuse(TypeError, "min_p", "must be a real number in [0, 1]")
+    if min_p is not None and not 0 <= min_p <= 1:
+        raise refuse(ValueError, "min_p", "must be in [0, 1] (None or 0: no min-p)")
+    return dict(do_sample=True, temperature=float(temperature),
+                top_k=min(int(top_k), torch.iinfo(torch.int64).max), top_p=float(top_p),
+                min_p=0.0 if min_p is None else float(min_p))
+
+
+def _is_real(value) -> bool:
+    """A real Python or numpy number (bools count, as transformers compares them)."""
+    return isinstance(value, numbers.Real)
 
 
 def row_seeds(seed, batch_size: int, device=None) -> torch.Tensor:
@@ -271,20 +332,20 @@ def row_seeds(seed, batch_size: int, device=None) -> torch.Tensor:
 
     * ``None``: drawn from torch's default generator, so ``torch.manual_seed(s)`` before the
       call makes the run repeatable, as transformers users expect.
-    * an ``int`` ``s``: row ``b`` gets ``s + b`` (independent Philox keys, reproducible).
+    * an ``int`` ``s`` in ``[0, 2**63)``: row ``b`` gets ``s + b`` (modulo ``2**63``, so that
+      every seed of the range serves every batch size): independent Philox keys, reproducible.
     * a sequence or tensor of ``batch_size`` ints: used as given.
     """
     if seed is None:
         return torch.randint(0, rng.MAX_SEED, (batch_size,), dtype=torch.int64).to(device)
     if isinstance(seed, bool):
         raise ValueError(f"`seed` must be an int, a sequence of ints or an int tensor, got {seed!r}")
-    if isinstance(seed, int):
-        if seed < 0 or seed + batch_size - 1 > rng.MAX_SEED:
-            raise ValueError(
-                f"`seed`={seed} must lie in [0, {rng.MAX_SEED - batch_size + 1}] "
-                f"(row b uses seed + b for {batch_size} rows)"
-            )
-        return torch.arange(seed, seed + batch_size, dtype=torch.int64, device=device)
+    if isinstance(seed, numbers.Integral):
+        if not 0 <= seed <= rng.MAX_SEED:
+            raise ValueError(f"`seed`={seed} is not allowed: must lie in [0, {rng.MAX_SEED}] "
+                             f"(row b uses seed + b, modulo 2**63)")
+        rows = [(int(seed) + b) % (rng.MAX_SEED + 1) for b in range(batch_size)]
+        return torch.tensor(rows, dtype=torch.int64, device=device)
     return _per_row("seed", seed, torch.int64, batch_size, device, broadcast=False)
 
 
@@ -325,6 +386,8 @@ def _check_python_values(name: str, value, dtype: torch.dtype) -> None:
         if not ok:
             kind = {torch.bool: "a bool", torch.int64: "an int"}.get(dtype, "a float")
             raise ValueError(f"`{name}` must be {kind} or a sequence of them, got {v!r}")
+        if dtype == torch.int64 and not -2**63 <= v < 2**63:
+            raise ValueError(f"`{name}`={v} is not allowed: must fit in int64")
 
 
 def _check_range(name: str, values: torch.Tensor, allowed: str, is_ok) -> None:

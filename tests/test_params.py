@@ -85,9 +85,45 @@ def test_hf_precedence_explicit_values_win():
 
 
 def test_greedy_configs():
-    for config in (GenerationConfig(), GenerationConfig(do_sample=False, temperature=0.3),
-                   GenerationConfig(do_sample=True, temperature=0.0)):
+    for config in (GenerationConfig(), GenerationConfig(do_sample=False, temperature=0.3)):
         assert SamplingParams.from_generation_config(config, 2, seed=0).is_greedy.all()
+
+
+@pytest.mark.parametrize("options,error,match", [
+    (dict(temperature=0.0), ValueError, "`temperature`=0.0 .*float > 0.*do_sample=False"),
+    (dict(temperature=2), ValueError, "`temperature`=2 .*float > 0"),
+    (dict(temperature="0.5"), ValueError, "`temperature`='0.5' \\(str\\)"),
+    (dict(temperature=[0.5, 1.0]), ValueError, "`temperature`=\\[0.5, 1.0\\] \\(list\\)"),
+    (dict(top_k=5.0), ValueError, "`top_k`=5.0 .*int > 0"),
+    (dict(top_k=-1), ValueError, "`top_k`=-1"),
+    (dict(top_p="0.9"), TypeError, "`top_p`='0.9'.*real number"),
+    (dict(top_p=-0.1), ValueError, "`top_p`=-0.1.*\\[0, 1\\]"),
+    (dict(min_p=1.5), ValueError, "`min_p`=1.5"),
+    (dict(min_p=float("nan")), ValueError, "`min_p`=nan"),
+    (dict(do_sample="yes"), TypeError, "`do_sample`='yes'"),
+])
+def test_sampling_values_follow_transformers_rules(options, error, match):
+    """Refused where transformers' warpers refuse them, naming option, value and source."""
+    with pytest.raises(error, match=match):
+        SamplingParams.from_generation_config(GenerationConfig(**{"do_sample": True, **options}), 1)
+
+
+def test_sampling_values_transformers_accepts():
+    """What transformers runs, with its meaning: top_p=0 keeps the most likely token, top_p
+    >= 1 (or NaN) and top_k=0 truncate nothing, a huge top_k keeps everything."""
+    def params(**options):
+        return SamplingParams.from_generation_config(GenerationConfig(do_sample=True, **options), 1)
+    p = params(top_p=0.0)
+    assert (p.top_k.item(), p.top_p.item()) == (1, 1.0)
+    for top_p in (1, 1.5, float("nan")):
+        assert params(top_p=top_p).top_p.item() == 1.0
+    assert params(top_k=2**63).top_k.item() == 2**63 - 1
+    assert params(top_k=0, temperature=1).top_k.item() == 0
+
+
+def test_a_dict_is_not_a_generation_config():
+    with pytest.raises(TypeError, match="`generation_config` must be a transformers GenerationConfig, got dict"):
+        SamplingParams.from_generation_config({"do_sample": True}, 1)
 
 
 @pytest.mark.parametrize("option,value", [("typical_p", 0.9), ("epsilon_cutoff", 3e-4),
@@ -116,8 +152,12 @@ def test_seed_from_torch_default_generator_is_repeatable():
 def test_seed_forms():
     assert SamplingParams.create(3, seed=torch.tensor([5, 1, 9])).seed.tolist() == [5, 1, 9]
     assert SamplingParams.create(2, seed=[rng.MAX_SEED, 0]).seed.tolist() == [rng.MAX_SEED, 0]
+    # Every seed of the documented range serves every batch: row b uses seed + b mod 2**63.
+    assert SamplingParams.create(3, seed=rng.MAX_SEED).seed.tolist() == [rng.MAX_SEED, 0, 1]
     with pytest.raises(ValueError, match="seed.*row b uses seed \\+ b"):
-        SamplingParams.create(2, seed=rng.MAX_SEED)
+        SamplingParams.create(2, seed=rng.MAX_SEED + 1)
+    with pytest.raises(ValueError, match="`seed`=18446744073709551616 .*int64"):
+        SamplingParams.create(2, seed=[0, 2**64])
 
 
 def test_repeat_interleave_and_to():
