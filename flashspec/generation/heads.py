@@ -16,10 +16,17 @@ exact materialized path (`processing`), which forms the model's own logits
   increasing) changes nothing there, and its bias is left out of its drafts, which decide
   the speed only (verification makes the output exact whatever the drafts).
 
+Forward hooks and pre-hooks on the LM-head module run where the model runs them: the
+materialized path then forms the logits by calling the module (`OutputHead.module`). Hooks
+on the model itself (its `forward` is never called) and global module hooks are named by
+`model_hooks`, for the caller to hand the call to stock transformers. Both are looked up on
+every call (a few dictionary reads).
+
 Any other transform (a model-specific multiplier, say) is caught by `check_logits`, which
-runs the model's own forward once per model on one token and compares its logits with
-`head_logits`. `check_decoder` refuses attention the engine's position-addressed KV cache
-cannot serve.
+runs the model's own forward on one token and compares its logits with `head_logits`, within
+the rounding of the model's dtype; it runs again when the head's weight, its hooks or the
+model's mode change. `check_decoder` refuses attention the engine's position-addressed KV
+cache cannot serve.
 """
 
 from __future__ import annotations
@@ -39,19 +46,22 @@ _CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 class OutputHead:
     """What the engine needs from a model: its decoder (base model), the LM-head weight
     ``[V, D]``, the positive factor s the model multiplies its logits by, and the
-    transforms only the materialized path reproduces: an LM-head bias ``[V]`` and a
-    softcap c (``c * tanh(logits / c)``)."""
+    transforms only the materialized path reproduces: an LM-head bias ``[V]``, a softcap c
+    (``c * tanh(logits / c)``) and the LM-head module when hooks on it must run (`hooks`
+    names them)."""
 
     decoder: torch.nn.Module
     weight: torch.Tensor
     logit_scale: float
     bias: torch.Tensor | None = None
     softcap: float | None = None
+    module: torch.nn.Module | None = None
+    hooks: tuple[str, ...] = ()
 
     @property
     def transforms_logits(self) -> bool:
-        """The model's logits are not a scale of ``hidden @ weight.T`` (bias, softcap)."""
-        return self.bias is not None or self.softcap is not None
+        """The model's logits are not a scale of ``hidden @ weight.T`` (bias, softcap, hooks)."""
+        return self.bias is not None or self.softcap is not None or self.module is not None
 
     @property
     def vocab_size(self) -> int:
@@ -94,6 +104,7 @@ def output_head(model, role: str, greedy_only: bool = False) -> OutputHead:
             f"`{role}` ({name}) scales its logits by {scale}; only a finite positive scale can "
             "be folded into the temperature"
         )
+    hooks = () if greedy_only else _hook_names(head, "lm_head")
     decoder = model.get_decoder()
     if decoder is model:   # transformers' lookup can miss, e.g. base_model_prefix != attribute
         decoder = getattr(model, "model", None)
@@ -105,16 +116,45 @@ def output_head(model, role: str, greedy_only: bool = False) -> OutputHead:
         )
     return OutputHead(decoder=decoder, weight=head.weight.contiguous(), logit_scale=scale,
                       bias=None if bias is None else bias.detach(),
-                      softcap=None if softcap is None else float(softcap))
+                      softcap=None if softcap is None else float(softcap),
+                      module=head if hooks else None, hooks=hooks)
+
+
+def model_hooks(model) -> tuple[str, ...]:
+    """The forward hooks and pre-hooks on `model` itself and the global module hooks
+    (``torch.nn.modules.module.register_module_forward_hook``), by name: they act on a
+    forward the engine never runs (the model's) or on every module (the engine's compiled
+    layers included), so only stock generate applies them as the model would."""
+    from torch.nn.modules import module as nn_module
+    names = list(_hook_names(model, "model"))
+    for kind, hooks in (("global forward hook", nn_module._global_forward_hooks),
+                        ("global forward pre-hook", nn_module._global_forward_pre_hooks)):
+        names += [f"{kind} {_name(hook)}" for hook in hooks.values()]
+    return tuple(names)
+
+
+def _hook_names(module: torch.nn.Module, role: str) -> tuple[str, ...]:
+    return tuple([f"forward pre-hook {_name(h)} on {role}" for h in module._forward_pre_hooks.values()]
+                 + [f"forward hook {_name(h)} on {role}" for h in module._forward_hooks.values()])
+
+
+def _name(hook) -> str:
+    return getattr(hook, "__qualname__", None) or type(hook).__name__
 
 
 def head_logits(head: OutputHead, hidden: torch.Tensor) -> torch.Tensor:
     """The model's own logits from final hidden states ``[..., D]``, in the order the models
     apply them: ``hidden @ weight.T`` (+ bias), times the logit scale, then the softcap;
-    float32 (float64 for float64 hidden states), as `flashspec.reference` forms logits."""
-    logits = reference.compute_logits(hidden, head.weight)
-    if head.bias is not None:
-        logits = logits + head.bias.to(logits.dtype)
+    float32 (float64 for float64 hidden states), as `flashspec.reference` forms logits. With
+    hooks on the LM head, the module itself (and its hooks) forms them, in the model's dtype,
+    as the model does."""
+    if head.module is not None:
+        logits = head.module(hidden)
+        logits = logits if logits.dtype == torch.float64 else logits.float()
+    else:
+        logits = reference.compute_logits(hidden, head.weight)
+        if head.bias is not None:
+            logits = logits + head.bias.to(logits.dtype)
     if head.logit_scale != 1.0:
         logits = logits * head.logit_scale
     if head.softcap is not None:
@@ -123,30 +163,42 @@ def head_logits(head: OutputHead, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def check_logits(model, head: OutputHead, token_ids: torch.Tensor, role: str = "model") -> None:
-    """Raise unless `model`'s own logits for one token equal `head_logits` up to rounding:
-    the guard against head transforms flashspec does not know. Runs once per model (two
-    one-token forwards)."""
-    if _CHECKED.get(model) == (head.weight.data_ptr(), head.logit_scale):
+    """Raise unless `model`'s own logits for one token equal `head_logits` up to the rounding
+    of the model's dtype: the guard against head transforms flashspec does not know. Two
+    one-token forwards, again only when the head's weight (its storage or an in-place
+    change), its hooks or the model's dtype changed since the last check."""
+    key = (head.weight.data_ptr(), head.weight._version, head.weight.dtype, head.logit_scale,
+           head.hooks)
+    if _CHECKED.get(model) == key:
         return
     ids = token_ids.reshape(-1)[-1:].reshape(1, 1)
     with torch.no_grad():
         logits = model(input_ids=ids, use_cache=False).logits[0, -1].double()
         hidden = head.decoder(input_ids=ids, use_cache=False).last_hidden_state[0, -1:]
-        ours = head_logits(head, hidden.to(head.weight.dtype))[0].double()
+        hidden = hidden.to(head.weight.dtype)
+        ours = head_logits(head, hidden)[0].double()
+        # The size of the dot products: |logit| errors of rounding scale with it.
+        size = hidden.double().abs() @ head.weight.double().abs().T
+        if head.bias is not None:
+            size = size + head.bias.double().abs()
+        size = float(size.max()) * head.logit_scale
     if not bool(torch.isfinite(logits).all()):
         return                 # not comparable; the sampler reports non-finite logits itself
-    error, size = float((logits - ours).abs().max()), float(logits.abs().max())
-    # The model rounds its logits to its dtype (bf16: 2^-8 relative); a missed transform
-    # (a multiplier, a cap, an offset) is far larger.
-    if not error <= 2e-2 * size + 1e-4:
+    error = float((logits - ours).abs().max())
+    # The model rounds its logits to its dtype (eps / 2 of a logit; twice for slack) and
+    # both sides accumulate D products in at least float32; a missed transform (a
+    # multiplier, a cap, an offset) is far larger: in float32 a relative change of 1e-5.
+    tolerance = (2 * torch.finfo(head.weight.dtype).eps
+                 + head.weight.shape[1] * torch.finfo(torch.float32).eps) * size + 1e-30
+    if not error <= tolerance:
         raise ValueError(
             f"`{role}` ({type(model).__name__}) transforms its logits after the LM head in a way "
             f"flashspec does not reproduce: its logits differ from hidden @ lm_head.weight.T "
-            f"(+ bias, x {head.logit_scale:g}, softcap) by up to {error:.3g} (largest logit "
-            f"{size:.3g}); run "
+            f"(+ bias, x {head.logit_scale:g}, softcap) by up to {error:.3g}, over the "
+            f"{tolerance:.3g} that rounding in {head.weight.dtype} allows; run "
             "generate() without sampler='flash'"
         )
-    _CHECKED[model] = (head.weight.data_ptr(), head.logit_scale)
+    _CHECKED[model] = key
 
 
 def check_decoder(decoder: torch.nn.Module, role: str) -> None:
