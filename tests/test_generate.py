@@ -682,8 +682,6 @@ ERROR_CASES = {
                         r"`assistant_model` has a vocabulary of 136 tokens but the model has 128"),
     "assistant and lookup": (lambda: dict(assistant_model=draft(), prompt_lookup_num_tokens=3),
                              r"either `assistant_model` or `prompt_lookup_num_tokens`.*not both"),
-    "right padding": (lambda: dict(attention_mask=torch.tensor([[1, 1, 1, 0]])),
-                      r"padding on the left only"),
     "streamer batch": (lambda: dict(streamer=RecordingStreamer(), input_ids=torch.ones(2, 4, dtype=torch.long)),
                        r"`streamer` needs a single sequence with sampler='flash' \(batch 2"),
     "stop_strings without tokenizer": (dict(stop_strings=["ab"]), r"`stop_strings` needs the tokenizer"),

@@ -128,3 +128,161 @@ def test_trust_remote_code_is_accepted():
     out = target().generate(ids, attention_mask=mask, sampler="flash", max_new_tokens=3,
                             trust_remote_code=False)
     assert torch.equal(out, stock(target(), ids, mask, max_new_tokens=3))
+
+
+# --------------------------------------------------------------------------------------
+# Issue 36: every input gets stock's result or a clear error (tests/test_fuzz_generate.py
+# draws them at random; these are the issue's table, one row each)
+# --------------------------------------------------------------------------------------
+
+_IDS = torch.tensor([[5, 6, 7, 8]])
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(max_new_tokens=1.5),                                   # 2 tokens, as stock
+    dict(max_new_tokens=3, num_return_sequences=-1),            # means 1, as stock
+    dict(max_new_tokens=3, max_length=2),                       # max_length unread, as stock
+    dict(max_new_tokens=3, do_sample=False, temperature="0.5"),  # unread when greedy
+])
+def test_values_stock_accepts_give_stock_tokens(kwargs):
+    assert torch.equal(target().generate(_IDS, sampler="flash", **kwargs),
+                       target().generate(_IDS, **kwargs))
+
+
+def test_values_stock_accepts_when_sampling_run():
+    """top_k=2**63 keeps everything, top_p=0 keeps the most likely token (the greedy one)."""
+    out = target().generate(_IDS, sampler="flash", do_sample=True, top_k=2**63, max_new_tokens=3,
+                            seed=0)
+    assert out.shape == (1, 7)
+    kept_one = target().generate(_IDS, sampler="flash", do_sample=True, top_p=0.0, top_k=0,
+                                 max_new_tokens=4, seed=0)
+    assert torch.equal(kept_one, target().generate(_IDS, max_new_tokens=4))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(do_sample=True, temperature=[0.5, 1.0]), ValueError,
+     r"`temperature`=\[0.5, 1.0\] \(list\) \(set in the call\) is not allowed: with do_sample=True"),
+    (dict(do_sample=True, temperature="0.5"), ValueError, r"`temperature`='0.5' \(str\)"),
+    (dict(do_sample=True, top_p="0.9"), TypeError, r"`top_p`='0.9' \(str\) \(set in the call\)"),
+    (dict(do_sample=True, temperature=0), ValueError,
+     r"`temperature`=0 .*float > 0 \(for greedy decoding set do_sample=False\)"),
+    (dict(max_new_tokens="3"), TypeError, r"`max_new_tokens`='3' \(str\)"),
+    (dict(max_new_tokens=0), ValueError, r"`max_new_tokens`=0 .*must be > 0"),
+    (dict(max_new_tokens=float("inf")), ValueError, r"`max_new_tokens`=inf .*must be finite"),
+    (dict(num_return_sequences=2.0, do_sample=True), TypeError, r"`num_return_sequences`=2.0"),
+    (dict(eos_token_id="3"), TypeError, r"`eos_token_id`='3' \(str\)"),
+    (dict(max_time="1"), TypeError, r"`max_time`='1' \(str\)"),
+    (dict(do_sample="no"), TypeError, r"`do_sample`='no' \(str\)"),
+    (dict(input_ids=_IDS[:, :0]), ValueError, r"`input_ids` must have shape .* got \(1, 0\)"),
+    (dict(input_ids=_IDS + VOCAB), ValueError, r"`input_ids` must be token ids in \[0, 128\)"),
+    (dict(input_ids=_IDS.float()), ValueError, r"`input_ids` must be an int64 or int32 tensor"),
+])
+def test_bad_values_name_option_value_and_source(kwargs, error, match):
+    ids = kwargs.pop("input_ids", _IDS)
+    kwargs.setdefault("max_new_tokens", 3)
+    with pytest.raises(error, match=match):
+        target().generate(ids, sampler="flash", **kwargs)
+
+
+def test_a_value_from_the_models_generation_config_is_named_so():
+    model = tiny_model("llama")
+    model.generation_config.top_k = 5.0
+    with pytest.raises(ValueError, match=r"`top_k`=5.0 \(from the model's generation_config"):
+        model.generate(_IDS, sampler="flash", do_sample=True, max_new_tokens=2)
+    with pytest.raises(TypeError, match="`generation_config` must be a transformers GenerationConfig"):
+        model.generate(_IDS, {"do_sample": True}, sampler="flash", max_new_tokens=2)
+
+
+def test_every_seed_of_the_range_serves_every_row():
+    out = target().generate(torch.tensor([[5, 6], [7, 8]]), sampler="flash", do_sample=True,
+                            max_new_tokens=2, seed=2**63 - 1, num_return_sequences=2)
+    assert out.shape == (4, 4)
+
+
+def test_huge_limit_allocates_by_what_is_generated():
+    model = target()
+    out = model.generate(_IDS, sampler="flash", max_new_tokens=10**12,
+                         eos_token_id=list(range(VOCAB)))
+    assert out.shape == (1, 5)
+    assert all(slot.capacity <= 256 for slot in model.model._flashspec_engine.slots.values())
+
+
+def test_int32_ids_and_other_inputs_stock_takes_give_stock_tokens():
+    """int32 ids run on the engine; right-padded and holed masks, position_ids and
+    inputs_embeds run on stock generate (a warning says so)."""
+    model = target()
+    assert torch.equal(model.generate(_IDS.int(), sampler="flash", max_new_tokens=3),
+                       model.generate(_IDS, max_new_tokens=3))
+    for kwargs in (dict(attention_mask=torch.tensor([[1, 1, 1, 0]])),
+                   dict(attention_mask=torch.tensor([[1, 0, 1, 1]])),
+                   dict(position_ids=torch.arange(4)[None] + 3)):
+        with pytest.warns(UserWarning, match="defers this call to stock"):
+            ours = model.generate(_IDS, sampler="flash", max_new_tokens=3, **kwargs)
+        assert torch.equal(ours, model.generate(_IDS, max_new_tokens=3, **kwargs))
+
+
+def test_lm_head_hooks_are_seen_on_every_call():
+    """A hook registered after a first call is applied (materialized path, as stock applies
+    it) and forgotten once removed; hooks on the model itself hand the call to stock."""
+    model = tiny_model("llama")
+    plain = model.generate(_IDS, sampler="flash", max_new_tokens=4)
+    handle = model.lm_head.register_forward_hook(
+        lambda module, args, out: out + 100.0 * (torch.arange(out.shape[-1]) == 3))
+    with pytest.warns(UserWarning, match="forward hook .* on lm_head"):
+        hooked = model.generate(_IDS, sampler="flash", max_new_tokens=4)
+    assert torch.equal(hooked, model.generate(_IDS, max_new_tokens=4))
+    assert hooked[0, 4:].tolist() == [3, 3, 3, 3]
+    handle.remove()
+    assert torch.equal(model.generate(_IDS, sampler="flash", max_new_tokens=4), plain)
+    handle = model.register_forward_pre_hook(lambda module, args: None)
+    with pytest.warns(UserWarning, match="forward pre-hook .* on model: the engine never runs"):
+        model.generate(_IDS, sampler="flash", max_new_tokens=4)
+    handle.remove()
+
+
+class _NudgedLogits(LlamaForCausalLM):
+    """A head transform far under 2% of the largest logit: logits * 1.001."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 1.001
+        return out
+
+
+def test_head_check_tolerance_follows_the_dtype():
+    model = tiny_model("llama")
+    nudged = flashspec.wrap(_NudgedLogits(model.config).eval())
+    nudged.load_state_dict(model.state_dict())
+    with pytest.raises(ValueError, match="transforms its logits.*rounding in torch.float32"):
+        nudged.generate(_IDS, sampler="flash", max_new_tokens=2)
+    # bf16 rounds logits by 2**-8: the same model in bf16 passes its own check
+    out = flashspec.wrap(tiny_model("llama").to(torch.bfloat16)).generate(
+        _IDS, sampler="flash", max_new_tokens=2)
+    assert out.shape == (1, 6)
+
+
+def test_head_check_is_redone_when_the_weight_changes_in_place():
+    model = tiny_model("llama")
+    tripled = flashspec.wrap(_TripledLogits(model.config).eval())
+    tripled.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        tripled.lm_head.weight.zero_()       # 3 * 0 == 0: the transform is invisible
+    tripled.generate(_IDS, sampler="flash", max_new_tokens=2)
+    tripled.load_state_dict(model.state_dict())      # in place: same storage
+    with pytest.raises(ValueError, match="transforms its logits after the LM head"):
+        tripled.generate(_IDS, sampler="flash", max_new_tokens=2)
+
+
+def test_a_model_in_training_mode_is_named_with_the_remedy():
+    model = tiny_model("gpt2").train()
+    with pytest.raises(ValueError, match=r"is in training mode .*call model.eval\(\)"):
+        model.generate(_IDS, sampler="flash", max_new_tokens=3)
+
+
+def test_remove_invalid_values_substitutes_nan_as_stock():
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.lm_head.weight[7, 0] = float("nan")
+    kwargs = dict(max_new_tokens=3, remove_invalid_values=True)
+    assert torch.equal(model.generate(_IDS, sampler="flash", **kwargs),
+                       model.generate(_IDS, **kwargs))

@@ -9,6 +9,7 @@ Without ``sampler=`` the call is transformers' own `generate`, untouched.
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import torch
@@ -54,6 +55,7 @@ class FlashGenerationMixin(GenerationMixin):
 
     def generate(self, inputs=None, generation_config=None, *args, sampler=None, seed=None,
                  output_logprobs=False, drafter=None, **kwargs):
+        started = time.monotonic()            # max_time counts from here
         if sampler is None:
             given = dict(seed=seed is not None, output_logprobs=output_logprobs,
                          drafter=drafter is not None)
@@ -71,7 +73,8 @@ class FlashGenerationMixin(GenerationMixin):
                              "`generation_config` by keyword")
         with torch.no_grad():
             plan = plan_generation(self, inputs, generation_config, seed=seed,
-                                   output_logprobs=output_logprobs, drafter=drafter, **kwargs)
+                                   output_logprobs=output_logprobs, drafter=drafter,
+                                   started=started, **kwargs)
             if isinstance(plan, StockDelegation):
                 _check_stock_call(plan, seed, output_logprobs, drafter)
                 warnings.warn(f"sampler='{sampler}' defers this call to stock transformers "

@@ -19,14 +19,18 @@ value came from and the override that works.
 Deliberate differences: `num_assistant_tokens` passed to `generate` is honoured (stock
 transformers reads only the assistant's generation config); batches work with an
 assistant or prompt lookup; a row ended by a stop string is padded even without an EOS
-token (stock transformers keeps generating that row).
+token (stock transformers keeps generating that row); a prompt ending with an EOS token is
+continued with an assistant or prompt lookup as without them (stock assisted generation
+returns it unchanged).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import inspect
+import math
+import numbers
+import time
 import warnings
 
 import torch
@@ -34,9 +38,10 @@ from transformers import GenerationConfig, LogitsProcessorList, SynthIDTextWater
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from ..params import SamplingParams
+from .. import rng
+from ..params import SamplingParams, generation_sampling
 from .drafters import AssistantDrafter, Drafter, PromptLookupDrafter
-from .heads import OutputHead, check_decoder, check_logits, output_head
+from .heads import OutputHead, check_decoder, check_logits, model_hooks, output_head
 from .processing import LogitsProcessing
 
 HOW_TO_RUN = "run generate() without sampler='flash'"
@@ -121,7 +126,7 @@ class GenerationPlan:
     eos_token_ids: torch.Tensor | None
     pad_token_id: int
     stop_criteria: StopStringCriteria | None
-    max_time: float | None
+    max_time: float | None            # seconds left of the call's max_time when planned
     streamer: object
     output_logprobs: bool
     return_dict_in_generate: bool
@@ -142,13 +147,19 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
                     stopping_criteria=None, prefix_allowed_tokens_fn=None, synced_gpus=None,
                     assistant_model=None, streamer=None, negative_prompt_ids=None,
                     negative_prompt_attention_mask=None, custom_generate=None, seed=None,
-                    output_logprobs=False, drafter=None,
+                    output_logprobs=False, drafter=None, started=None,
                     **kwargs) -> GenerationPlan | StockDelegation:
     """`generate()`'s arguments as a `GenerationPlan`, a `StockDelegation`, or a ValueError
-    naming what cannot run. `drafter`: a `Drafter` of the caller's own (instead of an
-    assistant or prompt lookup), with `num_assistant_tokens` drafts per step."""
+    or TypeError naming what cannot run. `drafter`: a `Drafter` of the caller's own (instead
+    of an assistant or prompt lookup), with `num_assistant_tokens` drafts per step.
+    `started`: the call's `time.monotonic()` (`max_time` counts from it; default: now)."""
+    started = time.monotonic() if started is None else started
     if not isinstance(output_logprobs, bool):
-        raise ValueError(f"`output_logprobs` must be a bool, got {output_logprobs!r}")
+        raise TypeError(f"`output_logprobs` must be a bool, got {output_logprobs!r}")
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise TypeError(f"`generation_config` must be a transformers GenerationConfig, got "
+                        f"{type(generation_config).__name__} (for a dict d, pass "
+                        "GenerationConfig(**d), or its entries as keyword arguments)")
     kwargs.pop("trust_remote_code", None)       # only matters for hub decoding methods
     tokenizer = kwargs.pop("tokenizer", None)
     hooks = dict(negative_prompt_ids=negative_prompt_ids,
@@ -157,6 +168,8 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
                  assistant_tokenizer=kwargs.pop("assistant_tokenizer", None),
                  stopping_criteria=stopping_criteria or None)
     requested = {**(generation_config.to_dict() if generation_config is not None else {}), **kwargs}
+    source = _Sources(model, generation_config, kwargs)
+    options = check_options(_merged_values(model, generation_config, kwargs), source)
     has_default_max_length = (kwargs.get("max_length") is None
                               and (generation_config is None or generation_config.max_length is None)
                               and model.generation_config.max_length is None)
@@ -164,7 +177,6 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
                               and (generation_config is None or generation_config.min_length is None)
                               and model.generation_config.min_length is None)
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
-    source = _Sources(model, generation_config, kwargs)
     delegation = _stock_delegation(model, config, model_kwargs, hooks, source)
     if delegation is not None:
         return delegation
@@ -173,26 +185,32 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
         raise ValueError("`output_logprobs=True` needs `return_dict_in_generate=True` (the "
                          "logprobs are returned in the output object)")
 
+    _check_eval_mode(model)
     head = output_head(model, "model")
     check_decoder(head.decoder, "model")
+    sampling = options.sampling["do_sample"]
     # The values as given (transformers later derives min_length from min_new_tokens).
-    reasons = _materialized_reasons(config, head, logits_processor, prefix_allowed_tokens_fn, source)
+    reasons = _materialized_reasons(config, head, sampling, logits_processor,
+                                    prefix_allowed_tokens_fn, source)
     inputs_tensor, input_name, model_kwargs = model._prepare_model_inputs(
         inputs, config.bos_token_id, model_kwargs)
-    if input_name != "input_ids" or inputs_tensor.dim() != 2 or inputs_tensor.dtype != torch.long:
-        raise ValueError(f"sampler='flash' needs token ids `input_ids` [batch, length] (int64), got "
-                         f"`{input_name}` of shape {tuple(inputs_tensor.shape)}; {HOW_TO_RUN}")
-    check_logits(model, head, inputs_tensor)
+    inputs_tensor = _checked_input_ids(model, inputs_tensor, input_name)
     device = inputs_tensor.device
     has_mask = model_kwargs.get("attention_mask") is not None
+    attention_mask = model_kwargs["attention_mask"] if has_mask else None
+    if has_mask:
+        not_left_padded = _not_left_padded(attention_mask, inputs_tensor)
+        if not_left_padded is not None:
+            return StockDelegation(not_left_padded, sampling)
+    check_logits(model, head, inputs_tensor)
     model._prepare_special_tokens(config, has_mask, device=device, batch_size=inputs_tensor.shape[0])
-    attention_mask = (model_kwargs["attention_mask"] if has_mask else
-                      model._prepare_attention_mask_for_generation(inputs_tensor, config, model_kwargs))
-    attention_mask = _check_left_padded(attention_mask, inputs_tensor)
+    if not has_mask:
+        attention_mask = model._prepare_attention_mask_for_generation(inputs_tensor, config,
+                                                                      model_kwargs)
+    attention_mask = attention_mask.long()
 
-    num_return = config.num_return_sequences or 1
-    input_ids = inputs_tensor.repeat_interleave(num_return, dim=0)
-    attention_mask = attention_mask.repeat_interleave(num_return, dim=0)
+    input_ids = inputs_tensor.repeat_interleave(options.num_return_sequences, dim=0)
+    attention_mask = attention_mask.repeat_interleave(options.num_return_sequences, dim=0)
     batch_size, input_length = input_ids.shape
     if streamer is not None:
         if batch_size != 1:
@@ -206,6 +224,10 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
         has_default_min_length=has_default_min_length, model_input_name=input_name,
         input_ids_length=input_length, inputs_tensor=inputs_tensor)
     model._validate_generated_length(config, input_length, has_default_max_length)
+    # Transformers stops once the length reaches max_length, which may be a float; no
+    # sequence index past the noise's last position can be generated.
+    max_new_tokens = min(math.ceil(config.max_length - input_length),
+                         rng.MAX_POSITION + 1 - input_length)
 
     if torch.is_tensor(seed):          # one seed per row, wherever the user built it
         seed = seed.to(device)
@@ -214,12 +236,10 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
     pad_token_id = int(pad.reshape(-1)[0]) if pad is not None else 0
     processing = None
     if reasons:
-        greedy = _greedy(config)
-        params = SamplingParams.create(batch_size, do_sample=not greedy, seed=seed, device=device)
+        params = SamplingParams.create(batch_size, do_sample=sampling, seed=seed, device=device)
         processors = model._get_logits_processor(
-            generation_config=_with_sampling(config, not greedy),
-            input_ids_seq_length=input_length, encoder_input_ids=inputs_tensor,
-            prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+            generation_config=config, input_ids_seq_length=input_length,
+            encoder_input_ids=inputs_tensor, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
             logits_processor=logits_processor if logits_processor is not None else LogitsProcessorList(),
             device=device, model_kwargs=model_kwargs)
         processing = LogitsProcessing(processors, head, input_ids, pad_token_id, tuple(reasons),
@@ -230,7 +250,7 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
                       f"generate applies them), slower than the fused kernels, because of: "
                       f"{'; '.join(reasons)}", UserWarning, stacklevel=3)
     else:
-        params = SamplingParams.from_generation_config(config, batch_size, seed=seed, device=device)
+        params = SamplingParams.create(batch_size, **options.sampling, seed=seed, device=device)
         if head.logit_scale != 1.0:
             params = dataclasses.replace(params, temperature=params.temperature / head.logit_scale)
 
@@ -260,9 +280,10 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
     return GenerationPlan(
         input_ids=input_ids, attention_mask=attention_mask, params=params, head=head,
         drafter=drafter, num_drafts=num_drafts, schedule=schedule, persist_schedule=persist,
-        max_new_tokens=config.max_length - input_length,
+        max_new_tokens=max_new_tokens,
         eos_token_ids=None if eos is None else eos.reshape(-1).to(device),
-        pad_token_id=pad_token_id, stop_criteria=stop_criteria, max_time=config.max_time,
+        pad_token_id=pad_token_id, stop_criteria=stop_criteria,
+        max_time=None if config.max_time is None else config.max_time - (time.monotonic() - started),
         streamer=streamer, output_logprobs=output_logprobs,
         return_dict_in_generate=bool(config.return_dict_in_generate), processing=processing)
 
@@ -287,27 +308,126 @@ class _Sources:
         return "transformers' default"
 
 
-def _greedy(config: GenerationConfig) -> bool:
-    """flashspec's rule (`SamplingParams`): greedy without sampling or at temperature 0."""
-    return not config.do_sample or config.temperature == 0
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The options the engine reads itself, checked (`check_options`)."""
+
+    sampling: dict                     # SamplingParams.create's do_sample, temperature, ...
+    num_return_sequences: int
 
 
-def _with_sampling(config: GenerationConfig, do_sample: bool) -> GenerationConfig:
-    """`config` with `do_sample` set (temperature 0 means greedy to flashspec, and transformers
-    then builds no warpers)."""
-    if bool(config.do_sample) == do_sample:
-        return config
-    config = copy.copy(config)          # keeps the prepared special-token tensors
-    config.do_sample = do_sample
-    return config
+def _merged_values(model, generation_config, call_kwargs: dict):
+    """`value_of(name)`: an option's value as transformers' `_prepare_generation_config` merges
+    it (the call, else the `generation_config` argument, else the model's generation config,
+    else transformers' global default; None when unset), read without building the config,
+    whose own validation compares some values before they are checked here."""
+    defaults = GenerationConfig._get_default_generation_params()
+
+    def value_of(name: str):
+        if name in call_kwargs:
+            return call_kwargs[name]
+        for config in (generation_config, model.generation_config):
+            if config is not None and getattr(config, name, None) is not None:
+                return getattr(config, name)
+        return defaults.get(name)
+    return value_of
 
 
-def _materialized_reasons(config: GenerationConfig, head: OutputHead, logits_processor,
-                          prefix_allowed_tokens_fn, source: _Sources) -> list[str]:
+def check_options(value_of, source) -> Options:
+    """Check the options the engine reads itself (sampling, lengths, counts, special tokens,
+    the time limit), each where and as transformers' `generate` reads it, before anything is
+    built: a ValueError (a value out of range) or TypeError (a value of the wrong type)
+    names the option, its value, what is allowed and `source(name)`, where it came from.
+    Options only transformers' processors read are checked by those processors, as in stock.
+
+    Transformers' rules, and what flashspec adds (README, "Arguments"):
+    * sampling options: `params.generation_sampling` (read only when sampling);
+    * `max_new_tokens` a real number > 0 (a fraction rounds up: transformers stops once the
+      length reaches prompt + max_new_tokens), else `max_length` a real number; infinite or
+      NaN limits are refused (transformers would run forever without EOS);
+    * `num_return_sequences` an int (below 1 means 1); `max_time` a real number (NaN never
+      stops); `min_length`, `min_new_tokens` real numbers;
+    * `eos_token_id` an int or a list of ints, `pad_token_id` and `bos_token_id` ints (real
+      numbers, as transformers converts them; negative ones are never generated);
+    * with sampling, `typical_p`, `epsilon_cutoff`, `eta_cutoff` real numbers.
+    """
+    def refuse(error, name: str, allowed: str):
+        value = value_of(name)
+        shown = repr(value) if isinstance(value, (bool, int, float)) else \
+            f"{value!r} ({type(value).__name__})"
+        return error(f"`{name}`={shown} ({source(name)}) is not allowed: {allowed}")
+
+    def real(name: str, allowed: str = "must be a real number") -> None:
+        value = value_of(name)
+        if value is not None and not isinstance(value, numbers.Real):
+            raise refuse(TypeError, name, allowed)
+
+    sampling = generation_sampling(value_of, source)
+    limit = "max_new_tokens" if value_of("max_new_tokens") is not None else "max_length"
+    real(limit, "must be a number of tokens")
+    if not math.isfinite(value_of(limit)):
+        raise refuse(ValueError, limit, "must be finite (end runs with eos_token_id or max_time)")
+    if limit == "max_new_tokens" and not value_of(limit) > 0:
+        raise refuse(ValueError, limit, "must be > 0")
+    for name in ("max_time", "min_length", "min_new_tokens"):
+        real(name)
+    count = value_of("num_return_sequences")
+    if count is not None and not isinstance(count, int):
+        raise refuse(TypeError, "num_return_sequences", "must be an int")
+    for name in ("pad_token_id", "bos_token_id"):
+        real(name, "must be a token id (an int)")
+    eos = value_of("eos_token_id")
+    if not (eos is None or isinstance(eos, numbers.Real) or _token_ids(eos)):
+        raise refuse(TypeError, "eos_token_id", "must be a token id (an int) or a list of them")
+    if sampling["do_sample"]:
+        for name in ("typical_p", "epsilon_cutoff", "eta_cutoff"):
+            real(name)
+    return Options(sampling=sampling, num_return_sequences=max(1, count or 1))
+
+
+def _token_ids(value) -> bool:
+    if torch.is_tensor(value):
+        return not value.dtype.is_floating_point and not value.dtype.is_complex
+    return isinstance(value, (list, tuple)) and all(isinstance(v, numbers.Real) for v in value)
+
+
+def _check_eval_mode(model) -> None:
+    """Refuse a model in training mode: its dropout makes every forward random, and the
+    engine samples from the model as it is in eval mode."""
+    training = [name or "the model" for name, module in model.named_modules() if module.training]
+    if training:
+        raise ValueError(f"`model` ({type(model).__name__}) is in training mode ({training[0]} "
+                         "has training=True, so dropout is active): call model.eval() before "
+                         "generate(sampler='flash'), or run generate() without sampler='flash'")
+
+
+def _checked_input_ids(model, input_ids: torch.Tensor, input_name: str) -> torch.Tensor:
+    """The prompts as int64 ``[B, L]``, or a ValueError naming what is wrong with them."""
+    if input_name != "input_ids":
+        raise ValueError(f"sampler='flash' needs token ids `input_ids` [batch, length], got "
+                         f"`{input_name}`; {HOW_TO_RUN}")
+    if not torch.is_tensor(input_ids) or input_ids.dtype not in (torch.int32, torch.int64):
+        kind = input_ids.dtype if torch.is_tensor(input_ids) else type(input_ids).__name__
+        raise ValueError(f"`input_ids` must be an int64 or int32 tensor (as the model's embedding "
+                         f"takes), got {kind}")
+    if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"`input_ids` must have shape [batch, length] with at least one row and "
+                         f"one token, got {tuple(input_ids.shape)}")
+    vocab = model.get_input_embeddings().num_embeddings
+    low, high = torch.aminmax(input_ids)
+    if not (0 <= int(low) and int(high) < vocab):
+        raise ValueError(f"`input_ids` must be token ids in [0, {vocab}) (the model's embedding), "
+                         f"got values in [{int(low)}, {int(high)}]")
+    return input_ids.long()
+
+
+def _materialized_reasons(config: GenerationConfig, head: OutputHead, sampling: bool,
+                          logits_processor, prefix_allowed_tokens_fn,
+                          source: _Sources) -> list[str]:
     """What makes the call run on the materialized path (empty: the fused path)."""
     reasons = []
     options = dict(PROCESSOR_OPTIONS)
-    if not _greedy(config):
+    if sampling:
         options.update(UNFUSED_WARPERS)
     for name, is_off in options.items():
         value = getattr(config, name, None)
@@ -321,6 +441,7 @@ def _materialized_reasons(config: GenerationConfig, head: OutputHead, logits_pro
         reasons.append(f"the model's final_logit_softcapping={head.softcap}")
     if head.bias is not None:
         reasons.append("the model's LM-head bias")
+    reasons += [f"the {hook}" for hook in head.hooks]
     return reasons
 
 
@@ -353,6 +474,9 @@ def _stock_delegation(model, config: GenerationConfig, model_kwargs: dict, hooks
     for name, value in hooks.items():
         if value is not None:
             return delegate(f"`{name}`: {STOCK_HOOKS[name]}")
+    hooked = model_hooks(model)
+    if hooked:
+        return delegate(f"the {', '.join(hooked)}: the engine never runs the model's own forward")
     inputs = inspect.signature(model.forward).parameters
     for name in model_kwargs:
         if name in _MODEL_KWARGS or model_kwargs[name] is None:
@@ -364,17 +488,20 @@ def _stock_delegation(model, config: GenerationConfig, model_kwargs: dict, hooks
     return None
 
 
-def _check_left_padded(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"`attention_mask` must have the shape of `input_ids` "
-                         f"{tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}")
-    mask = attention_mask.long()
-    if bool(((mask != 0) & (mask != 1)).any()) or bool((mask[:, 1:] < mask[:, :-1]).any()):
-        raise ValueError("`attention_mask` must be 0/1 with padding on the left only (tokenizer "
-                         "padding_side='left'), as transformers requires for batched generation")
-    if bool((mask[:, -1] == 0).any()):
-        raise ValueError("every prompt needs at least one token: a row of `attention_mask` is all 0")
-    return mask
+def _not_left_padded(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> str | None:
+    """Why stock generate must run a mask the engine does not take (it takes 0/1 masks with
+    padding on the left only, every row holding a token), else None."""
+    if not torch.is_tensor(attention_mask) or attention_mask.shape != input_ids.shape:
+        shape = tuple(attention_mask.shape) if torch.is_tensor(attention_mask) else None
+        raise ValueError(f"`attention_mask` must be a tensor of the shape of `input_ids` "
+                         f"{tuple(input_ids.shape)}, got {type(attention_mask).__name__} of shape "
+                         f"{shape}")
+    mask = attention_mask
+    if bool(((mask != 0) & (mask != 1)).any()) or bool((mask[:, 1:] < mask[:, :-1]).any()) \
+            or bool((mask[:, -1] == 0).any()):
+        return ("`attention_mask` is not left padding (0s, then 1s, in each row, the last "
+                "column 1), which the engine's position-addressed cache takes")
+    return None
 
 
 def _drafter(head: OutputHead, assistant_model, config, requested: dict, source: _Sources):
@@ -388,7 +515,7 @@ def _drafter(head: OutputHead, assistant_model, config, requested: dict, source:
         _check_count("prompt_lookup_num_tokens", lookup, source("prompt_lookup_num_tokens"))
         ngram = config.max_matching_ngram_size or 2
         _check_count("max_matching_ngram_size", ngram, source("max_matching_ngram_size"))
-        return PromptLookupDrafter(ngram), lookup, "constant", None
+        return PromptLookupDrafter(int(ngram)), int(lookup), "constant", None
     if assistant_model is None:
         return None, 0, "constant", None
 
@@ -437,6 +564,7 @@ def _persist_draft_count(assistant_config):
 
 
 def _check_count(name: str, value, where: str = "set in the call") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """A draft count: an int >= 1 (True counts as 1, as transformers takes it)."""
+    if not isinstance(value, int) or value < 1:
         raise ValueError(f"`{name}` must be an int >= 1, got {value!r} ({where}); pass "
                          f"{name}= an int >= 1 to generate()")

@@ -200,8 +200,15 @@ class ProcessedSampler:
         num_accepted = ((drafts == target) & (drafts >= 0)).long().cumprod(dim=1).sum(dim=1)
         emitted = offsets[None, :] <= num_accepted[:, None]
         logprobs = scores.gather(-1, target[..., None]).squeeze(-1) - log_norm
+        # A greedy row whose edits exclude every token takes token 0, stock's argmax.
+        kept = (scores > float("-inf")).any(dim=-1)
+        excluded = used & ~kept & ~greedy
+        if bool(excluded.any()):
+            row = int(excluded.nonzero()[0, 0])
+            raise ValueError(f"the call's logit edits leave no token to sample for row {row}: "
+                             f"every score is -inf after {'; '.join(self.processing.reasons)}")
         valid = ~scores.isnan().any(dim=-1) & ~(scores == float("inf")).any(dim=-1) \
-            & (scores > float("-inf")).any(dim=-1)
+            & (kept | greedy)
         finite = (valid | ~used).all(dim=1)
         tokens = torch.where(emitted & finite[:, None], target, -1)
         logprobs = torch.where(emitted & finite[:, None], logprobs, 0.0)
