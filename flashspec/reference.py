@@ -10,6 +10,13 @@ samples by Gumbel-max with the counter-based noise of `flashspec.rng`:
 which draws exactly from softmax(transformed_logits). Greedy rows take the argmax of the
 raw logits (lowest id on ties). Logits are float32 (float64 when the inputs are float64).
 
+On the CPU, where this is the engine's path and a host read costs nothing, the noise is drawn
+only for the tokens that can win: those whose score lies within the span of the noise
+(`rng.GUMBEL_MIN`, `rng.GUMBEL_MAX`) of their row's top score, which a truncated support or a
+peaked row keeps to a few. The others lose whatever their noise, so the token is the same as
+with noise for every token (up to the rounding of `log`, which DESIGN §3 allows). Elsewhere
+every token gets its noise: the shapes stay fixed, as a CUDA graph needs.
+
 Tie rule where transformers leaves it to an unstable sort: at the top-p boundary, tokens
 with equal logits are dropped highest id first (the kernels' preference order is higher
 logit, then lower id). The number of tokens kept always equals transformers'.
@@ -47,8 +54,11 @@ def compute_logits(hidden: torch.Tensor, weight: torch.Tensor,
 def transform_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Logits ``[B, V]`` after HF's warpers, ``-inf`` outside the support.
 
-    Greedy rows are returned unchanged (transformers applies no warper without sampling).
+    Greedy rows are returned unchanged (transformers applies no warper without sampling);
+    when every row is greedy, `logits` itself is returned.
     """
+    if params.all_greedy:
+        return logits
     sampled = ~params.is_greedy
     scores = logits.clone()
     # HF divides by the Python float, which torch rounds to the logits' dtype first.
@@ -58,7 +68,8 @@ def transform_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
     # The host flags skip unused warpers without reading the device.
     if params.any_top_k:
         use_top_k = sampled & (params.top_k > 0)
-        scores = torch.where(use_top_k[:, None], _top_k(scores, params.top_k), scores)
+        scores = torch.where(use_top_k[:, None], _top_k(scores, params.top_k, params.max_top_k),
+                             scores)
     if params.any_top_p:
         use_top_p = sampled & (params.top_p < 1.0)
         scores = torch.where(use_top_p[:, None], _top_p(scores, params.top_p), scores)
@@ -68,11 +79,14 @@ def transform_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
     return scores
 
 
-def _top_k(scores: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """HF `TopKLogitsWarper`: drop scores below the k-th largest (ties with it are kept)."""
+def _top_k(scores: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """HF `TopKLogitsWarper`: drop scores below the k-th largest (ties with it are kept).
+    `max_top_k` (a host value) bounds every row's k: the largest `max_top_k` scores, not a
+    sort of the row, hold each row's k-th."""
     vocab_size = scores.shape[-1]
     k = top_k.clamp(1, vocab_size)
-    kth = scores.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])
+    largest = scores.topk(min(max(max_top_k, 1), vocab_size), dim=-1).values
+    kth = largest.gather(-1, (k - 1)[:, None])
     return scores.masked_fill(scores < kth, float("-inf"))
 
 
@@ -105,9 +119,15 @@ def _min_p(scores: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def _finite_rows(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """bool ``[B]``: raw logits finite and, for sampled rows, logits / temperature too."""
-    finite = torch.isfinite(logits).all(dim=-1)
-    scaled_finite = torch.isfinite(logits / _safe_temperature(params, logits.dtype)).all(dim=-1)
+    """bool ``[B]``: raw logits finite and, for sampled rows, logits / temperature too.
+
+    From each row's extremes (NaN propagates to them): division by a positive temperature is
+    monotone, so the largest magnitude overflows first.
+    """
+    low, high = logits.amin(dim=-1), logits.amax(dim=-1)  # aminmax: 20x slower on CPU
+    finite = torch.isfinite(low) & torch.isfinite(high)
+    largest = torch.maximum(low.abs(), high.abs())
+    scaled_finite = torch.isfinite(largest / _safe_temperature(params, logits.dtype)[:, 0])
     return finite & (params.is_greedy | scaled_finite)
 
 
@@ -118,18 +138,53 @@ def _safe_temperature(params: SamplingParams, dtype: torch.dtype) -> torch.Tenso
 
 
 def _gumbel_argmax(scores: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
-                   exclude: torch.Tensor | None = None) -> torch.Tensor:
+                   exclude: torch.Tensor | None = None,
+                   used: torch.Tensor | None = None) -> torch.Tensor:
     """argmax_v (scores[r, v] + gumbel(seed[r], position[r], v)), optionally skipping
-    token ``exclude[r]`` (>= 0) of each row."""
+    token ``exclude[r]`` (>= 0) of each row; only the rows of bool ``used[r]`` (default all)
+    need their token."""
     vocab = torch.arange(scores.shape[-1], device=scores.device)
-    # Seeds and positions were validated by `flashspec.sampling`; no device read here.
-    noise = rng.gumbel(seed[:, None], position[:, None], vocab[None, :], dtype=scores.dtype,
-                       validate=False)
-    perturbed = scores + noise
     if exclude is not None:
         hit = (vocab[None, :] == exclude[:, None]) & (exclude[:, None] >= 0)
-        perturbed = perturbed.masked_fill(hit, float("-inf"))
-    return perturbed.argmax(dim=-1)
+        scores = scores.masked_fill(hit, float("-inf"))
+    contenders = _contenders(scores, used) if scores.device.type == "cpu" else None
+    if contenders is not None:
+        # In id order, so that argmax's first of equal values is the lowest id, as below.
+        vocab = contenders.sort(dim=-1).values
+        scores = scores.gather(-1, vocab)
+    else:
+        vocab = vocab[None, :]
+    # Seeds and positions were validated by `flashspec.sampling`; no device read here.
+    noise = rng.gumbel(seed[:, None], position[:, None], vocab, dtype=scores.dtype,
+                       validate=False)
+    best = (scores + noise).argmax(dim=-1, keepdim=True)
+    return vocab.expand(scores.shape).gather(-1, best).squeeze(-1)
+
+
+# Contenders beyond this share of the vocabulary: noise for every token costs less than
+# choosing them.
+MAX_CONTENDER_SHARE = 1 / 16
+
+
+def _contenders(scores: torch.Tensor, used: torch.Tensor | None) -> torch.Tensor | None:
+    """Ids ``[B, K]`` holding every token of each row that can win the Gumbel race (the K
+    highest scores; K from one host read), or None when K would exceed MAX_CONTENDER_SHARE of
+    the vocabulary.
+
+    A token wins only if its score is above the row's top score less the noise's span:
+    otherwise the top token's smallest noise beats its largest. A margin of an ulp of the top
+    score and of the span keeps that true of the rounded sums.
+    """
+    top = scores.amax(dim=-1, keepdim=True)
+    span = rng.GUMBEL_MAX - rng.GUMBEL_MIN
+    reach = top - span - (1.0 + (top.abs() + span) * 2.0**-20)
+    count = (scores >= reach).sum(dim=-1)
+    if used is not None:
+        count = count.masked_fill(~used, 0)
+    most = max(int(count.max()), 1)
+    if most > MAX_CONTENDER_SHARE * scores.shape[-1]:
+        return None
+    return scores.topk(most, dim=-1, sorted=False).indices
 
 
 def _choose(logits: torch.Tensor, scores: torch.Tensor, params: SamplingParams,
@@ -143,7 +198,7 @@ def _choose(logits: torch.Tensor, scores: torch.Tensor, params: SamplingParams,
     greedy = greedy_scores.argmax(dim=-1)
     if params.all_greedy:            # no noise needed (a host flag, no device read)
         return greedy
-    sampled = _gumbel_argmax(scores, params.seed, positions, exclude)
+    sampled = _gumbel_argmax(scores, params.seed, positions, exclude, used=~params.is_greedy)
     return torch.where(params.is_greedy, greedy, sampled)
 
 

@@ -33,6 +33,11 @@ import torch
 GUMBEL_STREAM = 0
 ACCEPT_STREAM = 1
 
+# Bounds on every value `gumbel` returns, in float32 and float64: the extreme words give
+# -3.13 (word 0) and 22.874 (word 2**32 - 1); the margins cover the rounding of `log`.
+GUMBEL_MIN = -3.2
+GUMBEL_MAX = 23.0
+
 MAX_SEED = 2**63 - 1
 MAX_POSITION = 2**32 - 1
 MAX_TOKEN_ID = 2**34 - 1

@@ -404,3 +404,55 @@ def test_bad_verify_inputs():
         reference_verify(hidden, weight, drafts, params, positions, acceptance="lenient")
     with pytest.raises(ValueError, match=r"`hidden` must have shape \[B, G\+1, D\]"):
         reference_verify(hidden[:, 0], weight, drafts, params, positions)
+
+
+# ---------------------------------------------------------------------------------------
+# The CPU's race among contenders: noise only for the tokens that can win.
+
+
+def _race_cases(g: torch.Generator):
+    """(logits [B * 4, V], params of B rows) covering flat, peaked, tied and huge rows, greedy
+    rows among sampled ones, every truncation and both dtypes."""
+    settings = [dict(), dict(top_k=0), dict(temperature=0.7, top_k=20, top_p=0.9),
+                dict(top_k=0, top_p=0.8), dict(top_k=0, min_p=0.1), dict(temperature=0.01, top_k=3),
+                dict(do_sample=[False, True, True], temperature=[1.0, 0.5, 1.3], top_k=[0, 5, 0],
+                     top_p=[1.0, 0.9, 0.5])]
+    for case in range(10):
+        vocab_size = int(torch.randint(50, 1500, (1,), generator=g))
+        scale = [0.05, 1.0, 5.0, 30.0, 1e6][case % 5]
+        logits = torch.randn(12, vocab_size, generator=g) * scale
+        if case % 3 == 0:
+            logits = (logits * 4).round() / 4
+        if case % 4 == 0:
+            logits = logits.double()
+        for setting in settings:
+            yield logits, SamplingParams.create(3, **{"do_sample": True, "seed": case, **setting})
+
+
+def test_cpu_race_among_contenders_equals_noise_for_every_token(monkeypatch):
+    """Sample and verify (both acceptances) give bitwise the same results whether the CPU draws
+    noise for the contenders only or for every token; the contenders' path is taken, and is
+    left for the whole row when too many tokens contend."""
+    g = torch.Generator().manual_seed(11)
+    taken = []
+    contenders = reference._contenders
+    monkeypatch.setattr(reference, "_contenders",
+                        lambda *args: taken.append(contenders(*args) is not None) or
+                        contenders(*args))
+    for logits, params in _race_cases(g):
+        positions = torch.randint(0, 1000, (3,), generator=g)
+        drafts = torch.randint(0, logits.shape[-1], (3, 3), generator=g)
+        drafts[0, 2] = -1
+        drafts[1] = reference.sample_logits(logits[3:6], params, positions[1:2] + torch.arange(3)
+                                            ).tokens  # accepted drafts as well
+        runs = {}
+        for share in (reference.MAX_CONTENDER_SHARE, 0.0):
+            with monkeypatch.context() as patch:
+                patch.setattr(reference, "MAX_CONTENDER_SHARE", share)
+                runs[share] = [reference.sample_logits(logits[:3], params, positions)] + [
+                    reference.verify_logits(logits, drafts, params, positions, acceptance=mode)
+                    for mode in ("strict", "probabilistic")]
+        for fast, full in zip(*runs.values()):
+            for a, b in zip(fast, full):
+                assert torch.equal(a.nan_to_num(nan=7.0), b.nan_to_num(nan=7.0))
+    assert any(taken) and not all(taken)

@@ -171,3 +171,15 @@ def test_tile_noise_uses_all_four_philox_words_in_token_order():
     expected = rng.gumbel(seeds.cpu()[:, None], positions.cpu()[:, None], tokens[None, :],
                           dtype=torch.float32)
     assert torch.allclose(out.cpu(), expected, rtol=2e-6, atol=2e-6)
+
+
+def test_gumbel_bounds_hold_at_the_extreme_words():
+    """GUMBEL_MIN and GUMBEL_MAX bound the noise (the CPU race leaves out tokens by them): its
+    extremes are at words 0 and 2**32 - 1, and every word between lies inside too."""
+    words = torch.cat([torch.arange(4096), torch.arange(2**32 - 4096, 2**32),
+                       torch.randint(0, 2**32, (1 << 16,), generator=torch.Generator().manual_seed(0))])
+    for dtype in (torch.float32, torch.float64):
+        noise = -torch.log(rng.exponential_from_bits(words, dtype))
+        assert noise.min() == noise[0] and noise.max() == noise[8191]
+        assert rng.GUMBEL_MIN < float(noise.min()) < rng.GUMBEL_MIN + 0.1
+        assert rng.GUMBEL_MAX - 0.2 < float(noise.max()) < rng.GUMBEL_MAX
