@@ -1,4 +1,5 @@
-"""scripts/tok_per_s.py: the command line's refusals, the pair specs, the expected-tok/s
+"""scripts/tok_per_s.py and its library (flashspec.bench: pairs, timing, tok_per_s,
+tok_per_s_report): the command line's refusals, the pair specs, the expected-tok/s
 arithmetic, and tiny CPU runs (built-in pair, fp32; a random-init model without a draft) with
 their JSON schema."""
 
@@ -10,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from flashspec.bench import pairs, timing, tok_per_s_report
+from flashspec.bench import tok_per_s as sweep
 from script_module import load_script
 
 PLAIN = ["hf", "hf_static_compile", "flash_plain"]
@@ -31,7 +34,7 @@ RUN_ARGS = ["--pair", "tiny", "--prompts", "code_edit", "--decoding", ",".join(D
 
 
 tok_per_s = load_script("tok_per_s")
-TINY_TARGET = str(tok_per_s.PAIRS["tiny"].target)
+TINY_TARGET = str(pairs.PAIRS["tiny"].target)
 
 
 @pytest.mark.parametrize("args, options", [
@@ -102,13 +105,13 @@ def test_cpu_defaults():
     assert (args.batch_sizes, args.prompt_length, args.new_tokens, args.reps, args.dtype) == (
         [1, 4], 64, 64, 1, "fp32")
     assert (args.num_drafts, args.decoding, args.prompts) == ([5], ["greedy"], "random")
-    assert args.variants == list(tok_per_s.VARIANTS)
+    assert args.variants == list(sweep.VARIANTS)
 
 
 def test_presets_are_random_init_aliases():
     args = tok_per_s.parse_args(["--random-init", "qwen3-1.7b,qwen3-0.6b", "--device", "cpu"])
     (spec,) = tok_per_s.pair_specs(args)
-    assert spec[1:] == tok_per_s.PAIRS["qwen3"][1:]
+    assert spec[1:] == pairs.PAIRS["qwen3"][1:]
     assert spec.label == "qwen3-1.7b"
     args = tok_per_s.parse_args(["--target", TINY_TARGET, "--device", "cpu"])
     (spec,) = tok_per_s.pair_specs(args)
@@ -120,15 +123,15 @@ def test_sweep_plan():
                                  "sample,greedy", "--num-drafts", "4,2,4",
                                  "--variants", "flash_self,hf,flash_plain"])
     assert args.decoding == ["greedy", "sample"] and args.num_drafts == [2, 4]
-    assert tok_per_s.plan_runs(args)[:4] == [
+    assert sweep.plan_runs(args)[:4] == [
         (1, "greedy", None, "hf"), (1, "greedy", None, "flash_plain"),
         (1, "greedy", 2, "flash_self"), (1, "greedy", 4, "flash_self")]
-    assert len(tok_per_s.plan_runs(args)) == 2 * 2 * (2 + 2)
+    assert len(sweep.plan_runs(args)) == 2 * 2 * (2 + 2)
 
 
 def test_peaked_weights_need_a_random_init_pair():
     with pytest.raises(ValueError, match="'peaked' applies to random-init pairs"):
-        tok_per_s.load_pair(tok_per_s.PAIRS["tiny"], "cpu", torch.float32, weights="peaked")
+        pairs.load_pair(pairs.PAIRS["tiny"], "cpu", torch.float32, weights="peaked")
 
 
 def test_variants_run_in_table_order():
@@ -138,19 +141,19 @@ def test_variants_run_in_table_order():
 
 @pytest.mark.parametrize("num_drafts", [1, 3, 5])
 def test_expected_tokens_per_round(num_drafts):
-    assert tok_per_s.expected_tokens_per_round(1.0, num_drafts) == num_drafts + 1
-    assert tok_per_s.expected_tokens_per_round(0.0, num_drafts) == 1.0
+    assert timing.expected_tokens_per_round(1.0, num_drafts) == num_drafts + 1
+    assert timing.expected_tokens_per_round(0.0, num_drafts) == 1.0
     a = 0.5
-    assert tok_per_s.expected_tokens_per_round(a, num_drafts) == pytest.approx(
+    assert timing.expected_tokens_per_round(a, num_drafts) == pytest.approx(
         sum(a ** i for i in range(num_drafts + 1)))
 
 
 def test_expected_tok_s_from_step_times():
-    plain = tok_per_s.expected_tok_s({"plain": 2.0}, batch_size=4, verify_width=5,
+    plain = timing.expected_tok_s({"plain": 2.0}, batch_size=4, verify_width=5,
                                      measured_tokens_per_round=1.0)
     assert plain == {"all_accepted": 2000.0, "at_measured_acceptance": 2000.0}
     # One round: 3 ms of drafts + 2 ms of verification; all accepted gives G + 1 = 4 tokens.
-    speculative = tok_per_s.expected_tok_s({"draft_round": 3.0, "verify": 2.0}, batch_size=2,
+    speculative = timing.expected_tok_s({"draft_round": 3.0, "verify": 2.0}, batch_size=2,
                                            verify_width=3, measured_tokens_per_round=2.5)
     assert speculative["all_accepted"] == pytest.approx(2 * 4 / 5e-3)
     assert speculative["at_measured_acceptance"] == pytest.approx(2 * 2.5 / 5e-3)
@@ -291,7 +294,7 @@ def test_flash_rows_carry_speculation_stats(report):
 
 
 def test_table_is_printed(report, capsys):
-    tok_per_s.print_table(report)
+    tok_per_s_report.print_table(report)
     lines = capsys.readouterr().out.splitlines()
     assert any(line.split()[:4] == ["pair", "B", "dec", "G"] and "tok/s" in line
                for line in lines)
