@@ -1,4 +1,5 @@
-"""scripts/acceptance_rate.py: the command line's refusals, the statistics against values
+"""scripts/acceptance_rate.py and its library (flashspec.bench: acceptance,
+acceptance_runs, acceptance_report): the command line's refusals, the statistics against values
 computed by hand, and tiny CPU runs (built-in pair, fp32; a random-init model with the
 self and lookup drafters) with their JSON and CSV schema."""
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from flashspec.assets import tiny_pair_path
+from flashspec.bench import acceptance, acceptance_report, acceptance_runs, cli
 from flashspec.generation.outputs import SpeculationStats
 
 from script_module import load_script
@@ -116,7 +118,7 @@ def test_random_init_shapes_become_the_models_with_the_tiny_tokenizer_and_eos_of
 def test_peaked_random_models(tmp_path):
     args = acceptance_rate.parse_args(["--random-init", _small_config(tmp_path),
                                        "--drafter", "self", "--weights", "peaked"])
-    target, draft = acceptance_rate.load_models(args, "cpu", torch.float32)
+    target, draft = acceptance_runs.load_models(args, "cpu", torch.float32)
     assert draft is None and target.generation_config.eos_token_id is None
     assert torch.equal(target.get_output_embeddings().weight,
                        target.get_input_embeddings().weight)
@@ -147,7 +149,7 @@ def _hand_stats() -> SpeculationStats:
 
 
 def test_positions_by_hand():
-    positions = acceptance_rate.position_statistics(_hand_stats(), 2)
+    positions = acceptance.position_statistics(_hand_stats(), 2)
     assert positions["proposed"] == [3, 3]
     assert positions["reached"] == [3, 2]                  # position 2 needs position 1 accepted
     assert positions["alpha"] == pytest.approx([2 / 3, 1 / 2])
@@ -166,7 +168,7 @@ def test_positions_by_hand():
 
 def test_unreached_positions_are_null():
     stats = _hand_stats()
-    positions = acceptance_rate.position_statistics(stats, 4)     # G wider than any draft
+    positions = acceptance.position_statistics(stats, 4)     # G wider than any draft
     assert positions["proposed"] == [3, 3, 0, 0] and positions["reached"] == [3, 2, 0, 0]
     for key in ("alpha", "alpha_expected", "alpha_stderr", "alpha_z", "alpha_agrees",
                 "accepted_of_proposed", "accepted_of_proposed_expected"):
@@ -174,14 +176,14 @@ def test_unreached_positions_are_null():
 
 
 def test_accepted_length_distribution_by_hand():
-    lengths = acceptance_rate.accepted_length_distribution(_hand_stats(), 2)
+    lengths = acceptance.accepted_length_distribution(_hand_stats(), 2)
     assert lengths["counts"] == [1, 1, 1]
     # P(A = k) = q_k - q_{k+1}, q = (1, p1, p1 p2, 0): (.5 .3 .2) + (.1 .18 .72) + (.8 .06 .14)
     assert lengths["expected"] == pytest.approx([1.4, 0.54, 1.06])
 
 
 def test_summary_by_hand():
-    summary = acceptance_rate.acceptance_summary(_hand_stats(), 2)
+    summary = acceptance.acceptance_summary(_hand_stats(), 2)
     assert (summary["forwards"], summary["verifications"]) == (4, 3)
     assert (summary["drafted"], summary["accepted"]) == (6, 3)
     assert summary["acceptance_rate"] == pytest.approx(0.5)
@@ -207,7 +209,7 @@ def test_summary_by_hand():
 ])
 def test_agreement(realised, mean, std, z, agrees):
     expected_z = pytest.approx(z) if z is not None else None
-    assert acceptance_rate.agreement(realised, mean, std) == (expected_z, agrees)
+    assert acceptance.agreement(realised, mean, std) == (expected_z, agrees)
 
 
 def test_merge_pads_shorter_runs_with_idle_steps_and_narrower_drafts_with_zeros():
@@ -218,7 +220,7 @@ def test_merge_pads_shorter_runs_with_idle_steps_and_narrower_drafts_with_zeros(
     row_1 = SpeculationStats(drafted=torch.tensor([[1]]), accepted=torch.tensor([[1]]),
                              emitted=torch.tensor([[2]]),
                              accept_probs=torch.tensor([[[0.9]]], dtype=torch.float64))
-    merged = acceptance_rate.merge_stats([row_0, row_1])
+    merged = acceptance.merge_stats([row_0, row_1])
     assert merged.drafted.tolist() == [[2, 1], [2, 0]]
     assert merged.accepted.tolist() == [[1, 1], [0, 0]]
     assert merged.emitted.tolist() == [[2, 2], [1, 0]]
@@ -294,8 +296,8 @@ def test_csv_header_and_rows(greedy_run):
     with (greedy_run / "acceptance_rate.csv").open() as handle:
         reader = csv.DictReader(handle)
         lines = list(reader)
-    assert reader.fieldnames == [*acceptance_rate.CSV_ROW_COLUMNS,
-                                 *acceptance_rate.CSV_CHECK_COLUMNS,
+    assert reader.fieldnames == [*acceptance_report.CSV_ROW_COLUMNS,
+                                 *acceptance_report.CSV_CHECK_COLUMNS,
                                  "alpha_1", "alpha_2", "alpha_3",
                                  "alpha_expected_1", "alpha_expected_2", "alpha_expected_3"]
     assert len(lines) == 8
@@ -335,10 +337,10 @@ def test_missing_matplotlib_and_tqdm_are_said_and_survived(greedy_run, tmp_path,
                                                            capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)      # import fails
     report = json.loads((greedy_run / "acceptance_rate.json").read_text())
-    acceptance_rate.write_plot(report, tmp_path / "x.png")
+    acceptance_report.write_plot(report, tmp_path / "x.png")
     assert "no plot" in capsys.readouterr().out and not (tmp_path / "x.png").exists()
     monkeypatch.setitem(sys.modules, "tqdm", None)
-    progress = acceptance_rate.Progress(2)
+    progress = cli.Progress(2)
     progress.start("lookup chat G=1")
     progress.finish()
     progress.close()
@@ -374,7 +376,7 @@ def test_random_init_sampled_self_and_lookup_agree_with_p_x(tmp_path, capsys):
     for row in report["rows"]:
         assert row["generated_tokens"] == RANDOM_PROMPTS * RANDOM_NEW_TOKENS
         check = row["expected_accepted"]
-        assert check["agrees"] and abs(check["z"]) <= acceptance_rate.Z_LIMIT, row
+        assert check["agrees"] and abs(check["z"]) <= acceptance.Z_LIMIT, row
     self_row = report["rows"][0]
     assert self_row["verifications"] > 100
     assert 0 < self_row["positions"]["alpha_expected"][0] < 1
