@@ -301,7 +301,8 @@ def generation_sampling(value_of, where) -> dict:
     top_k = value_of("top_k")
     if top_k is None or (_is_real(top_k) and top_k == 0):
         top_k = 0
-    elif not (isinstance(top_k, int) and top_k > 0):
+    elif not (isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > 0):
+        # (transformers' top-k warper takes True, then torch.topk refuses it)
         raise refuse(ValueError, "top_k", "must be an int > 0 (0 or None: no top-k)")
     top_p = value_of("top_p")
     if top_p is not None and not _is_real(top_p):
