@@ -155,7 +155,8 @@ class Slot:
         drafter_state = [t for attached in self.drafters.values() for t in attached.state_tensors()]
         return [self.seq, self.logprobs, self.length, self.finished, self.num_drafts, self.drafts,
                 self.draft_failed, self.report, *drafter_state,
-                *(t for entry in self.caches for t in (entry.cache.live, entry.cache.position))]
+                *(t for entry in self.caches
+                  for t in (entry.cache.live, entry.cache.position, entry.cache.key_index))]
 
     def nbytes(self) -> int:
         tensors = [self.seq, self.logprobs, self.drafts, self.draft_failed, self.report]
