@@ -661,3 +661,32 @@ def test_compiled_kernel_variants_cover_every_sampling_setting(verify):
         for p in (1.0, 0.95) for m in (0.0, 0.05)]
     for setting in settings:
         assert kernel_variant(SamplingParams.create(2, **setting), vocab, verify) in compiled, setting
+
+
+def test_max_time_bounds_a_call_with_long_drafts():
+    """`max_time` counts from the call's start and caps each step's drafts by the time left
+    (4,000 drafts per step would take seconds): the call overruns by at most about one step."""
+    model, assistant = tiny_model("llama"), tiny_draft("llama")
+    ids = torch.randint(1, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(sampler="flash", max_new_tokens=100_000, do_sample=False,
+                  assistant_model=assistant, num_assistant_tokens=4000, pad_token_id=0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)                 # tiny matmuls: no thread pool to wait for
+    try:
+        seconds, one_forward, out = _timed_calls(model, ids, kwargs)
+    finally:
+        torch.set_num_threads(threads)
+    assert out.shape[1] > ids.shape[1] + 1
+    assert seconds < 0.5 + 0.2 + one_forward, (seconds, one_forward)
+
+
+def _timed_calls(model, ids, kwargs):
+    import time
+    model.generate(ids, max_time=0.05, **kwargs)           # the engine and its slot exist
+    started = time.monotonic()
+    out = model.generate(ids, max_time=0.5, **kwargs)
+    seconds = time.monotonic() - started
+    started = time.monotonic()
+    model.generate(ids, sampler="flash", max_new_tokens=1, pad_token_id=0)
+    one_forward = time.monotonic() - started
+    return seconds, one_forward, out

@@ -217,27 +217,34 @@ class Engine:
         num_rows = plan.input_ids.shape[0]
         stops = _StopStrings(plan, num_rows) if plan.stop_criteria is not None else None
         steps = []
-        report = self._prefill(plan, slot, drafter, prompt)
+        deadline = None if plan.max_time is None else started + plan.max_time
+        report = self._prefill(plan, slot, drafter, prompt, deadline)
+        per_forward = None                  # seconds per forward, from the last step
         while True:
             self._after_step(plan, slot, report, stops)
             steps.append(report)
             if all(report.finished[:num_rows]):
                 break
-            if plan.max_time is not None and time.monotonic() - started > plan.max_time:
+            if deadline is not None and time.monotonic() > deadline:
                 break
             width = self._width(slot, report) if drafter is not None else 0
+            timed = deadline is not None and width > 0
+            if timed:
+                width = _width_in_time(width, deadline - time.monotonic(), per_forward)
+            step_started = time.monotonic()
             # Room for the step's writes: a one-token forward writes a dead column too.
             if width == 0:
                 slot.ensure_room(report, 2)
                 hidden = self._run_step(slot, "plain", slot.plain)
                 report = self._finish(slot, hidden, None)
             else:
-                step = self._step_width(slot, width)
+                step = self._step_width(slot, width, timed)
                 slot.ensure_room(report, step + 2)
                 for key, fn in drafter.steps(width):
                     self._run_step(slot, key, fn, plan.drafter.key)
                 hidden, drafts = self._run_step(slot, ("verify", step), lambda: slot.verify(step))
                 report = self._finish(slot, hidden, drafts)
+            per_forward = (time.monotonic() - step_started) / (width + 1)
         if plan.persist_schedule is not None:
             plan.persist_schedule(slot.num_drafts[:num_rows].clone())
         if plan.streamer is not None:
@@ -268,12 +275,13 @@ class Engine:
             self.events.append(event)
             LOG.info("compiled %s in %.1f s", event.what, event.seconds)
 
-    def _prefill(self, plan, slot: Slot, drafter, prompt) -> Report:
+    def _prefill(self, plan, slot: Slot, drafter, prompt, deadline: float | None) -> Report:
         """Eager: the decoders read the prompts; the first step verifies drafts (when there
-        are any) together with the prompt."""
+        are any) together with the prompt (one draft under a `deadline`: no step has been
+        timed yet)."""
         width = 0
         if drafter is not None:
-            width = min(plan.num_drafts, slot.call_drafts)
+            width = min(plan.num_drafts, slot.call_drafts, 1 if deadline is not None else 1 << 62)
         for entry in slot.caches:
             entry.cache.set_view(bucket(prompt[0].shape[1] + width + 1))
         if width == 0:
@@ -304,12 +312,13 @@ class Engine:
                   if not done]
         return max(0, min(max(widths), slot.call_drafts))
 
-    def _step_width(self, slot: Slot, width: int) -> int:
+    def _step_width(self, slot: Slot, width: int, timed: bool = False) -> int:
         """Positions a verification step checks. Each distinct width is a captured graph,
         so widths come from a short list: a constant schedule's G (fewer drafts only near
-        the end of a row's budget), the heuristic schedule's next power of two. The extra
-        positions verify padding: a few more rows in a memory-bound step."""
-        if not slot.heuristic:
+        the end of a row's budget), the heuristic schedule's (and a `timed` step's, whose
+        drafts `max_time` cut) next power of two. The extra positions verify padding: a few
+        more rows in a memory-bound step."""
+        if not slot.heuristic and not timed:
             return slot.call_drafts
         return min(1 << (width - 1).bit_length(), slot.call_drafts)
 
@@ -464,6 +473,15 @@ def _anchor(pool, device: torch.device) -> "torch.cuda.CUDAGraph":
     with torch.cuda.graph(graph, pool=pool):
         torch.zeros(1, device=device)
     return graph
+
+
+def _width_in_time(width: int, seconds_left: float, per_forward: float | None) -> int:
+    """Drafts for a step that must end within `seconds_left` (`max_time`): each draft is a
+    drafter forward and the verification one more; without a timed step yet, one draft.
+    Fewer drafts never change the tokens (the strict rule), only how many come per step."""
+    if per_forward is None:
+        return min(width, 1)
+    return max(0, min(width, int(seconds_left / per_forward) - 1))
 
 
 def _max_drafts(plan) -> int:
