@@ -4,7 +4,7 @@ codes those results carry.
 Every implementation (the fused kernels, the torch reference, the materialized baseline)
 returns these types, with the same fields whatever the arguments, so that a caller never
 asks which one ran. The status codes are defined here once; the Triton kernels turn them into
-their constexprs (`flashspec.kernels.lm_head`).
+their constexprs (`flashspec.kernels.merge`).
 """
 
 from __future__ import annotations

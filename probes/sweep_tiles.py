@@ -1,6 +1,6 @@
 """Time flashspec's fused kernels under several tile configurations per row count (GPU).
 
-How the fixed tile tables in `flashspec/kernels/ops.py::default_config` are chosen:
+How the fixed tile tables in `flashspec/kernels/tile_config.py::default_config` are chosen:
 
     PYTHONPATH=. python probes/sweep_tiles.py --kernel sample --rows 1,16,64
     PYTHONPATH=. python probes/sweep_tiles.py --kernel verify --drafts 3 --rows 64,128,256 \

@@ -1,6 +1,6 @@
 """The warp-specialized stage 1 (`flashspec/kernels/lm_head_ws.py`, Gluon, Hopper only).
 
-Its epilogue is the Triton kernel's own code (`lm_head._screen`, `_exact_best`,
+Its epilogue is the Triton kernel's own code (`epilogue._screen`, `_exact_best`,
 `_tile_summary`, `_store_summary`, `noise.philox_tile_bits`), which the interpreter runs on
 the CPU in test_kernels.py, test_verify_kernel.py and test_screen.py: that is this kernel's
 CPU twin. What only a Hopper GPU can check is the pipeline around that code (TMA ring,

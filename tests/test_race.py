@@ -1,4 +1,4 @@
-"""The race bound (`TileConfig.race`, `lm_head._race_beaten`): each sampled row's best score
+"""The race bound (`TileConfig.race`, `race._race_beaten`): each sampled row's best score
 found so far, shared by every program through global memory, lets a tile whose every column
 provably falls below it skip the search for its best.
 
@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from flashspec import SamplingParams, kernels, rng
-from flashspec.kernels import lm_head, noise, ops
+from flashspec.kernels import noise, ops, race
 from flashspec.outputs import NON_FINITE
 
 from test_kernels import DEVICE, ON_GPU, mixed_params, random_problem
@@ -151,7 +151,7 @@ def _race_probe_kernel(s_ptr, bits_ptr, bound_ptr, beaten_ptr, score_ptr, N: tl.
     bits = tl.load(bits_ptr + columns).to(tl.uint32)[None, :]
     bound = tl.load(bound_ptr + row + tl.arange(0, 1))
     sampled = bound == bound
-    beaten, _, _ = lm_head._race_beaten(s, tl.sum(s, axis=1), bits, bound, sampled, sampled, LSE)
+    beaten, _, _ = race._race_beaten(s, tl.sum(s, axis=1), bits, bound, sampled, sampled, LSE)
     tl.store(beaten_ptr + row + tl.arange(0, 1), beaten.to(tl.int32) + tl.zeros([1], tl.int32))
     tl.store(score_ptr + columns[None, :], s + noise.gumbel_from_bits(bits))
 

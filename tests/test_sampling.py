@@ -75,8 +75,8 @@ def test_status_codes_are_defined_once():
                         defined.setdefault(name.id, []).append(path.relative_to(package).as_posix())
     assert defined == {"OK": ["outputs.py"], "NEEDS_COMPLETION": ["outputs.py"],
                        "NON_FINITE": ["outputs.py"]}
-    lm_head = kernels.ops.lm_head
-    assert (lm_head._OK.value, lm_head._NEEDS_COMPLETION.value, lm_head._NON_FINITE.value) \
+    merge = kernels.merge
+    assert (merge._OK.value, merge._NEEDS_COMPLETION.value, merge._NON_FINITE.value) \
         == (OK, NEEDS_COMPLETION, NON_FINITE) == (0, 1, 2)
     assert (samplers.NEEDS_COMPLETION, samplers.NON_FINITE) == (NEEDS_COMPLETION, NON_FINITE)
 

@@ -1,4 +1,4 @@
-"""The noise screen (`noise.gumbel_screen_log2`, `lm_head._screen`): a cheap approximation of
+"""The noise screen (`noise.gumbel_screen_log2`, `epilogue._screen`): a cheap approximation of
 the Gumbel noise that finds each tile's leader, whose exact score alone is then computed.
 
 Its error bound is checked against the exact float32 noise for chosen words on the CPU and

@@ -15,7 +15,7 @@ SM runs one persistent program of three partitions that work on different tiles 
 Launches of fewer rows than a whole number of tiles get zero rows up to it (TMA's own
 zero-fill of rows past the tensor is slow), and the epilogue skips chunks past the last row.
 
-The epilogue is the Triton kernel's own code (`lm_head._scaled_logits`, `_screen`,
+The epilogue is the Triton kernel's own code (`epilogue._scaled_logits`, `_screen`,
 `_exact_best`, `_tile_summary`, `_store_summary`, `_store_candidates`,
 `noise.philox_tile_bits`), which the interpreter tests run on the CPU; only the index
 tensors, which Gluon needs in explicit layouts, are built here. Its chunks hold the tile in
@@ -37,7 +37,11 @@ import functools
 import torch
 import triton
 
-from . import lm_head
+from .epilogue import (_drafts_in_tile, _exact_best, _scaled_logits, _screen, _screened_best,
+                       _store_candidates, _store_summary, _tile_summary)
+from .race import (_beaten_summary, _leader_summary, _publish_bounds, _race_beaten,
+                   _race_leaders, _racing_rows, _row_bounds)
+from .rows import _column_tokens, _row_drafts, _row_noise_keys, _row_params
 from .noise import gumbel_from_bits, opaque, philox_blocks, philox_tile_bits
 
 # Gluon is experimental and changes between Triton releases: the kernel is used with the
@@ -91,7 +95,7 @@ if gluon is not None:
     def _load_partition(h_desc, w_desc, h_bufs, w_bufs, ready, empty, acc_smem, acc_ready,
                         acc_empty, D, NUM_VT, num_tiles, num_rt, INTERLEAVE: gl.constexpr):
         """One warp: hidden [BR, BD] and weight [BV, BD] tiles into the ring of stages. An
-        interleaved weight tile (`lm_head._column_tokens`) is BV / 16 boxes of 16 rows.
+        interleaved weight tile (`rows._column_tokens`) is BV / 16 boxes of 16 rows.
         (Worker partitions share one argument list: the hand-over tile's is unused here.)"""
         BR: gl.constexpr = h_desc.block_type.shape[0]
         BD: gl.constexpr = h_desc.block_type.shape[1]
@@ -172,7 +176,7 @@ if gluon is not None:
                                          [0, 1, 3, 4, 2]).type.layout
         calls: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, split))
         first_columns = gl.arange(0, BV // 16, layout=gl.SliceLayout(1, gl.SliceLayout(0, calls))) * 16
-        groups = lm_head._column_tokens(first_columns, pid_v, NUM_VT, BV, INTERLEAVE) // 16
+        groups = _column_tokens(first_columns, pid_v, NUM_VT, BV, INTERLEAVE) // 16
         quads = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, calls)))
         blocks = philox_blocks(groups, quads)
         rows: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, calls))
@@ -191,45 +195,44 @@ if gluon is not None:
         offs_r = (tile % num_rt) * BR + chunk * CR + gl.arange(0, CR, layout=gl.SliceLayout(1, layout))
         r_ok = offs_r < R
         safe_rows = gl.where(r_ok, offs_r, 0)
-        sampled, temperature = lm_head._row_params(do_sample_ptr, temperature_ptr, safe_rows,
-                                                   ROWS_PER_PARAM)
-        seed, position = lm_head._row_noise_keys(seed_ptr, position_ptr, safe_rows,
-                                                 ROWS_PER_PARAM)
+        sampled, temperature = _row_params(do_sample_ptr, temperature_ptr, safe_rows,
+                                           ROWS_PER_PARAM)
+        seed, position = _row_noise_keys(seed_ptr, position_ptr, safe_rows, ROWS_PER_PARAM)
         draft = offs_r  # unused without DRAFT
         if DRAFT:
-            draft = lm_head._row_drafts(draft_ptr, safe_rows, r_ok, ROWS_PER_PARAM)
+            draft = _row_drafts(draft_ptr, safe_rows, r_ok, ROWS_PER_PARAM)
         bound = temperature  # unused without RACE
         if RACE:
-            bound = lm_head._row_bounds(bound_ptr, offs_r, r_ok)
+            bound = _row_bounds(bound_ptr, offs_r, r_ok)
         return offs_r, r_ok, sampled, temperature, seed, position, draft, bound
 
     @gluon.jit
     def _noise_summary(s, row_sum, offs_v, columns, bits, pid_v, NUM_VT, sampled, seed, position,
                        draft, LSE: gl.constexpr, DRAFT: gl.constexpr, INTERLEAVE: gl.constexpr,
                        SCREEN: gl.constexpr, layout: gl.constexpr):
-        """`lm_head._noise_summary` of a chunk, with the Philox words in `layout`."""
+        """`epilogue._noise_summary` of a chunk, with the Philox words in `layout`."""
         CR: gl.constexpr = s.shape[0]
         BV: gl.constexpr = s.shape[1]
         if SCREEN:
-            unsure, top, leader, leader_s = lm_head._screen(s, row_sum, columns, bits, sampled, BV)
+            unsure, top, leader, leader_s = _screen(s, row_sum, columns, bits, sampled, BV)
             draft_s = row_sum  # unused: a screened tile holds no draft (`_store_summary`)
-            if DRAFT:  # the tile that holds a row's draft: exact (`lm_head._screen`)
-                unsure |= lm_head._drafts_in_tile(draft, pid_v, NUM_VT, BV, INTERLEAVE)
+            if DRAFT:  # the tile that holds a row's draft: exact (`epilogue._screen`)
+                unsure |= _drafts_in_tile(draft, pid_v, NUM_VT, BV, INTERLEAVE)
             if unsure:
                 bits = _tile_bits(opaque(seed), position, pid_v, NUM_VT, CR, BV, INTERLEAVE,
                                   layout)
-                best, best_column, best_s, draft_s = lm_head._exact_best(
+                best, best_column, best_s, draft_s = _exact_best(
                     s, row_sum, offs_v, columns, gumbel_from_bits(bits), sampled, draft,
                     True, LSE, DRAFT)
             else:
-                best, best_column, best_s = lm_head._screened_best(
+                best, best_column, best_s = _screened_best(
                     top, leader, leader_s, sampled, seed, position, pid_v, NUM_VT, BV, INTERLEAVE)
         else:
-            best, best_column, best_s, draft_s = lm_head._exact_best(
+            best, best_column, best_s, draft_s = _exact_best(
                 s, row_sum, offs_v, columns, gumbel_from_bits(bits), sampled, draft, True, LSE,
                 DRAFT)
-        return lm_head._tile_summary(s, row_sum, best, best_column, best_s, draft_s, pid_v,
-                                     NUM_VT, BV, INTERLEAVE, LSE)
+        return _tile_summary(s, row_sum, best, best_column, best_s, draft_s, pid_v, NUM_VT, BV,
+                             INTERLEAVE, LSE)
 
     @gluon.jit
     def _summarise_chunk(acc, rows, pid_v, V, NUM_VT, best_ptr, best_id_ptr, best_s_ptr,
@@ -244,12 +247,11 @@ if gluon is not None:
         offs_r, r_ok, sampled, temperature, seed, position, draft, bound = rows
         inv_t = 1.0 / temperature
         columns = gl.arange(0, BV, layout=gl.SliceLayout(0, layout))
-        s, row_sum, offs_v = lm_head._scaled_logits(acc, columns, pid_v, NUM_VT, V, inv_t, BV,
-                                                    INTERLEAVE, EVEN_V)
+        s, row_sum, offs_v = _scaled_logits(acc, columns, pid_v, NUM_VT, V, inv_t, BV,
+                                            INTERLEAVE, EVEN_V)
         if CAND > 0:  # first: the raw logits are not needed after it
-            lm_head._store_candidates(acc, offs_v, V,
-                                      cand_ptr + (offs_r * NUM_VT + pid_v) * CAND, r_ok,
-                                      CAND, EVEN_V)
+            _store_candidates(acc, offs_v, V, cand_ptr + (offs_r * NUM_VT + pid_v) * CAND, r_ok,
+                              CAND, EVEN_V)
         # As lm_head._part_summary, with two differences that only registers decide:
         # candidates first (the Triton kernel keeps the whole tile in registers anyway)
         # and the Philox words computed after the chunk's load.
@@ -264,18 +266,17 @@ if gluon is not None:
                 words_position = position + (row_sum != row_sum).to(gl.int64)
             bits = _tile_bits(seed, words_position, pid_v, NUM_VT, CR, BV, INTERLEAVE, layout)
             if RACE:
-                racing = lm_head._racing_rows(sampled, draft, pid_v, NUM_VT, BV, INTERLEAVE,
-                                              DRAFT)
-                beaten, tile_max, exp_s = lm_head._race_beaten(s, row_sum, bits, bound, racing,
-                                                               r_ok, LSE)
+                racing = _racing_rows(sampled, draft, pid_v, NUM_VT, BV, INTERLEAVE, DRAFT)
+                beaten, tile_max, exp_s = _race_beaten(s, row_sum, bits, bound, racing, r_ok,
+                                                       LSE)
                 if beaten:
-                    summary = lm_head._beaten_summary(row_sum, tile_max, exp_s, LSE)
+                    summary = _beaten_summary(row_sum, tile_max, exp_s, LSE)
                 else:
-                    single, num_candidates, leader, leader_s = lm_head._race_leaders(
+                    single, num_candidates, leader, leader_s = _race_leaders(
                         s, row_sum, columns, bits, bound, racing, r_ok, tile_max, exp_s, BV,
                         LSE)
                     if single:
-                        summary = lm_head._leader_summary(
+                        summary = _leader_summary(
                             num_candidates, leader, leader_s, row_sum, tile_max, exp_s, seed,
                             position, pid_v, NUM_VT, BV, INTERLEAVE, LSE)
                     else:
@@ -287,16 +288,15 @@ if gluon is not None:
                                          sampled, seed, position, draft, LSE, DRAFT, INTERLEAVE,
                                          SCREEN, layout)
         else:
-            best, best_column, best_s, draft_s = lm_head._exact_best(
+            best, best_column, best_s, draft_s = _exact_best(
                 s, row_sum, offs_v, columns, s, sampled, draft, SAMPLE, LSE, DRAFT)
-            summary = lm_head._tile_summary(s, row_sum, best, best_column, best_s, draft_s, pid_v,
-                                            NUM_VT, BV, INTERLEAVE, LSE)
-        lm_head._store_summary(summary, offs_r, r_ok, draft, pid_v, NUM_VT, best_ptr,
-                               best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr,
-                               draft_s_ptr, BV, INTERLEAVE, LSE, DRAFT)
+            summary = _tile_summary(s, row_sum, best, best_column, best_s, draft_s, pid_v,
+                                    NUM_VT, BV, INTERLEAVE, LSE)
+        _store_summary(summary, offs_r, r_ok, draft, pid_v, NUM_VT, best_ptr, best_id_ptr,
+                       best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, draft_s_ptr, BV, INTERLEAVE, LSE,
+                       DRAFT)
         if RACE and SAMPLE:
-            lm_head._publish_bounds(bound_ptr, offs_r, r_ok, sampled, summary[0], summary[2],
-                                    bound)
+            _publish_bounds(bound_ptr, offs_r, r_ok, sampled, summary[0], summary[2], bound)
 
     @gluon.jit
     def _epilogue_partition(acc_smem, acc_ready, acc_empty,

@@ -4,7 +4,7 @@ Keep every operation here in step with `flashspec/rng.py`; `tests/test_rng.py` c
 two bit for bit through the interpreter (and on a GPU when one is present).
 
 `gumbel_screen_log2` is a cheap approximation of that noise, within `SCREEN_ERROR` of it,
-which the fused kernels use only to find the one token that can win a tile (`lm_head._screen`);
+which the fused kernels use only to find the one token that can win a tile (`epilogue._screen`);
 the noise they report is always the exact one.
 """
 

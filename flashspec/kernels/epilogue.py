@@ -1,0 +1,242 @@
+"""Stage 1's epilogue: the per-(row, vocab tile) summaries of one logits tile.
+
+From the fp32 logits tile ``acc`` ``[rows, columns]``: ``s`` = logits / temperature
+(`_scaled_logits`), then per row
+
+* the best score and its id: argmax of ``s + g`` for sampled rows (``g`` = Gumbel noise of
+  `flashspec.rng`), of the raw logits for greedy rows (`_exact_best`); with
+  ``TileConfig.screen`` found through a cheap approximation of ``g`` that certifies the
+  winner, whose exact score alone is computed (`_screen`, `_screened_best`; the same results);
+* optionally the tile's max of ``s`` and sum of ``exp(s - max)`` (log-sum-exp), and the
+  ``s`` of the best token (for its logprob);
+* with drafts (verification), the best with each row's drafted token left out, and the
+  draft's ``s`` (`_leave_out_draft`);
+* the sum of ``s``, whose non-finite value reports NaN/inf (never sampled);
+* optionally the tile's top ``CAND`` raw logits as candidate keys (`_store_candidates`).
+
+Both stage-1 kernels run this code: the Triton one (`lm_head.py`) and the warp-specialized
+Gluon one (`lm_head_ws.py`), which is why nothing here creates an index tensor of its own
+(Gluon needs those in explicit layouts: the callers pass them in).
+"""
+
+import triton
+import triton.language as tl
+
+from .keys import pack_candidates
+from .noise import (_SCREEN_ERROR, LOG2E, NEG_LN2, exp2_ftz, gumbel_from_bits, gumbel_noise,
+                    gumbel_screen_log2, opaque, philox_tile_bits)
+from .rows import _column_tokens, _draft_here
+
+# 2**-21: rounding allowance per unit of score magnitude in the screen's margin (`_screen`).
+_ULPS = tl.constexpr(4.76837158203125e-07)
+
+
+@triton.jit
+def _argmax_combine(value, column, other_value, other_column):
+    first = (value > other_value) | ((value == other_value) & (column < other_column))
+    return tl.where(first, value, other_value), tl.where(first, column, other_column)
+
+
+@triton.jit
+def _row_argmax(score, columns):
+    """Each row's largest score and the first column that has it (argmax's preference):
+    `tl.argmax` with the column positions passed in (Gluon needs them in an explicit
+    layout). Positions known when compiling (an arange) cost no registers; token ids
+    computed per column would (verification's epilogue on 128x64 tiles: 128 -> 167
+    registers, one program per SM instead of two)."""
+    return tl.reduce((score, tl.broadcast_to(columns[None, :], score.shape)), 1, _argmax_combine)
+
+
+@triton.jit
+def _scaled_logits(acc, columns, pid_v, NUM_VT, V, inv_t, BLOCK_V: tl.constexpr,
+                   INTERLEAVE: tl.constexpr, EVEN_V: tl.constexpr):
+    """s = logits / temperature of columns `columns` ``[N]`` of vocab tile `pid_v` (-inf past
+    V), the rows' sums of s (the non-finite check) and the columns' token ids."""
+    offs_v = _column_tokens(columns, pid_v, NUM_VT, BLOCK_V, INTERLEAVE)
+    s = acc * inv_t[:, None]
+    row_sum = tl.sum(s, axis=1)  # masked columns hold 0 here
+    if not EVEN_V:
+        s = tl.where((offs_v < V)[None, :], s, float("-inf"))
+    return s, row_sum, offs_v
+
+
+@triton.jit
+def _leave_out_draft(score, s, row_sum, offs_v, draft, DRAFT: tl.constexpr):
+    """With DRAFT, `score` with each row's drafted token at -inf and the draft's s (summed over
+    its column: 0 where the tile does not hold it); otherwise `score` and `row_sum`."""
+    draft_s = row_sum
+    if DRAFT:
+        is_draft = offs_v[None, :] == draft[:, None]
+        draft_s = tl.sum(tl.where(is_draft, s, 0.0), axis=1)
+        score = tl.where(is_draft, float("-inf"), score)
+    return score, draft_s
+
+
+@triton.jit
+def _drafts_in_tile(draft, pid_v, NUM_VT, BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """Whether vocab tile `pid_v` holds some row's drafted token (-1: none). Most tiles hold
+    none, and under the screen they skip the draft's mask and logit (`_leave_out_draft`: a
+    compare, two selects and an add per logit); the exact path always does both."""
+    here = _draft_here(draft, pid_v, NUM_VT, BLOCK_V, INTERLEAVE)
+    return tl.max(here.to(tl.int32), axis=0) > 0
+
+
+@triton.jit
+def _exact_best(s, row_sum, offs_v, columns, noise, sampled, draft, SAMPLE: tl.constexpr,
+                LSE: tl.constexpr, DRAFT: tl.constexpr):
+    """Each row's best score ``s + g`` (``s`` for greedy rows; with DRAFT the row's drafted token
+    `draft` left out), the first column that has it and, with LSE, that column's s, from the
+    exact Gumbel noise `noise` of every column; and the sum of s over the draft's column
+    (`row_sum` without DRAFT)."""
+    score = s
+    if SAMPLE:
+        score = s + tl.where(sampled[:, None], noise, 0.0)
+    score, draft_s = _leave_out_draft(score, s, row_sum, offs_v, draft, DRAFT)
+    # The max on its own, as tl.argmax's callers had it: with the pair's value instead,
+    # verification's epilogue on 128x64 tiles takes 133 registers, not 128.
+    best = tl.max(score, axis=1)
+    _, best_column = _row_argmax(score, columns)
+    best_s = best
+    if LSE:
+        best_s = tl.sum(tl.where(columns[None, :] == best_column[:, None], s, 0.0), axis=1)
+    return best, best_column, best_s, draft_s
+
+
+@triton.jit
+def _screen(s, row_sum, columns, bits, sampled, BLOCK_V: tl.constexpr):
+    """The tile's leaders under `noise.gumbel_screen`'s noise, within SCREEN_ERROR of the exact
+    noise of the Philox words `bits`: a column that leads every other by more than twice that
+    (plus the scores' rounding) also leads them under the exact noise, and only its exact
+    score is needed (`_screened_best`). Returns whether some row has no such leader (a
+    near-tie, about one sampled row in 10**4 per tile, or a non-finite score: then the
+    caller computes every column's exact noise, `_exact_best`), and per row the screen's
+    max, its first column and that column's s (greedy rows: the max of s, margin 0).
+    Either way the summaries are those of the exact noise, bit for bit; the screen saves the
+    two precise logs and the division per column that dominate the epilogue at large B.
+    Verification leaves no draft out here: the caller takes the exact path for the one tile
+    in a row's ~1,000 that holds its draft (`_drafts_in_tile`), and every other tile's best
+    is the same with or without it, with no mask and no draft logit per column."""
+    # s + gumbel_screen - SCREEN_BIAS, one FMA per column: the bias, the same for every
+    # column of a row, changes no comparison.
+    screen = s + gumbel_screen_log2(bits) * tl.where(sampled, NEG_LN2, 0.0)[:, None]
+    top = tl.max(screen, axis=1)
+    # A column's exact score and its screen + SCREEN_BIAS differ by at most SCREEN_ERROR (the
+    # screen's noise unrounded: the FMA rounds once) and the rounding of each, an ulp of
+    # |screen| + 1 at most: 2**-21 (|top| + 1) covers every column that could come close.
+    # With `>=`, a leader that passes beats every other column strictly (no tie to break).
+    margin = tl.where(sampled, 2.0 * (_SCREEN_ERROR + (tl.abs(top) + 1.0) * _ULPS), 0.0)
+    near_top = screen >= (top - margin)[:, None]
+    num_near = tl.sum(near_top.to(tl.int32), axis=1)
+    leader = tl.min(tl.where(near_top, columns[None, :], BLOCK_V), axis=1)
+    # The leader's s (alone near the top); a -0.0 comes out as +0.0, which changes no
+    # `leader_s + g` (g is never -0.0).
+    leader_s = tl.sum(tl.where(near_top, s, 0.0), axis=1)
+    unsure = (sampled & (num_near != 1)) | ~(tl.abs(row_sum) < float("inf"))
+    return tl.max(unsure.to(tl.int32), axis=0) > 0, top, leader, leader_s
+
+
+@triton.jit
+def _screened_best(top, leader, leader_s, sampled, seed, position, pid_v, NUM_VT,
+                   BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """`_exact_best` of a tile whose every sampled row has a certified leader (`_screen`): its
+    exact score from its own noise; greedy rows' max is max(s + 0.0), as `_exact_best`'s. The
+    best column's s is the leader's (greedy rows: the max), with no pass over the tile."""
+    token = _column_tokens(leader, pid_v, NUM_VT, BLOCK_V, INTERLEAVE).to(tl.int64)
+    best = tl.where(sampled, leader_s + gumbel_noise(seed, position, token), top + 0.0)
+    return best, leader, tl.where(sampled, leader_s, best)
+
+
+@triton.jit
+def _exp_below_max(s, tile_max):
+    """Each row's terms ``exp(s - max)`` of its log-sum-exp (one SFU instruction each; terms
+    below 2**-126, which no sum of them can feel, are 0)."""
+    return exp2_ftz((s - tile_max[:, None]) * LOG2E)
+
+
+@triton.jit
+def _tile_summary(s, row_sum, best, best_column, best_s, draft_s, pid_v, NUM_VT,
+                  BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr, LSE: tl.constexpr):
+    """Per-row summaries of `_scaled_logits` (s, row_sum) given each row's best score, column
+    and s and the draft's s (`_exact_best`, or `_screen` and `_screened_best`): best score and
+    its id, the sum of s, the draft's s, and, with LSE, max and sum of exp of s and the s of
+    the best token.
+    Nothing here or in the helpers above creates an index tensor, so the Gluon kernel
+    (lm_head_ws.py), which needs explicit layouts for those, runs the same code."""
+    best_id = _column_tokens(best_column, pid_v, NUM_VT, BLOCK_V, INTERLEAVE)
+    tile_max = best
+    sumexp = best
+    if LSE:
+        tile_max = tl.max(s, axis=1)
+        sumexp = tl.sum(_exp_below_max(s, tile_max), axis=1)
+    return best, best_id, row_sum, tile_max, sumexp, best_s, draft_s
+
+
+@triton.jit
+def _noise_summary(s, row_sum, offs_v, columns, bits, blocks, pid_v, NUM_VT, sampled, seed,
+                   position, draft, BLOCK_R: tl.constexpr, PART_V: tl.constexpr,
+                   BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr, LSE: tl.constexpr,
+                   DRAFT: tl.constexpr, SCREEN: tl.constexpr):
+    """`_tile_summary` of a part with sampled rows, from the Philox words `bits` of its
+    columns (`blocks`: their Philox blocks); with SCREEN through `_screen`."""
+    if SCREEN:
+        unsure, top, leader, leader_s = _screen(s, row_sum, columns, bits, sampled, BLOCK_V)
+        draft_s = row_sum  # unused: a screened tile holds no draft (`_store_summary`)
+        if DRAFT:  # the tile that holds a row's draft: exact (`_screen`)
+            unsure |= _drafts_in_tile(draft, pid_v, NUM_VT, BLOCK_V, INTERLEAVE)
+        if unsure:
+            # The words anew (`opaque`: not merged with the screen's): kept, they would
+            # stay live through the screen (64x128 tiles: 116 -> 195 registers).
+            bits = philox_tile_bits(opaque(seed)[:, None, None], position[:, None, None],
+                                    blocks, BLOCK_R, PART_V)
+            best, best_column, best_s, draft_s = _exact_best(
+                s, row_sum, offs_v, columns, gumbel_from_bits(bits), sampled, draft, True,
+                LSE, DRAFT)
+        else:
+            best, best_column, best_s = _screened_best(top, leader, leader_s, sampled, seed,
+                                                       position, pid_v, NUM_VT, BLOCK_V,
+                                                       INTERLEAVE)
+    else:
+        best, best_column, best_s, draft_s = _exact_best(
+            s, row_sum, offs_v, columns, gumbel_from_bits(bits), sampled, draft, True, LSE,
+            DRAFT)
+    return _tile_summary(s, row_sum, best, best_column, best_s, draft_s, pid_v, NUM_VT, BLOCK_V,
+                         INTERLEAVE, LSE)
+
+
+@triton.jit
+def _store_summary(summary, offs_r, r_ok, draft, pid_v, NUM_VT,
+                   best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, draft_s_ptr,
+                   BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr, LSE: tl.constexpr,
+                   DRAFT: tl.constexpr):
+    """Writes a vocab tile's summaries of rows `offs_r` (``[R, NUM_VT]`` arrays)."""
+    best, best_id, row_sum, tile_max, sumexp, best_s, draft_s = summary
+    if DRAFT:
+        in_tile = r_ok & _draft_here(draft, pid_v, NUM_VT, BLOCK_V, INTERLEAVE)
+        tl.store(draft_s_ptr + offs_r, draft_s, mask=in_tile)
+    out = offs_r * NUM_VT + pid_v
+    # NaN/inf anywhere in a row makes its sum non-finite; a finite row could only
+    # overflow the sum with |s| > 1e36, which is reported too.
+    tl.store(bad_ptr + out, (~(tl.abs(row_sum) < float("inf"))).to(tl.int32), mask=r_ok)
+    tl.store(best_ptr + out, best, mask=r_ok)
+    tl.store(best_id_ptr + out, best_id, mask=r_ok)
+    if LSE:
+        tl.store(max_ptr + out, tile_max, mask=r_ok)
+        tl.store(sumexp_ptr + out, sumexp, mask=r_ok)
+        tl.store(best_s_ptr + out, best_s, mask=r_ok)
+
+
+@triton.jit
+def _store_candidates(acc, tokens, V, cand_row, r_ok, CAND: tl.constexpr, EVEN_V: tl.constexpr):
+    """The tile's top CAND raw logits of each row as packed keys, in descending order, at
+    ``cand_row[r] + [0, CAND)``."""
+    logits = acc
+    if not EVEN_V:
+        logits = tl.where((tokens < V)[None, :], acc, float("-inf"))
+    # CAND rounds of (max, lowest id at the max, mask it out) on the fp32 logits: the
+    # keys in descending order, as a sort of packed int64 keys gives them, for fewer
+    # instructions and registers (H200, B=1: stage 1 300 -> 289 us).
+    for c in tl.static_range(CAND):
+        top = tl.max(logits, axis=1)
+        top_id = tl.min(tl.where(logits == top[:, None], tokens[None, :], 0x7FFFFFFF), axis=1)
+        tl.store(cand_row + c, pack_candidates(top, top_id), mask=r_ok)
+        logits = tl.where(tokens[None, :] == top_id[:, None], float("-inf"), logits)
