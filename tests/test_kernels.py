@@ -481,6 +481,22 @@ def test_programmatic_launch_only_for_cuda_from_hopper_on():
             hopper_on and not interpreted)
 
 
+def test_launchers_refuse_cpu_tensors_outside_the_interpreter(monkeypatch):
+    """The unchecked launchers still name the device a CPU tensor is on, as
+    `flashspec.sampling` does, instead of Triton's "0 active drivers"."""
+    g = torch.Generator().manual_seed(0)
+    hidden, weight, positions = (t.cpu() for t in random_problem(g, 2, 64, 32))
+    params, verify_params = mixed_params(g, 2).to("cpu"), mixed_params(g, 1).to("cpu")
+    drafts = torch.zeros(1, 1, dtype=torch.int64)
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    for launch in (lambda: kernels.fused_argmax(hidden, weight),
+                   lambda: kernels.fused_sample(hidden, weight, params, positions),
+                   lambda: kernels.fused_verify(hidden.view(1, 2, -1), weight, drafts,
+                                                verify_params, positions[:1])):
+        with pytest.raises(ValueError, match="need CUDA tensors .* got tensors on cpu"):
+            launch()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [16, 256])  # Triton's stage 1, and the Gluon one on Hopper
 def test_programmatic_launch_changes_no_output_gpu(monkeypatch, rows):

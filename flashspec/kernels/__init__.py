@@ -1,8 +1,8 @@
 """Fused Triton LM-head kernels (argmax, Gumbel-max sampling, verification) and their noise.
 
 An implementation detail behind `flashspec.sampling`, which validates, dispatches and
-completes; the launchers here (`fused_argmax`, `fused_sample`, `fused_verify`) are unchecked,
-for that door, the benchmarks and the kernel tests.
+completes; the launchers here (`fused_argmax`, `fused_sample`, `fused_verify`) are unchecked
+but for the device, for that door, the benchmarks and the kernel tests.
 
 The logits never reach GPU memory. Each launch runs, in order:
 

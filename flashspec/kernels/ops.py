@@ -2,7 +2,8 @@
 
 Each launches stage 1, stage 2 (and verification's finaliser) and returns the typed result
 of `flashspec.outputs` as device tensors, with per-row status, no host synchronisation and no
-data-dependent allocation: safe to capture in a CUDA graph. They neither validate their
+data-dependent allocation: safe to capture in a CUDA graph. They check only that the
+kernels can run on the tensors' device (`check_device`); they neither validate their other
 arguments nor act on the status: `flashspec.sampling`, the public door, does both, completing
 the rare rows whose truncated support did not fit the candidate budget through the exact
 materialized path (counted in `stats()`).
@@ -53,10 +54,21 @@ def count_checked_rows(num_rows: int, num_completed: int) -> None:
     _stats.rows_completed += num_completed
 
 
+def check_device(hidden: torch.Tensor) -> None:
+    """Refuses tensors the kernels cannot run on, naming their device: Triton runs CUDA
+    tensors, or any under its interpreter (TRITON_INTERPRET=1); elsewhere it would fail with
+    "0 active drivers". The same rule as `flashspec.sampling`'s backend 'fused'."""
+    if not (hidden.is_cuda or triton.knobs.runtime.interpret):
+        raise ValueError(f"the fused kernels need CUDA tensors (or Triton's interpreter: "
+                         f"TRITON_INTERPRET=1), got tensors on {hidden.device}; use "
+                         "flashspec.sampling with backend='reference'")
+
+
 def fused_argmax(hidden: torch.Tensor, weight: torch.Tensor, *,
                  config: TileConfig | None = None) -> ArgmaxOutput:
     """Greedy tokens of ``hidden [B, D] @ weight [V, D].T`` (see `flashspec.sampling.argmax`),
     unchecked; `config`: tiles of stage 1 (None: `default_config`)."""
+    check_device(hidden)
     out = _launch(hidden, weight, None, None, 1, config)
     return ArgmaxOutput(out.tokens, out.status)
 
@@ -66,6 +78,7 @@ def fused_sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingPar
     """One token per row of ``hidden [B, D]`` (see `flashspec.sampling.sample`), unchecked,
     with its logprob and the log-sum-exp, which every caller wants (the engine reports
     logprobs): stage 1 computes the log-sum-exp unless every row has a top-k below V."""
+    check_device(hidden)
     out = _launch(hidden, weight, params, positions, 1, config)
     return SampleOutput(out.tokens, out.logprobs, out.lse, out.status)
 
@@ -75,6 +88,7 @@ def fused_verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch
                  config: TileConfig | None = None) -> VerifyOutput:
     """Verification of ``draft_tokens [B, G]`` against ``hidden [B, G+1, D]`` (see
     `flashspec.sampling.verify`), unchecked."""
+    check_device(hidden)
     batch_size, num_positions, dim = hidden.shape
     num_drafts = num_positions - 1
     draft_tokens = draft_tokens.contiguous()
