@@ -151,8 +151,8 @@ def test_verification_steps_take_few_distinct_widths(monkeypatch, schedule, allo
     tokens stay the plain run's."""
     widths = []
     verify = slot_module.Slot.verify
-    monkeypatch.setattr(slot_module.Slot, "verify", lambda self, width, prompt=None: (
-        widths.append(width) if prompt is None else None, verify(self, width, prompt))[1])
+    monkeypatch.setattr(slot_module.Slot, "verify", lambda self, width: (
+        widths.append(width), verify(self, width))[1])
     ids, mask = left_pad(PROMPTS)
     sampling = dict(do_sample=True, top_k=0, seed=4, max_new_tokens=20)
     fast = flash(target(), ids, mask, assistant_model=target(), num_assistant_tokens=3,

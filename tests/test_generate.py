@@ -329,18 +329,20 @@ def test_seeded_sampling_same_tokens_other_architectures(arch, mode):
 
 def test_heuristic_schedule_grows_and_shrinks_like_transformers():
     """num_assistant_tokens_schedule="heuristic": +2 drafts after a fully accepted step, -1
-    (at least 1) otherwise, capped by the remaining budget (transformers' rule). Greedy
-    self-drafting accepts everything: 2, 4, 6, 8 drafts, then budget 30 - 24 - 1 = 5."""
+    (at least 1) otherwise, capped by the remaining budget (transformers' rule). The prompt's
+    step drafts nothing (the first token comes from the prefill); greedy self-drafting then
+    accepts everything: 2, 4, 6, 8 drafts, then budget 30 - 25 - 1 = 4."""
     ids, mask = left_pad(PROMPTS[:1])
     out = flash(target(), ids, mask, max_new_tokens=30, assistant_model=target(),
                 num_assistant_tokens=2, num_assistant_tokens_schedule="heuristic")
-    assert out.flash_stats.drafted[:, 0].tolist() == [2, 4, 6, 8, 5]
+    assert out.flash_stats.drafted[:, 0].tolist() == [0, 2, 4, 6, 8, 4]
     assert torch.equal(out.sequences, stock(target(), ids, mask, max_new_tokens=30))
     # A useless random assistant (sampled target): mostly rejected, checked step by step.
     out = flash(target(), ids, mask, max_new_tokens=8, assistant_model=draft(), seed=0,
                 num_assistant_tokens=2, num_assistant_tokens_schedule="heuristic", do_sample=True)
     drafted, accepted = out.flash_stats.drafted[:, 0].tolist(), out.flash_stats.accepted[:, 0].tolist()
-    for step in range(1, len(drafted)):
+    assert drafted[:2] == [0, 2]
+    for step in range(2, len(drafted)):
         grow = accepted[step - 1] == drafted[step - 1]
         budget = 8 - int(out.flash_stats.emitted[:step, 0].sum()) - 1
         expected = drafted[step - 1] + 2 if grow else max(drafted[step - 1] - 1, 1)
@@ -370,14 +372,14 @@ def record_proposals(monkeypatch) -> list:
     calls = []
     verify = Slot.verify
 
-    def recorded_verify(self, width, prompt=None):
+    def recorded_verify(self, width):
         length = int(self.seq.shape[1])
         source = torch.arange(length)[None, :] - length + self.length[:, None]
         valid = source >= 0
         tokens = torch.where(valid, self.seq.gather(1, source.clamp_min(0)), PAD)
         allowed = torch.where(self.finished, 0,
                               torch.minimum(self.num_drafts, self.end - self.length - 1))
-        hidden, drafts = verify(self, width, prompt)
+        hidden, drafts = verify(self, width)
         calls.append((tokens, valid, allowed, drafts.clone()))
         return hidden, drafts
 

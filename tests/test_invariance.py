@@ -70,3 +70,25 @@ def test_a_one_ulp_difference_is_seen(monkeypatch):
 
     monkeypatch.setattr(DecoderRunner, "step", one_ulp_off)
     assert _equal_rows(_runs(dict(do_sample=True, top_k=0)))["self"] < ROWS
+
+
+def test_only_the_first_token_comes_from_the_eager_prefill(monkeypatch):
+    """An eager forward and a compiled step round differently (inductor fuses casts; on a
+    GPU it computes transcendental functions its own way), so no generated position may
+    come from the eager prefill in one run and from a step in another. With the prefill's
+    hidden states garbled past the prompt, self-drafted tokens still equal the plain ones:
+    the prefill reads the prompt only, and drafts begin at the next step."""
+    forward = DecoderRunner.forward
+    prompt_width = _prompts().shape[1]
+
+    def garbled_past_the_prompt(self, cache, input_ids, *args, **kwargs):
+        hidden = forward(self, cache, input_ids, *args, **kwargs)
+        return torch.cat([hidden[:, :prompt_width], -hidden[:, prompt_width:]], dim=1)
+
+    monkeypatch.setattr(DecoderRunner, "forward", garbled_past_the_prompt)
+    model = tiny_model("llama")
+    ids = _prompts()[:4]
+    kwargs = dict(sampler="flash", max_new_tokens=12, pad_token_id=0, do_sample=False)
+    plain = model.generate(ids, **kwargs)
+    assert torch.equal(model.generate(ids, assistant_model=model, num_assistant_tokens=4,
+                                      **kwargs), plain)

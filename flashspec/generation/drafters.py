@@ -38,7 +38,9 @@ class AttachedDrafter:
 
     def start(self, prompt) -> None:
         """A new call's prompts are in the slot (``prompt``: input ids, positions and live
-        flags ``[B, L]``, left-aligned, as the target's prefill reads them). Eager."""
+        flags ``[B, L]``, left-aligned, as the target's prefill reads them); the target
+        samples each row's first token after it, and the first `steps` draft the next
+        ones. Eager."""
 
     def steps(self, width: int) -> list[Step]:
         """The device steps that fill ``slot.drafts[:, :width]`` and
@@ -83,14 +85,13 @@ class _AttachedAssistant(AttachedDrafter):
     """The assistant's KV cache in the slot, and its two step kinds: ``draft_first`` feeds a
     row's last two tokens (the one before the last may be an accepted draft the assistant
     never saw) and drafts one token; ``draft_next`` feeds the previous draft and drafts the
-    next. After `start` the first draft comes from the prompt's forward instead."""
+    next. `start` reads the prompts into the cache."""
 
     def __init__(self, head: OutputHead, slot):
         self.head = head
         self.slot = slot
         self.runner, self.cache = slot.add_cache(head.decoder, "assistant_model", refeed=2)
         self.count = torch.zeros((), dtype=torch.long, device=slot.device)
-        self.primed = False
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [self.count]
@@ -101,15 +102,10 @@ class _AttachedAssistant(AttachedDrafter):
         return self.slot.sampler(self.head.weight)
 
     def start(self, prompt) -> None:
-        hidden = self.slot.forward_prompt(self.runner, self.cache, *prompt)[:, -1]
-        self._write(0, self.sampler.argmax(hidden.to(self.head.weight.dtype)))
-        self.count.fill_(1)
-        self.primed = True
+        self.slot.forward_prompt(self.runner, self.cache, *prompt)
 
     def steps(self, width: int) -> list[Step]:
-        first = [] if self.primed else [("draft_first", self._draft_first)]
-        self.primed = False
-        return first + [("draft_next", self._draft_next)] * (width - 1)
+        return [("draft_first", self._draft_first)] + [("draft_next", self._draft_next)] * (width - 1)
 
     def _draft_first(self) -> None:
         slot = self.slot

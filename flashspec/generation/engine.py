@@ -218,7 +218,7 @@ class Engine:
         stops = _StopStrings(plan, num_rows) if plan.stop_criteria is not None else None
         steps = []
         deadline = None if plan.max_time is None else started + plan.max_time
-        report = self._prefill(plan, slot, drafter, prompt, deadline)
+        report = self._prefill(slot, drafter, prompt)
         per_forward = None                  # seconds per forward, from the last step
         while True:
             self._after_step(plan, slot, report, stops)
@@ -261,9 +261,7 @@ class Engine:
             return
         widths = {0}
         if plan.drafter is not None:
-            first = min(plan.num_drafts, slot.call_drafts)
-            widths |= {first, slot.call_drafts} | {self._step_width(slot, w)
-                                                   for w in range(1, slot.call_drafts + 1)}
+            widths |= {self._step_width(slot, w) for w in range(1, slot.call_drafts + 1)}
         for width in sorted(widths - self.compiled_kernels.get(slot.batch_size, set())):
             started = time.perf_counter()
             samplers.compile_variants(self.head.weight, slot.batch_size, width)
@@ -275,24 +273,18 @@ class Engine:
             self.events.append(event)
             LOG.info("compiled %s in %.1f s", event.what, event.seconds)
 
-    def _prefill(self, plan, slot: Slot, drafter, prompt, deadline: float | None) -> Report:
-        """Eager: the decoders read the prompts; the first step verifies drafts (when there
-        are any) together with the prompt (one draft under a `deadline`: no step has been
-        timed yet)."""
-        width = 0
-        if drafter is not None:
-            width = min(plan.num_drafts, slot.call_drafts, 1 if deadline is not None else 1 << 62)
+    def _prefill(self, slot: Slot, drafter, prompt) -> Report:
+        """Eager: the decoders read the prompts and the target samples each row's first
+        token. Drafts begin with the next step: every later position is then computed by
+        the same (compiled) steps with or without drafts, which the bitwise invariance of
+        seeded tokens needs (an eager forward and a compiled one round differently)."""
         for entry in slot.caches:
-            entry.cache.set_view(bucket(prompt[0].shape[1] + width + 1))
-        if width == 0:
-            target = slot.target
-            hidden = slot.sample(slot.forward_prompt(target.runner, target.cache, *prompt)[:, -1])
-            return self._finish(slot, hidden, None)
-        drafter.start(prompt)
-        for key, fn in drafter.steps(width):
-            self._run_step(slot, key, fn, plan.drafter.key)
-        hidden, drafts = slot.verify(width, prompt)
-        return self._finish(slot, hidden, drafts)
+            entry.cache.set_view(bucket(prompt[0].shape[1] + 1))
+        if drafter is not None:
+            drafter.start(prompt)
+        target = slot.target
+        hidden = slot.sample(slot.forward_prompt(target.runner, target.cache, *prompt)[:, -1])
+        return self._finish(slot, hidden, None)
 
     def _after_step(self, plan, slot: Slot, report: Report, stops) -> None:
         """Host-side work on a step's report: stop strings, the streamer, the scores kept for

@@ -275,9 +275,8 @@ class Slot:
                     torch.zeros_like(self.length), status)
         return hidden
 
-    def verify(self, width: int, prompt: tuple | None = None):
-        """Verify `width` drafts per row (``drafts[:, :width]``) after the row's last token
-        or, on the first step, after the whole `prompt` (input ids, positions, live flags)."""
+    def verify(self, width: int):
+        """Verify `width` drafts per row (``drafts[:, :width]``) after the row's last token."""
         columns = torch.arange(width, device=self.device)
         allowed = torch.minimum(self.num_drafts, self.end - self.length - 1)
         allowed = torch.where(self.finished, 0, allowed)
@@ -288,18 +287,11 @@ class Slot:
         # the row's budget: past it, a learned position table could end.
         draft_positions = torch.minimum(self.length[:, None] + columns, (self.end - 1)[:, None])
         target = self.target
-        if prompt is None:
-            last = (self.length - 1)[:, None]      # with the drafts, two columns or more
-            hidden = target.runner.step(
-                target.cache, torch.cat([self.seq.gather(1, last), drafts.clamp_min(0)], dim=1),
-                torch.cat([last, draft_positions], dim=1),
-                torch.cat([torch.ones_like(last, dtype=torch.bool), within], dim=1))
-        else:
-            input_ids, positions, live = prompt
-            hidden = self.forward_prompt(target.runner, target.cache,
-                                         torch.cat([input_ids, drafts.clamp_min(0)], dim=1),
-                                         torch.cat([positions, draft_positions], dim=1),
-                                         torch.cat([live, within], dim=1))
+        last = (self.length - 1)[:, None]          # with the drafts, two columns or more
+        hidden = target.runner.step(
+            target.cache, torch.cat([self.seq.gather(1, last), drafts.clamp_min(0)], dim=1),
+            torch.cat([last, draft_positions], dim=1),
+            torch.cat([torch.ones_like(last, dtype=torch.bool), within], dim=1))
         sampler = self.engine.target_sampler(self)
         hidden = hidden[:, -(width + 1):].to(sampler.weight.dtype)
         num_accepted, tokens, logprobs, accept_probs, status = sampler.verify(
