@@ -81,11 +81,14 @@ def transform_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
 
 def _top_k(scores: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
     """HF `TopKLogitsWarper`: drop scores below the k-th largest (ties with it are kept).
-    `max_top_k` (a host value) bounds every row's k: the largest `max_top_k` scores, not a
-    sort of the row, hold each row's k-th."""
+    On CPU `max_top_k` (a host value) bounds every row's k: the largest `max_top_k` scores,
+    not a sort of the row, hold each row's k-th. Elsewhere the row is sorted whole: a
+    captured graph must not keep a size that a later call's top-k changes (the graph key
+    holds the kernel flags, not the largest k)."""
     vocab_size = scores.shape[-1]
     k = top_k.clamp(1, vocab_size)
-    largest = scores.topk(min(max(max_top_k, 1), vocab_size), dim=-1).values
+    kept = min(max(max_top_k, 1), vocab_size) if scores.device.type == "cpu" else vocab_size
+    largest = scores.topk(kept, dim=-1).values
     kth = largest.gather(-1, (k - 1)[:, None])
     return scores.masked_fill(scores < kth, float("-inf"))
 

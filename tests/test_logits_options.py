@@ -518,3 +518,33 @@ def test_a_refusal_names_where_the_value_came_from():
                                          r"\(from the assistant's generation_config\); pass "
                                          r"num_assistant_tokens_schedule="):
         target().generate(ids, attention_mask=mask, sampler="flash", assistant_model=assistant)
+
+
+class _BanAfter(LogitsProcessor):
+    """Never `token`; after a `token` (which only a draft can propose) nothing is allowed."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        scores[:, self.token] = float("-inf")
+        scores[input_ids[:, -1] == self.token] = float("-inf")
+        return scores
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "self"])
+def test_positions_after_a_rejected_draft_do_not_count(drafter):
+    """Edits that leave nothing to sample after a draft the target rejects never stop a call:
+    the row never reaches that context (nor does stock's assisted generation)."""
+    model, banned = target(), 53
+    ids = torch.tensor([[banned, 20, 21] * 3 + [banned, 20]])
+    kwargs = dict(sampler="flash", seed=3, do_sample=True, top_k=0, max_new_tokens=10,
+                  logits_processor=LogitsProcessorList([_BanAfter(banned)]))
+    spec = (dict(prompt_lookup_num_tokens=3) if drafter == "lookup"
+            else dict(assistant_model=model, num_assistant_tokens=3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = model.generate(ids, **kwargs)
+        drafted = model.generate(ids, **kwargs, **spec)
+    assert torch.equal(drafted, plain)

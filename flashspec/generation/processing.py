@@ -190,7 +190,6 @@ class ProcessedSampler:
         offsets = torch.arange(width, device=logits.device)
         is_draft = (drafts >= 0).long().cumprod(dim=1).bool()
         drafts = torch.cat([torch.where(is_draft, drafts, -1), drafts.new_full((batch, 1), -1)], dim=1)
-        used = offsets[None, :] <= is_draft.sum(dim=1, keepdim=True)
         target = self._draw(scores, positions[:, None] + offsets[None, :])
         log_norm = scores.logsumexp(dim=-1)
         draft_prob = (scores.gather(-1, drafts.clamp_min(0)[..., None]).squeeze(-1) - log_norm).exp()
@@ -200,16 +199,18 @@ class ProcessedSampler:
         num_accepted = ((drafts == target) & (drafts >= 0)).long().cumprod(dim=1).sum(dim=1)
         emitted = offsets[None, :] <= num_accepted[:, None]
         logprobs = scores.gather(-1, target[..., None]).squeeze(-1) - log_norm
-        # A greedy row whose edits exclude every token takes token 0, stock's argmax.
+        # A greedy row whose edits exclude every token takes token 0, stock's argmax. Only
+        # the positions a row reaches count: after a rejected draft the context is one that
+        # never happens (stock's assisted generation never sees it either).
         kept = (scores > float("-inf")).any(dim=-1)
-        excluded = used & ~kept & ~greedy
+        excluded = emitted & ~kept & ~greedy
         if bool(excluded.any()):
             row = int(excluded.nonzero()[0, 0])
             raise ValueError(f"the call's logit edits leave no token to sample for row {row}: "
                              f"every score is -inf after {'; '.join(self.processing.reasons)}")
         valid = ~scores.isnan().any(dim=-1) & ~(scores == float("inf")).any(dim=-1) \
             & (kept | greedy)
-        finite = (valid | ~used).all(dim=1)
+        finite = (valid | ~emitted).all(dim=1)
         tokens = torch.where(emitted & finite[:, None], target, -1)
         logprobs = torch.where(emitted & finite[:, None], logprobs, 0.0)
         num_accepted = torch.where(finite, num_accepted, -1)
