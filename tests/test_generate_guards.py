@@ -287,3 +287,14 @@ def test_remove_invalid_values_substitutes_nan_as_stock():
     kwargs = dict(max_new_tokens=3, remove_invalid_values=True)
     assert torch.equal(model.generate(_IDS, sampler="flash", **kwargs),
                        model.generate(_IDS, **kwargs))
+
+
+@pytest.mark.parametrize("limits", [dict(max_new_tokens=10**400), dict(max_length=10**400),
+                                    dict(max_time=10**400, max_new_tokens=3)],
+                         ids=["max_new_tokens", "max_length", "max_time"])
+def test_limits_beyond_the_floats_range_run_as_stock_does(limits):
+    """An int too large for a float is still a finite limit (stock compares it exactly)."""
+    model, ids = target(), torch.tensor([[5, 6, 7]])
+    stop = dict(eos_token_id=list(range(VOCAB))) if "max_time" not in limits else {}
+    out = model.generate(ids, sampler="flash", pad_token_id=0, **stop, **limits)
+    assert out.shape[1] > ids.shape[1]

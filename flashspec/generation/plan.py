@@ -283,9 +283,25 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
         max_new_tokens=max_new_tokens,
         eos_token_ids=None if eos is None else eos.reshape(-1).to(device),
         pad_token_id=pad_token_id, stop_criteria=stop_criteria,
-        max_time=None if config.max_time is None else config.max_time - (time.monotonic() - started),
+        max_time=_time_left(config.max_time, started),
         streamer=streamer, output_logprobs=output_logprobs,
         return_dict_in_generate=bool(config.return_dict_in_generate), processing=processing)
+
+
+def _finite(value) -> bool:
+    """`math.isfinite` for any real number: an int beyond the floats' range is finite."""
+    return isinstance(value, numbers.Integral) or math.isfinite(value)
+
+
+def _time_left(max_time, started: float) -> float | None:
+    """Seconds of `max_time` left since `started`; None for no limit, or for one beyond the
+    floats' range (stock compares it with the clock and never stops either)."""
+    if max_time is None:
+        return None
+    try:
+        return float(max_time) - (time.monotonic() - started)
+    except OverflowError:
+        return None
 
 
 class _Sources:
@@ -365,7 +381,7 @@ def check_options(value_of, source) -> Options:
     sampling = generation_sampling(value_of, source)
     limit = "max_new_tokens" if value_of("max_new_tokens") is not None else "max_length"
     real(limit, "must be a number of tokens")
-    if not math.isfinite(value_of(limit)):
+    if not _finite(value_of(limit)):
         raise refuse(ValueError, limit, "must be finite (end runs with eos_token_id or max_time)")
     if limit == "max_new_tokens" and not value_of(limit) > 0:
         raise refuse(ValueError, limit, "must be > 0")
