@@ -58,6 +58,32 @@ def test_unknown_head_transform_is_refused():
         tripled.generate(ids, attention_mask=mask, sampler="flash", max_new_tokens=2)
 
 
+class _ScaledLogits(LlamaForCausalLM):
+    """logits * 1.1 after the LM head."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 1.1
+        return out
+
+
+@pytest.mark.parametrize("cls, refused", [(LlamaForCausalLM, False), (_ScaledLogits, True)])
+def test_the_head_check_catches_small_transforms_in_bf16_at_a_real_width(cls, refused):
+    """bf16, hidden 2,048 and 32,000 tokens: the tolerance follows each logit's rounding,
+    not the dot products' size (about sqrt(D) larger), so a 10% multiplier is seen."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=32_000, hidden_size=2048, intermediate_size=256,
+                                      num_hidden_layers=1, num_attention_heads=16,
+                                      num_key_value_heads=8, pad_token_id=0)
+    model = flashspec.wrap(cls(config).to(torch.bfloat16).eval())
+    ids = torch.tensor([[5, 6, 7]])
+    if refused:
+        with pytest.raises(ValueError, match="transforms its logits after the LM head"):
+            model.generate(ids, sampler="flash", max_new_tokens=1)
+    else:
+        model.generate(ids, sampler="flash", max_new_tokens=1)
+
+
 def test_recurrent_state_models_are_refused():
     torch.manual_seed(0)
     config = MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8,

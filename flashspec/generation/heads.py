@@ -185,11 +185,12 @@ def check_logits(model, head: OutputHead, token_ids: torch.Tensor, role: str = "
     if not bool(torch.isfinite(logits).all()):
         return                 # not comparable; the sampler reports non-finite logits itself
     error = float((logits - ours).abs().max())
-    # The model rounds its logits to its dtype (eps / 2 of a logit; twice for slack) and
-    # both sides accumulate D products in at least float32; a missed transform (a
-    # multiplier, a cap, an offset) is far larger: in float32 a relative change of 1e-5.
-    tolerance = (2 * torch.finfo(head.weight.dtype).eps
-                 + head.weight.shape[1] * torch.finfo(torch.float32).eps) * size + 1e-30
+    # The model rounds each logit to its dtype (eps / 2 of the logit; twice for slack), and
+    # both sides accumulate D products in at least float32 (errors scale with the dot
+    # products' size); a missed transform (a multiplier, a cap, an offset) is larger: in
+    # float32 a relative change of 1e-5, in bfloat16 of a few percent.
+    rounding = 2 * torch.finfo(head.weight.dtype).eps * float(ours.abs().max())
+    tolerance = rounding + head.weight.shape[1] * torch.finfo(torch.float32).eps * size + 1e-30
     if not error <= tolerance:
         raise ValueError(
             f"`{role}` ({type(model).__name__}) transforms its logits after the LM head in a way "
