@@ -39,13 +39,19 @@ def test_new_left_padding_cannot_complete_a_stop_string():
     assert torch.equal(batched[: len(alone)], alone)
 
 
-class _TripledLogits(LlamaForCausalLM):
-    """A head transform flashspec does not know: logits * 3 after the LM head."""
+class _ScaledLogits(LlamaForCausalLM):
+    """A head transform flashspec does not know: logits * `scale` after the LM head."""
+
+    scale = 1.1
 
     def forward(self, *args, **kwargs):
         out = super().forward(*args, **kwargs)
-        out.logits = out.logits * 3
+        out.logits = out.logits * self.scale
         return out
+
+
+class _TripledLogits(_ScaledLogits):
+    scale = 3.0
 
 
 def test_unknown_head_transform_is_refused():
@@ -56,15 +62,6 @@ def test_unknown_head_transform_is_refused():
     ids, mask = left_pad(PROMPTS[:1])
     with pytest.raises(ValueError, match="transforms its logits after the LM head"):
         tripled.generate(ids, attention_mask=mask, sampler="flash", max_new_tokens=2)
-
-
-class _ScaledLogits(LlamaForCausalLM):
-    """logits * 1.1 after the LM head."""
-
-    def forward(self, *args, **kwargs):
-        out = super().forward(*args, **kwargs)
-        out.logits = out.logits * 1.1
-        return out
 
 
 @pytest.mark.parametrize("cls, refused", [(LlamaForCausalLM, False), (_ScaledLogits, True)])
