@@ -17,6 +17,9 @@ without compiling), then repeats: decide the next step on the host from the last
 make room in the caches, run the drafter's steps and the target's step (each a graph
 replay on CUDA, a plain call elsewhere), read the step's report. Every compilation and
 capture is logged (logger ``"flashspec"``) with the shape that caused it.
+
+(About 500 lines: the call loop, the slots, the graphs and the memory budget share one
+object's state; the steps themselves live in `slot`, the drafters in `drafters`.)
 """
 
 from __future__ import annotations
