@@ -59,11 +59,6 @@ class OutputHead:
     hooks: tuple[str, ...] = ()
 
     @property
-    def transforms_logits(self) -> bool:
-        """The model's logits are not a scale of ``hidden @ weight.T`` (bias, softcap, hooks)."""
-        return self.bias is not None or self.softcap is not None or self.module is not None
-
-    @property
     def vocab_size(self) -> int:
         return self.weight.shape[0]
 
