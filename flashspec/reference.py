@@ -140,7 +140,7 @@ def _safe_temperature(params: SamplingParams, dtype: torch.dtype) -> torch.Tenso
     return torch.where(temperature > 0, temperature, 1.0)[:, None]
 
 
-def _gumbel_argmax(scores: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
+def gumbel_argmax(scores: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
                    exclude: torch.Tensor | None = None,
                    used: torch.Tensor | None = None) -> torch.Tensor:
     """argmax_v (scores[r, v] + gumbel(seed[r], position[r], v)), optionally skipping
@@ -201,7 +201,7 @@ def _choose(logits: torch.Tensor, scores: torch.Tensor, params: SamplingParams,
     greedy = greedy_scores.argmax(dim=-1)
     if params.all_greedy:            # no noise needed (a host flag, no device read)
         return greedy
-    sampled = _gumbel_argmax(scores, params.seed, positions, exclude, used=~params.is_greedy)
+    sampled = gumbel_argmax(scores, params.seed, positions, exclude, used=~params.is_greedy)
     return torch.where(params.is_greedy, greedy, sampled)
 
 

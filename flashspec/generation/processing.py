@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessorList
 
-from .. import rng
+from .. import reference
 from ..outputs import NON_FINITE, OK
 from .heads import OutputHead, head_logits
 
@@ -223,7 +223,8 @@ class ProcessedSampler:
         greedy = scores.argmax(dim=-1)
         if self.params.all_greedy:
             return greedy
-        vocab = torch.arange(scores.shape[-1], device=scores.device)
-        noise = rng.gumbel(self.params.seed[:, None, None], positions[..., None], vocab,
-                           dtype=scores.dtype, validate=False)
-        return torch.where(self.params.is_greedy[:, None], greedy, (scores + noise).argmax(dim=-1))
+        batch, width, vocab = scores.shape
+        sampled = reference.gumbel_argmax(
+            scores.reshape(-1, vocab), self.params.seed.repeat_interleave(width),
+            positions.reshape(-1), used=(~self.params.is_greedy).repeat_interleave(width))
+        return torch.where(self.params.is_greedy[:, None], greedy, sampled.view(batch, width))
