@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Sequence, Union
+from typing import NamedTuple, Sequence, Union
 
 import torch
 
@@ -263,6 +263,57 @@ class SamplingParams:
                         "generate(sampler='flash'), which applies it on its materialized path"
                     )
         return cls.create(batch_size, **options, seed=seed, device=device)
+
+
+# Edit codes of `LogitEdits`, one per (row, token).
+KEEP = 0          # the raw logit
+PENALIZE = 1      # HF's repetition penalty: l * p where l < 0, else l / p
+BAN = 2           # excluded: the logit becomes `BANNED_LOGIT`
+# A banned token's logit. Finite, unlike transformers' -inf, so that the fused kernels'
+# row sums (which report NaN/inf logits) and the log-sum-exp of a wholly banned tile stay
+# finite; exp(BANNED_LOGIT / T - max) is exactly 0 in float32 and float64, and its Gumbel
+# score never beats a token whose logit / T exceeds -2**63, so every token, probability and
+# log-sum-exp is what -inf gives. (Only a temperature below about 1e-17 takes a tile's sum
+# of banned logits / T past float32's range: the kernels then report the row non-finite.)
+BANNED_LOGIT = -2.0**64
+
+
+class LogitEdits(NamedTuple):
+    """Per-(row, token) edits of the raw logits, applied before temperature and truncation
+    as transformers applies its logits processors before its warpers.
+
+    Attributes:
+        codes: uint8 ``[B, V]`` (`sample`, `argmax`) or ``[B, G+1, V]`` (`verify`, one row of
+            codes per verified position): `KEEP`, `PENALIZE` or `BAN` for each token.
+        penalty: float64 ``[B]``, each row's repetition penalty (> 0; 1 leaves a penalized
+            logit as it is), rounded to the logits' dtype where it is applied, as
+            transformers rounds its Python float.
+
+    Example:
+        >>> import torch
+        >>> codes = torch.zeros(1, 6, dtype=torch.uint8)
+        >>> codes[0, 2], codes[0, 4] = PENALIZE, BAN
+        >>> edits = LogitEdits(codes, torch.tensor([2.0], dtype=torch.float64))
+        >>> from flashspec import reference
+        >>> reference.edit_logits(torch.tensor([[1., -1., 3., -3., 5., 0.]]), edits)[0].tolist()
+        [1.0, -1.0, 1.5, -3.0, -1.8446744073709552e+19, 0.0]
+    """
+
+    codes: torch.Tensor
+    penalty: torch.Tensor
+
+    def select(self, rows: torch.Tensor) -> "LogitEdits":
+        """The edits of the given rows (an index tensor), in that order."""
+        return LogitEdits(self.codes[rows], self.penalty[rows])
+
+    def flat(self) -> "LogitEdits":
+        """Verification's edits ``[B, G+1, V]`` as one row per position ``[B*(G+1), V]``
+        with each batch row's penalty repeated G+1 times."""
+        if self.codes.dim() == 2:
+            return self
+        batch, positions, vocab = self.codes.shape
+        return LogitEdits(self.codes.reshape(batch * positions, vocab),
+                          self.penalty.repeat_interleave(positions))
 
 
 def generation_sampling(value_of, where) -> dict:

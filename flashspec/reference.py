@@ -31,7 +31,7 @@ import torch
 
 from . import rng
 from .outputs import NON_FINITE, OK, ArgmaxOutput, SampleOutput, VerifyOutput
-from .params import SamplingParams
+from .params import BAN, BANNED_LOGIT, PENALIZE, LogitEdits, SamplingParams
 
 INVALID_TOKEN = -1
 
@@ -49,6 +49,17 @@ def compute_logits(hidden: torch.Tensor, weight: torch.Tensor,
         return hidden @ weight.T
     return torch.cat([hidden @ weight[v:v + chunk_rows].to(dtype).T
                       for v in range(0, weight.shape[0], chunk_rows)], dim=-1)
+
+
+def edit_logits(logits: torch.Tensor, edits: LogitEdits) -> torch.Tensor:
+    """`logits` ``[R, V]`` after `edits` (`LogitEdits` of R rows, `LogitEdits.flat` for
+    verification): transformers' repetition penalty where the code is PENALIZE (its
+    arithmetic: ``l * p`` where ``l < 0``, else ``l / p``, p rounded to the logits' dtype),
+    `BANNED_LOGIT` where it is BAN (see `flashspec.params` for why not -inf)."""
+    penalty = edits.penalty.to(logits.dtype)[:, None]
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    edited = torch.where(edits.codes == PENALIZE, penalized, logits)
+    return edited.masked_fill(edits.codes == BAN, BANNED_LOGIT)
 
 
 def transform_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -3,7 +3,12 @@ speculative `verify`, with Hugging Face's sampling semantics and never the ``[B,
 on the fused path.
 
 Each returns a typed result of `flashspec.outputs` whose fields are the same whatever the
-arguments. Two keywords are shared:
+arguments. Three keywords are shared:
+
+* ``edits``: `flashspec.params.LogitEdits`, per-(row, token) edits of the raw logits
+  (transformers' repetition penalty, banned tokens) applied before temperature and
+  truncation, as transformers applies its logits processors before its warpers; the fused
+  backend applies them in its kernels' epilogue, the others to their materialized logits.
 
 * ``backend`` picks the implementation (`BACKENDS`):
 
@@ -42,7 +47,7 @@ from . import reference
 from .checks import (NonFiniteLogitsError, check_draft_tokens, check_lm_head,
                      check_sampling_inputs)
 from .outputs import NEEDS_COMPLETION, NON_FINITE, ArgmaxOutput, SampleOutput, VerifyOutput
-from .params import SamplingParams
+from .params import LogitEdits, SamplingParams
 
 if TYPE_CHECKING:
     from .kernels import TileConfig
@@ -53,8 +58,9 @@ ACCEPTANCE_MODES = ("strict", "probabilistic")
 _LOGITS = {"reference": reference.compute_logits, "materialized": reference.model_dtype_logits}
 
 
-def argmax(hidden: torch.Tensor, weight: torch.Tensor, *, check: bool = True,
-           backend: str = "auto", config: TileConfig | None = None) -> ArgmaxOutput:
+def argmax(hidden: torch.Tensor, weight: torch.Tensor, *, edits: LogitEdits | None = None,
+           check: bool = True, backend: str = "auto",
+           config: TileConfig | None = None) -> ArgmaxOutput:
     """Greedy token of each row of ``hidden @ weight.T``.
 
     Args:
@@ -62,6 +68,7 @@ def argmax(hidden: torch.Tensor, weight: torch.Tensor, *, check: bool = True,
             bfloat16, float32 or float64.
         weight: ``[V, D]`` LM-head weight (``model.get_output_embeddings().weight``),
             contiguous, same dtype and device as `hidden`.
+        edits: `LogitEdits` with codes uint8 ``[B, V]`` and penalty ``[B]``, or None.
         check: raise `NonFiniteLogitsError` for rows with NaN or infinite logits (a device
             read); False returns them with token -1 and status `NON_FINITE`.
         backend: one of `BACKENDS` (module docstring).
@@ -79,19 +86,20 @@ def argmax(hidden: torch.Tensor, weight: torch.Tensor, *, check: bool = True,
         (True, [0, 0])
     """
     check_lm_head(hidden, weight, hidden_dims=2)
+    _check_edits(edits, hidden, weight.shape[0])
     implementation = _implementation(backend, hidden, config)
     if implementation == "fused":
-        out = _fused().fused_argmax(hidden, weight, config=config)
+        out = _fused().fused_argmax(hidden, weight, edits=edits, config=config)
     else:
-        out = reference.argmax_logits(_LOGITS[implementation](hidden, weight))
+        out = reference.argmax_logits(_edited(_LOGITS[implementation](hidden, weight), edits))
     if check:
         _rows_to_complete(out.status)  # raises for non-finite rows; none needs completion
     return out
 
 
 def sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
-           positions: torch.Tensor, *, check: bool = True, backend: str = "auto",
-           config: TileConfig | None = None) -> SampleOutput:
+           positions: torch.Tensor, *, edits: LogitEdits | None = None, check: bool = True,
+           backend: str = "auto", config: TileConfig | None = None) -> SampleOutput:
     """One token per row from softmax of the transformed logits ``hidden @ weight.T``
     (temperature, top-k, top-p, min-p in Hugging Face's order; greedy rows take the argmax),
     by Gumbel-max with the counter-based noise of `flashspec.rng`.
@@ -102,6 +110,7 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
         params: `SamplingParams` of the B rows, on `hidden`'s device.
         positions: int64 ``[B]``, the sequence index of each row's token; it keys the noise,
             so the same (seed, position) gives the same token wherever it is computed.
+        edits: `LogitEdits` with codes uint8 ``[B, V]`` and penalty ``[B]``, or None.
         check: validate the positions, raise `NonFiniteLogitsError` for rows with NaN or
             infinite logits (or logits / temperature) and complete flagged rows exactly
             (module docstring); False leaves both to the caller, without device reads.
@@ -123,19 +132,22 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
     """
     check_lm_head(hidden, weight, hidden_dims=2)
     check_sampling_inputs(hidden, params, positions, check_values=check)
+    _check_edits(edits, hidden, weight.shape[0])
     implementation = _implementation(backend, hidden, config)
     if implementation != "fused":
-        out = reference.sample_logits(_LOGITS[implementation](hidden, weight), params, positions)
+        out = reference.sample_logits(_edited(_LOGITS[implementation](hidden, weight), edits),
+                                      params, positions)
         if check:
             _rows_to_complete(out.status)  # raises for non-finite rows; none needs completion
         return out
-    out = _fused().fused_sample(hidden, weight, params, positions, config=config)
+    out = _fused().fused_sample(hidden, weight, params, positions, edits=edits, config=config)
     if not check:
         return out
     rows = _rows_to_complete(out.status)
     if rows.numel():
-        exact = reference.sample_logits(reference.compute_logits(hidden[rows], weight),
-                                        params.select(rows), positions[rows])
+        logits = _edited(reference.compute_logits(hidden[rows], weight),
+                         None if edits is None else edits.select(rows))
+        exact = reference.sample_logits(logits, params.select(rows), positions[rows])
         out = SampleOutput(*(field.index_copy(0, rows, part) for field, part in zip(out, exact)))
     _fused().count_checked_rows(hidden.shape[0], rows.numel())
     return out
@@ -143,7 +155,7 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
 
 def verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tensor,
            params: SamplingParams, positions: torch.Tensor, *, acceptance: str = "strict",
-           check: bool = True, backend: str = "auto",
+           edits: LogitEdits | None = None, check: bool = True, backend: str = "auto",
            config: TileConfig | None = None) -> VerifyOutput:
     """Verify G drafted tokens per row in one pass over the LM head, emitting the accepted
     drafts and one recovered or bonus token.
@@ -163,6 +175,8 @@ def verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tenso
             u from the independent acceptance stream of `flashspec.rng`; on rejection the
             token is the Gumbel-max sample with the draft masked out. Both are exact
             speculative sampling for greedy (one-hot) drafts.
+        edits: `LogitEdits` with codes uint8 ``[B, G+1, V]`` (position j's edits, made with
+            the drafts before j in its context) and penalty ``[B]``, or None.
         check: as in `sample` (validates the draft ids too). Only the positions a row can
             emit count: its drafts and the one after them.
         backend: one of `BACKENDS`.
@@ -187,34 +201,64 @@ def verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tenso
     check_lm_head(hidden, weight, hidden_dims=3)
     check_draft_tokens(draft_tokens, hidden, weight.shape[0], check_values=check)
     check_sampling_inputs(hidden, params, positions, hidden.shape[1], check_values=check)
+    _check_edits(edits, hidden, weight.shape[0])
     if acceptance not in ACCEPTANCE_MODES:
         raise ValueError(f"`acceptance`={acceptance!r} is not allowed: use one of "
                          f"{ACCEPTANCE_MODES}")
     implementation = _implementation(backend, hidden, config)
     if implementation != "fused":
         out = _verify_logits(_LOGITS[implementation], hidden, weight, draft_tokens, params,
-                             positions, acceptance)
+                             positions, acceptance, edits)
         if check:
             _rows_to_complete(out.status)  # raises for non-finite rows; none needs completion
         return out
     out = _fused().fused_verify(hidden, weight, draft_tokens, params, positions,
-                                acceptance=acceptance, config=config)
+                                acceptance=acceptance, edits=edits, config=config)
     if not check:
         return out
     rows = _rows_to_complete(out.status)
     if rows.numel():
         exact = _verify_logits(reference.compute_logits, hidden[rows], weight, draft_tokens[rows],
-                               params.select(rows), positions[rows], acceptance)
+                               params.select(rows), positions[rows], acceptance,
+                               None if edits is None else edits.select(rows))
         out = VerifyOutput(*(field.index_copy(0, rows, part) for field, part in zip(out, exact)))
     _fused().count_checked_rows(hidden.shape[0], rows.numel())
     return out
 
 
-def _verify_logits(logits, hidden, weight, draft_tokens, params, positions,
-                   acceptance) -> VerifyOutput:
-    """`reference.verify_logits` of the logits `logits(hidden rows, weight)`."""
+def _verify_logits(logits, hidden, weight, draft_tokens, params, positions, acceptance,
+                   edits) -> VerifyOutput:
+    """`reference.verify_logits` of the logits `logits(hidden rows, weight)` after `edits`."""
     flat = logits(hidden.reshape(-1, hidden.shape[-1]), weight)
+    flat = _edited(flat, None if edits is None else edits.flat())
     return reference.verify_logits(flat, draft_tokens, params, positions, acceptance=acceptance)
+
+
+def _edited(logits: torch.Tensor, edits: LogitEdits | None) -> torch.Tensor:
+    return logits if edits is None else reference.edit_logits(logits, edits)
+
+
+def _check_edits(edits: LogitEdits | None, hidden: torch.Tensor, vocab_size: int) -> None:
+    """`edits` is None or a `LogitEdits` whose codes (uint8) have one row per position of
+    `hidden` ``[B, D]`` or ``[B, G+1, D]`` and `vocab_size` columns, and whose penalty is
+    float64 ``[B]``, on `hidden`'s device (no device read)."""
+    if edits is None:
+        return
+    if not isinstance(edits, LogitEdits):
+        raise ValueError(f"`edits` must be a flashspec.params.LogitEdits, got {type(edits).__name__}")
+    shape = (*hidden.shape[:-1], vocab_size)
+    codes, penalty = edits
+    if not torch.is_tensor(codes) or codes.dtype != torch.uint8 or codes.shape != shape:
+        got = (codes.dtype, tuple(codes.shape)) if torch.is_tensor(codes) else type(codes).__name__
+        raise ValueError(f"`edits.codes` must be a uint8 tensor of shape {list(shape)}, got {got}")
+    if not torch.is_tensor(penalty) or penalty.dtype != torch.float64 \
+            or penalty.shape != (hidden.shape[0],):
+        got = (penalty.dtype, tuple(penalty.shape)) if torch.is_tensor(penalty) else type(penalty).__name__
+        raise ValueError(f"`edits.penalty` must be a float64 tensor of shape [{hidden.shape[0]}], "
+                         f"got {got}")
+    for name, tensor in (("codes", codes), ("penalty", penalty)):
+        if tensor.device != hidden.device:
+            raise ValueError(f"`edits.{name}` is on {tensor.device} but `hidden` is on {hidden.device}")
 
 
 def _implementation(backend: str, hidden: torch.Tensor, config: TileConfig | None) -> str:

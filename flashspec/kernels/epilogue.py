@@ -1,7 +1,8 @@
 """Stage 1's epilogue: the per-(row, vocab tile) summaries of one logits tile.
 
-From the fp32 logits tile ``acc`` ``[rows, columns]``: ``s`` = logits / temperature
-(`_scaled_logits`), then per row
+From the fp32 logits tile ``acc`` ``[rows, columns]``, first edited where the call has logit
+edits (`_edited_logits`: repetition penalty, banned tokens, before temperature as in
+transformers), ``s`` = logits / temperature (`_scaled_logits`), then per row
 
 * the best score and its id: argmax of ``s + g`` for sampled rows (``g`` = Gumbel noise of
   `flashspec.rng`), of the raw logits for greedy rows (`_exact_best`); with
@@ -22,6 +23,7 @@ Gluon one (`lm_head_ws.py`), which is why nothing here creates an index tensor o
 import triton
 import triton.language as tl
 
+from .. import params
 from .keys import pack_candidates
 from .noise import (_SCREEN_ERROR, LOG2E, NEG_LN2, exp2_ftz, gumbel_from_bits, gumbel_noise,
                     gumbel_screen_log2, opaque, philox_tile_bits)
@@ -29,6 +31,9 @@ from .rows import _column_tokens, _draft_here
 
 # 2**-21: rounding allowance per unit of score magnitude in the screen's margin (`_screen`).
 _ULPS = tl.constexpr(4.76837158203125e-07)
+_PENALIZE = tl.constexpr(params.PENALIZE)
+_BAN = tl.constexpr(params.BAN)
+_BANNED_LOGIT = tl.constexpr(params.BANNED_LOGIT)
 
 
 @triton.jit
@@ -45,6 +50,25 @@ def _row_argmax(score, columns):
     computed per column would (verification's epilogue on 128x64 tiles: 128 -> 167
     registers, one program per SM instead of two)."""
     return tl.reduce((score, tl.broadcast_to(columns[None, :], score.shape)), 1, _argmax_combine)
+
+
+@triton.jit
+def _edited_logits(acc, codes_ptr, penalty_ptr, rows, tokens, r_ok, v_ok, V, ROWS_PER_PARAM):
+    """`acc` ``[rows, tokens]`` with the edits of `flashspec.params.LogitEdits`: the uint8 codes
+    ``[R, V]`` (contiguous) of kernel rows `rows` and tokens `tokens`, each row's penalty at
+    ``penalty_ptr[row // ROWS_PER_PARAM]``. PENALIZE is transformers' repetition penalty, a
+    product by the penalty where the logit is negative and otherwise by its inverse: one ulp
+    from transformers' division at most, as the temperature's product (`lm_head_tiles_kernel`),
+    which only matters at near-ties. BAN gives `BANNED_LOGIT` (`flashspec.params`: finite, so
+    that no summary below needs to know of bans). Every summary of the tile (the race, the
+    screen, the log-sum-exp, the candidates, the draft left out) then sees the edited logits.
+    One byte per logit read: under 2% of the weight's bytes at 64 rows and D = 4096."""
+    code = tl.load(codes_ptr + rows[:, None].to(tl.int64) * V + tokens[None, :],
+                   mask=r_ok[:, None] & v_ok[None, :], other=0)
+    penalty = tl.load(penalty_ptr + rows // ROWS_PER_PARAM).to(tl.float32)
+    factor = tl.where(acc < 0.0, penalty[:, None], (1.0 / penalty)[:, None])
+    acc = tl.where(code == _PENALIZE, acc * factor, acc)
+    return tl.where(code == _BAN, _BANNED_LOGIT, acc)
 
 
 @triton.jit

@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .epilogue import (_exact_best, _noise_summary, _scaled_logits, _store_candidates,
-                       _store_summary, _tile_summary)
+from .epilogue import (_edited_logits, _exact_best, _noise_summary, _scaled_logits,
+                       _store_candidates, _store_summary, _tile_summary)
 from .noise import philox_blocks, philox_tile_bits
 from .race import (_beaten_summary, _leader_summary, _publish_bounds, _race_beaten,
                    _race_leaders, _racing_rows, _row_bounds)
@@ -101,9 +101,10 @@ def _merge_summaries(a, b, LSE: tl.constexpr):
 def lm_head_tiles_kernel(
     hidden_ptr, weight_ptr, hidden_desc, weight_desc, do_sample_ptr, temperature_ptr, seed_ptr, position_ptr,
     best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, cand_ptr,
-    draft_ptr, draft_s_ptr, bound_ptr,
+    draft_ptr, draft_s_ptr, bound_ptr, codes_ptr, penalty_ptr,
     R, V, D, stride_hidden, stride_weight, NUM_VT, ROWS_PER_PARAM,
     SAMPLE: tl.constexpr, LSE: tl.constexpr, CAND: tl.constexpr, DRAFT: tl.constexpr,
+    EDITS: tl.constexpr,
     IEEE_DOT: tl.constexpr, INTERLEAVE: tl.constexpr,
     EVEN_V: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr, PARTS: tl.constexpr,
     SCREEN: tl.constexpr, RACE: tl.constexpr,
@@ -152,6 +153,9 @@ def lm_head_tiles_kernel(
             acc = tl.dot(h, tl.trans(w), acc)
 
     safe_rows = tl.where(r_ok, offs_r, 0)
+    if EDITS:  # transformers' processors, before temperature and truncation
+        acc = _edited_logits(acc, codes_ptr, penalty_ptr, safe_rows, offs_v, r_ok, v_ok, V,
+                             ROWS_PER_PARAM)
     sampled, temperature = _row_params(do_sample_ptr, temperature_ptr, safe_rows, ROWS_PER_PARAM)
     # One division per row; the product differs from HF's division by at most an ulp,
     # which only matters at near-ties (stage 2 divides exactly where thresholds are set).

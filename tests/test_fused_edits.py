@@ -1,0 +1,227 @@
+"""Logit edits (`flashspec.params.LogitEdits`) inside the fused kernels, against the torch
+reference with the same codes, and against transformers' own processors in float64.
+
+The codes are applied to the fp32 logits at the start of stage 1's epilogue, so every
+summary (Gumbel race, screen, log-sum-exp, candidates, the draft left out) sees the edited
+logits: each test runs several tile configurations. On a CPU machine the kernels run
+through Triton's interpreter on small shapes.
+"""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, seed, settings, strategies as st
+from transformers.generation import logits_process as lp
+
+from flashspec import SamplingParams, kernels, reference, rng, sampling
+from flashspec.bench.statistics import is_near_tie
+from flashspec.params import BAN, KEEP, PENALIZE, LogitEdits
+
+from test_kernels import DEVICE, OTHER, SMALL, mixed_params, random_problem
+from test_reference import TRUNCATION_CASES
+from test_verify_kernel import random_drafts
+
+# Screen and race change how a tile's best is found (not what it is): with bans, wholly
+# banned parts and banned drafts go through each of them.
+SCREENED = kernels.TileConfig(block_v=32, block_r=16, block_d=16, candidates=4, max_support=32,
+                              screen=True, race=True)
+CONFIGS = {"small": SMALL, "parts": OTHER, "screen+race": SCREENED}
+
+
+def random_edits(g, rows_shape, vocab_size, batch, ban=0.1, penalize=0.2) -> LogitEdits:
+    """Codes ``[*rows_shape, V]``: about `ban` of the tokens banned, `penalize` penalized,
+    one whole 32-token tile banned in every row (a tile with no token left), penalties in
+    [0.5, 3) per batch row."""
+    u = torch.rand(*rows_shape, vocab_size, generator=g)
+    codes = torch.full(u.shape, KEEP, dtype=torch.uint8)
+    codes[u < penalize + ban] = PENALIZE
+    codes[u < ban] = BAN
+    codes[..., 32:64] = BAN
+    penalty = 0.5 + 2.5 * torch.rand(batch, generator=g, dtype=torch.float64)
+    return LogitEdits(codes.to(DEVICE), penalty.to(DEVICE))
+
+
+def edited_logits64(hidden, weight, edits: LogitEdits) -> torch.Tensor:
+    """float64 logits after transformers' own repetition penalty and bans (-inf)."""
+    flat = hidden.reshape(-1, hidden.shape[-1]).double().cpu()
+    logits = reference.compute_logits(flat, weight.double().cpu())
+    codes, penalty = (t.cpu() for t in edits.flat())
+    penalized = lp.RepetitionPenaltyLogitsProcessor(1.0)
+    out = logits.clone()
+    for row in range(out.shape[0]):
+        penalized.penalty = float(penalty[row])
+        ids = (codes[row] == PENALIZE).nonzero().flatten()[None]
+        out[row] = penalized(ids, logits[row:row + 1].clone())[0]
+    return out.masked_fill(codes == BAN, float("-inf"))
+
+
+def assert_near_ties(ours, theirs, logits64, params, positions, what=""):
+    """Token for token equal, but for float64 near-ties of the edited logits (at most 1 in
+    20 rows)."""
+    vocab = torch.arange(logits64.shape[-1])
+    mismatches = (ours.cpu() != theirs.cpu()).nonzero().flatten().tolist()
+    for row in mismatches:
+        noise = rng.gumbel(params.seed[row].cpu(), positions[row].cpu(), vocab)
+        assert is_near_tie(logits64[row], bool(params.do_sample[row]),
+                           float(params.temperature[row]), int(params.top_k[row]),
+                           float(params.top_p[row]), float(params.min_p[row]), noise,
+                           int(ours[row]), int(theirs[row])), f"{what} row {row}"
+    assert len(mismatches) <= max(1, len(ours) // 20), f"{what}: {len(mismatches)} near-ties"
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("batch,vocab_size,dim", [(5, 300, 40), (17, 257, 48), (3, 2000, 16)])
+def test_sample_with_edits_equals_the_reference(batch, vocab_size, dim, config):
+    g = torch.Generator().manual_seed(batch * 7 + vocab_size)
+    hidden, weight, positions = random_problem(g, batch, vocab_size, dim)
+    params = mixed_params(g, batch, seed=batch)
+    edits = random_edits(g, (batch,), vocab_size, batch)
+    ours = sampling.sample(hidden, weight, params, positions, edits=edits, backend="fused",
+                           config=CONFIGS[config])
+    theirs = sampling.sample(hidden, weight, params, positions, edits=edits, backend="reference")
+    assert_near_ties(ours.tokens, theirs.tokens, edited_logits64(hidden, weight, edits), params,
+                     positions, config)
+    banned = (edits.codes == BAN).gather(1, ours.tokens[:, None]).flatten()
+    assert not banned.any()
+    same = ours.tokens == theirs.tokens
+    assert torch.allclose(ours.logprobs[same], theirs.logprobs[same], atol=2e-4, rtol=1e-4)
+    assert torch.allclose(ours.lse, theirs.lse, atol=2e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", list(TRUNCATION_CASES))
+def test_each_truncation_mode_with_edits(case):
+    g = torch.Generator().manual_seed(5)
+    batch, vocab_size = 6, 200
+    hidden, weight, positions = random_problem(g, batch, vocab_size, 32)
+    params = SamplingParams.create(batch, seed=3, device=DEVICE, **TRUNCATION_CASES[case])
+    edits = random_edits(g, (batch,), vocab_size, batch)
+    ours = sampling.sample(hidden, weight, params, positions, edits=edits, backend="fused",
+                           config=SMALL).tokens
+    theirs = sampling.sample(hidden, weight, params, positions, edits=edits,
+                             backend="reference").tokens
+    assert_near_ties(ours, theirs, edited_logits64(hidden, weight, edits), params, positions, case)
+
+
+def test_argmax_with_edits():
+    g = torch.Generator().manual_seed(2)
+    batch, vocab_size = 9, 333
+    hidden, weight, _ = random_problem(g, batch, vocab_size, 32)
+    plain = sampling.argmax(hidden, weight, backend="reference").tokens
+    edits = random_edits(g, (batch,), vocab_size, batch)
+    edits.codes[torch.arange(batch), plain] = BAN          # every row's argmax banned
+    ours = sampling.argmax(hidden, weight, edits=edits, backend="fused", config=SMALL).tokens
+    theirs = sampling.argmax(hidden, weight, edits=edits, backend="reference").tokens
+    greedy = SamplingParams.create(batch, do_sample=False, seed=0, device=DEVICE)
+    assert_near_ties(ours, theirs, edited_logits64(hidden, weight, edits), greedy,
+                     torch.zeros(batch, dtype=torch.long), "argmax")
+    assert not (ours == plain).any()
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("acceptance", ["strict", "probabilistic"])
+def test_verify_with_edits_equals_the_reference(acceptance, config):
+    g = torch.Generator().manual_seed(17)
+    batch, num_drafts, vocab_size, dim = 5, 3, 300, 40
+    flat, weight, _ = random_problem(g, batch * (num_drafts + 1), vocab_size, dim)
+    hidden = flat.view(batch, num_drafts + 1, dim)
+    positions = torch.randint(0, 1000, (batch,), generator=g).to(DEVICE)
+    params = mixed_params(g, batch, seed=4)
+    edits = random_edits(g, (batch, num_drafts + 1), vocab_size, batch)
+    plain = torch.stack([sampling.sample(hidden[:, j], weight, params, positions + j,
+                                         edits=LogitEdits(edits.codes[:, j], edits.penalty),
+                                         backend="reference").tokens
+                         for j in range(num_drafts + 1)], dim=1)
+    for drafts in (plain[:, :-1], random_drafts(g, plain.cpu(), vocab_size).to(DEVICE)):
+        ours = sampling.verify(hidden, weight, drafts, params, positions, edits=edits,
+                               acceptance=acceptance, backend="fused", config=CONFIGS[config])
+        theirs = sampling.verify(hidden, weight, drafts, params, positions, edits=edits,
+                                 acceptance=acceptance, backend="reference")
+        logits64 = edited_logits64(hidden, weight, edits).view(batch, num_drafts + 1, -1)
+        differing = ((ours.tokens != theirs.tokens).any(dim=1)
+                     | (ours.num_accepted != theirs.num_accepted)).cpu()
+        for b in differing.nonzero().flatten().tolist():
+            j = int((ours.tokens[b] != theirs.tokens[b]).nonzero()[0])
+            noise = rng.gumbel(params.seed[b].cpu(), positions[b].cpu() + j,
+                               torch.arange(vocab_size))
+            assert is_near_tie(logits64[b, j], bool(params.do_sample[b]),
+                               float(params.temperature[b]), int(params.top_k[b]),
+                               float(params.top_p[b]), float(params.min_p[b]), noise,
+                               int(ours.tokens[b, j]), int(theirs.tokens[b, j])), (b, j)
+        assert int(differing.sum()) <= 1
+        same = ~differing.to(DEVICE)
+        assert torch.allclose(ours.accept_probs[same], theirs.accept_probs[same].float(), atol=2e-5)
+        if acceptance == "strict":   # emitted tokens are the plain samples, whatever the drafts
+            emitted = ours.tokens >= 0
+            assert torch.equal(ours.tokens[emitted & same[:, None]], plain[emitted & same[:, None]])
+
+
+def test_ignored_codes_fail():
+    """The codes decide: banning each row's unedited token changes it, and penalizing every
+    token with a large penalty flattens the rows (the log-sum-exp moves)."""
+    g = torch.Generator().manual_seed(8)
+    batch, vocab_size = 8, 300
+    hidden, weight, positions = random_problem(g, batch, vocab_size, 32)
+    params = mixed_params(g, batch, seed=1)
+    plain = sampling.sample(hidden, weight, params, positions, backend="fused", config=SMALL)
+    codes = torch.zeros(batch, vocab_size, dtype=torch.uint8, device=DEVICE)
+    codes[torch.arange(batch), plain.tokens] = BAN
+    penalty = torch.ones(batch, dtype=torch.float64, device=DEVICE)
+    banned = sampling.sample(hidden, weight, params, positions, edits=LogitEdits(codes, penalty),
+                             backend="fused", config=SMALL)
+    assert not (banned.tokens == plain.tokens).any()
+    flattened = sampling.sample(hidden, weight, params, positions, backend="fused", config=SMALL,
+                                edits=LogitEdits(torch.full_like(codes, PENALIZE), penalty * 8))
+    assert not torch.allclose(flattened.lse, plain.lse, atol=1e-2)
+
+
+def test_penalty_one_and_keep_codes_change_nothing():
+    """Codes KEEP everywhere, or PENALIZE with penalty 1: the tokens, logprobs and
+    log-sum-exp of the call without edits, bit for bit."""
+    g = torch.Generator().manual_seed(9)
+    batch, vocab_size = 6, 257
+    hidden, weight, positions = random_problem(g, batch, vocab_size, 24)
+    params = mixed_params(g, batch, seed=2)
+    plain = sampling.sample(hidden, weight, params, positions, backend="fused", config=SMALL)
+    ones = torch.ones(batch, dtype=torch.float64, device=DEVICE)
+    for code in (KEEP, PENALIZE):
+        codes = torch.full((batch, vocab_size), code, dtype=torch.uint8, device=DEVICE)
+        out = sampling.sample(hidden, weight, params, positions, edits=LogitEdits(codes, ones),
+                              backend="fused", config=SMALL)
+        for mine, theirs in zip(out, plain):
+            assert torch.equal(mine, theirs)
+
+
+def test_edits_are_checked():
+    hidden, weight = torch.zeros(2, 8, device=DEVICE), torch.zeros(10, 8, device=DEVICE)
+    params = SamplingParams.create(2, seed=0, device=DEVICE)
+    positions = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    penalty = torch.ones(2, dtype=torch.float64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"uint8 tensor of shape \[2, 10\]"):
+        sampling.sample(hidden, weight, params, positions, backend="reference",
+                        edits=LogitEdits(torch.zeros(2, 9, dtype=torch.uint8), penalty))
+    with pytest.raises(ValueError, match="float64 tensor of shape"):
+        sampling.sample(hidden, weight, params, positions, backend="reference",
+                        edits=LogitEdits(torch.zeros(2, 10, dtype=torch.uint8), penalty.float()))
+
+
+@seed(0)
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(batch=st.integers(1, 6), vocab_size=st.integers(40, 260), ban=st.floats(0.0, 0.9),
+       penalize=st.floats(0.0, 1.0), setting=st.integers(0, 1_000_000))
+def test_property_fused_equals_reference(batch, vocab_size, ban, penalize, setting):
+    """Any density of bans and penalties, any vocabulary (including rows with a handful of
+    tokens left, below a top-k): fused = reference, up to near-ties."""
+    g = torch.Generator().manual_seed(setting)
+    hidden, weight, positions = random_problem(g, batch, vocab_size, 16)
+    params = mixed_params(g, batch, seed=setting)
+    u = torch.rand(batch, vocab_size, generator=g)
+    codes = torch.where(u < ban, BAN, torch.where(u < ban + penalize, PENALIZE, KEEP))
+    codes[:, int(torch.randint(vocab_size, (1,), generator=g))] = KEEP   # a token left per row
+    edits = LogitEdits(codes.to(torch.uint8).to(DEVICE),
+                       (0.3 + 3 * torch.rand(batch, generator=g, dtype=torch.float64)).to(DEVICE))
+    ours = sampling.sample(hidden, weight, params, positions, edits=edits, backend="fused",
+                           config=SMALL)
+    theirs = sampling.sample(hidden, weight, params, positions, edits=edits, backend="reference")
+    assert_near_ties(ours.tokens, theirs.tokens, edited_logits64(hidden, weight, edits), params,
+                     positions)
+    assert not (edits.codes == BAN).gather(1, ours.tokens[:, None]).any()
