@@ -6,8 +6,11 @@ mask and lengths go through transformers' own preparation helpers, so a flash ru
 from exactly what stock `generate` would.
 
 Every option stock `generate` accepts in greedy or sampling mode runs on flashspec's
-engine: temperature, top-k, top-p and min-p in the fused kernels; everything else that edits
-the logits (transformers' processors, the unfused warpers, a user's `logits_processor` or
+engine: temperature, top-k, top-p and min-p in the fused kernels, and with them the logit
+edits of `edits.FUSED_OPTIONS` (repetition_penalty, suppress_tokens, begin_suppress_tokens,
+single-token bad_words_ids, min_length, min_new_tokens: `edits.EditRules`, made from
+transformers' own processors for the call) while nothing else needs the materialized path;
+everything else that edits the logits (transformers' processors, the unfused warpers, a user's `logits_processor` or
 `prefix_allowed_tokens_fn`, watermarking, a head's softcap or bias, `output_scores` /
 `output_logits`) on the engine's exact materialized path (`processing`), with one warning
 naming what forced it. What selects another decoding method (beam search, contrastive
@@ -42,6 +45,7 @@ from ..params import SamplingParams
 from .arguments import (Sources, check_eval_mode, check_options, checked_input_ids,
                         merged_values)
 from .drafters import AssistantDrafter, Drafter, PromptLookupDrafter
+from .edits import FUSED_OPTIONS, EditRules
 from .heads import OutputHead, check_decoder, check_logits, model_hooks, output_head
 from .processing import LogitsProcessing
 
@@ -50,8 +54,9 @@ DRAFTER_DEFAULT_DRAFTS = 4     # drafts per step of a caller's `drafter` without
 _ENGINE_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE,
                  GenerationMode.ASSISTED_GENERATION)
 
-# Options transformers applies as logits processors (whatever the mode), which the fused
-# kernels do not make: set, the call runs on the materialized path. name -> is_off(value).
+# Options transformers applies as logits processors (whatever the mode): set, the call runs
+# on the materialized path, but for `edits.FUSED_OPTIONS` when nothing else needs that path
+# (multi-token bad_words_ids do). name -> is_off(value).
 PROCESSOR_OPTIONS = {
     "repetition_penalty": lambda v: v is None or v == 1.0,
     "encoder_repetition_penalty": lambda v: v is None or v == 1.0,
@@ -131,6 +136,7 @@ class GenerationPlan:
     output_logprobs: bool
     return_dict_in_generate: bool
     processing: LogitsProcessing | None = None   # the materialized path's edits, if any
+    edits: EditRules | None = None     # the fused path's logit edits, if any
 
 
 @dataclasses.dataclass
@@ -234,14 +240,21 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
     eos = config._eos_token_tensor
     pad = config._pad_token_tensor
     pad_token_id = int(pad.reshape(-1)[0]) if pad is not None else 0
-    processing = None
+    processing = edits = None
     if reasons:
-        params = SamplingParams.create(batch_size, do_sample=sampling, seed=seed, device=device)
         processors = model._get_logits_processor(
             generation_config=config, input_ids_seq_length=input_length,
             encoder_input_ids=inputs_tensor, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
             logits_processor=logits_processor if logits_processor is not None else LogitsProcessorList(),
             device=device, model_kwargs=model_kwargs)
+        if all(name in FUSED_OPTIONS for name, _ in reasons):
+            edits = EditRules.from_processors(processors, input_length, head.vocab_size)
+            if edits is not None:
+                reasons = []
+                edits = None if edits == EditRules() else edits   # e.g. min_length without EOS
+    if reasons:
+        reasons = [reason for _, reason in reasons]
+        params = SamplingParams.create(batch_size, do_sample=sampling, seed=seed, device=device)
         processing = LogitsProcessing(processors, head, input_ids, pad_token_id, tuple(reasons),
                                       keep_scores=bool(config.output_scores),
                                       keep_logits=bool(config.output_logits))
@@ -285,7 +298,8 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
         pad_token_id=pad_token_id, stop_criteria=stop_criteria,
         max_time=_time_left(config.max_time, started),
         streamer=streamer, output_logprobs=output_logprobs,
-        return_dict_in_generate=bool(config.return_dict_in_generate), processing=processing)
+        return_dict_in_generate=bool(config.return_dict_in_generate), processing=processing,
+        edits=edits)
 
 
 def _time_left(max_time, started: float) -> float | None:
@@ -301,8 +315,10 @@ def _time_left(max_time, started: float) -> float | None:
 
 def _materialized_reasons(config: GenerationConfig, head: OutputHead, sampling: bool,
                           logits_processor, prefix_allowed_tokens_fn,
-                          source: Sources) -> list[str]:
-    """What makes the call run on the materialized path (empty: the fused path)."""
+                          source: Sources) -> list[tuple[str | None, str]]:
+    """What makes the call run on the materialized path, as (option name or None, reason);
+    empty: the fused path. Reasons of `edits.FUSED_OPTIONS` alone keep the fused path where
+    transformers' processors for them are all fused (`edits.EditRules.from_processors`)."""
     reasons = []
     options = dict(PROCESSOR_OPTIONS)
     if sampling:
@@ -310,16 +326,20 @@ def _materialized_reasons(config: GenerationConfig, head: OutputHead, sampling: 
     for name, is_off in options.items():
         value = getattr(config, name, None)
         if not is_off(value):
-            reasons.append(f"`{name}`={value!r} ({source(name)})")
+            reasons.append((name, f"`{name}`={value!r} ({source(name)})"))
+    bad_words = config.bad_words_ids
+    if bad_words is not None and any(len(word) != 1 for word in bad_words):
+        reasons.append((None, "multi-token `bad_words_ids` (single-token ones are fused)"))
     if logits_processor:
-        reasons.append(f"`logits_processor` ({', '.join(type(p).__name__ for p in logits_processor)})")
+        names = ", ".join(type(p).__name__ for p in logits_processor)
+        reasons.append((None, f"`logits_processor` ({names})"))
     if prefix_allowed_tokens_fn is not None:
-        reasons.append("`prefix_allowed_tokens_fn`")
+        reasons.append((None, "`prefix_allowed_tokens_fn`"))
     if head.softcap is not None:
-        reasons.append(f"the model's final_logit_softcapping={head.softcap}")
+        reasons.append((None, f"the model's final_logit_softcapping={head.softcap}"))
     if head.bias is not None:
-        reasons.append("the model's LM-head bias")
-    reasons += [f"the {hook}" for hook in head.hooks]
+        reasons.append((None, "the model's LM-head bias"))
+    reasons += [(None, f"the {hook}") for hook in head.hooks]
     return reasons
 
 

@@ -9,6 +9,9 @@ that a step can be captured in a CUDA graph:
 * ``verify(hidden [B, G+1, D], drafts [B, G], positions [B]) -> (num_accepted [B],
   tokens [B, G+1], logprobs [B, G+1], accept_probs [B, G], status [B])``.
 
+`sample` and `verify` take the step's fused logit edits as ``edits`` (`LogitEdits`, made
+by `edits.EditState`), applied before temperature and truncation.
+
 status is int32 ``[B]`` (`flashspec.outputs`): 0 ok, `NEEDS_COMPLETION` (a truncated support
 did not fit the fused kernels' candidate budget: redo the row with `complete_sample` /
 `complete_verify`), `NON_FINITE` (NaN or inf logits).
@@ -28,7 +31,7 @@ import torch
 
 from .. import reference, sampling
 from ..outputs import NEEDS_COMPLETION, NON_FINITE  # noqa: F401 - the engine reads them here
-from ..params import SamplingParams
+from ..params import LogitEdits, SamplingParams
 from ..reference import model_dtype_logits
 
 # The backend of `flashspec.sampling` that samples each kind of materialized logits.
@@ -49,14 +52,16 @@ class MaterializedSampler:
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         return sampling.argmax(hidden, self.weight, check=False, backend=self._backend).tokens
 
-    def sample(self, hidden: torch.Tensor, positions: torch.Tensor):
-        out = sampling.sample(hidden, self.weight, self.params, positions, check=False,
-                              backend=self._backend)
+    def sample(self, hidden: torch.Tensor, positions: torch.Tensor,
+               edits: LogitEdits | None = None):
+        out = sampling.sample(hidden, self.weight, self.params, positions, edits=edits,
+                              check=False, backend=self._backend)
         return out.tokens, out.logprobs, out.status
 
-    def verify(self, hidden: torch.Tensor, drafts: torch.Tensor, positions: torch.Tensor):
-        out = sampling.verify(hidden, self.weight, drafts, self.params, positions, check=False,
-                              backend=self._backend)
+    def verify(self, hidden: torch.Tensor, drafts: torch.Tensor, positions: torch.Tensor,
+               edits: LogitEdits | None = None):
+        out = sampling.verify(hidden, self.weight, drafts, self.params, positions, edits=edits,
+                              check=False, backend=self._backend)
         return out.num_accepted, out.tokens, out.logprobs, out.accept_probs, out.status
 
 
@@ -68,31 +73,37 @@ class FusedSampler:
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         return sampling.argmax(hidden, self.weight, check=False, backend="fused").tokens
 
-    def sample(self, hidden: torch.Tensor, positions: torch.Tensor):
-        out = sampling.sample(hidden, self.weight, self.params, positions, check=False,
-                              backend="fused")
+    def sample(self, hidden: torch.Tensor, positions: torch.Tensor,
+               edits: LogitEdits | None = None):
+        out = sampling.sample(hidden, self.weight, self.params, positions, edits=edits,
+                              check=False, backend="fused")
         return out.tokens, out.logprobs, out.status
 
-    def verify(self, hidden: torch.Tensor, drafts: torch.Tensor, positions: torch.Tensor):
-        out = sampling.verify(hidden, self.weight, drafts, self.params, positions, check=False,
-                              backend="fused")
+    def verify(self, hidden: torch.Tensor, drafts: torch.Tensor, positions: torch.Tensor,
+               edits: LogitEdits | None = None):
+        out = sampling.verify(hidden, self.weight, drafts, self.params, positions, edits=edits,
+                              check=False, backend="fused")
         return out.num_accepted, out.tokens, out.logprobs, out.accept_probs, out.status
 
 
-def complete_sample(sampler, hidden: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor):
+def complete_sample(sampler, hidden: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                    edits: LogitEdits | None = None):
     """Exact `sample` of the given rows by the reference (eager): used for rows a fused step
     flagged `NEEDS_COMPLETION`, which are finite (non-finite rows are flagged `NON_FINITE`),
-    as `flashspec.sampling`'s checked path completes them."""
+    as `flashspec.sampling`'s checked path completes them. `edits`: the step's, of every
+    row (`Slot.step_edits`)."""
     out = sampling.sample(hidden[rows], sampler.weight, sampler.params.select(rows, validate=False),
-                          positions[rows], check=False, backend="reference")
+                          positions[rows], edits=None if edits is None else edits.select(rows),
+                          check=False, backend="reference")
     return out.tokens, out.logprobs.float()
 
 
 def complete_verify(sampler, hidden: torch.Tensor, drafts: torch.Tensor, rows: torch.Tensor,
-                    positions: torch.Tensor):
+                    positions: torch.Tensor, edits: LogitEdits | None = None):
     """Exact `verify` of the given rows by the reference (eager), as `complete_sample`."""
     out = sampling.verify(hidden[rows], sampler.weight, drafts[rows],
                           sampler.params.select(rows, validate=False), positions[rows],
+                          edits=None if edits is None else edits.select(rows),
                           check=False, backend="reference")
     return out.num_accepted, out.tokens, out.logprobs.float(), out.accept_probs
 

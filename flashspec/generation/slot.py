@@ -13,6 +13,9 @@ back on the device:
 * ``verify`` (width G): feed the last token and the G drafts a drafter wrote into
   ``drafts``, verify them in one pass, emit the accepted drafts plus one token.
 
+With fused logit edits (`edits`), the slot also holds each row's edit codes, updated by
+every commit, and each step hands the kernels its positions' codes (`step_edits`).
+
 Rows never move: the caches roll back by position. Rows that are finished, or that only pad
 the batch up to its bucket, stay in the batch, emit nothing and cost a little compute, which
 keeps every shape fixed (the prefill, eager, skips the padding rows). The host reads one small report per step (`Report`).
@@ -26,6 +29,7 @@ import torch
 
 from ..params import SamplingParams
 from .compiled import DecoderRunner
+from .edits import EditState
 from .kv_cache import WindowCache, layer_kinds
 
 MIN_VIEW = 256            # KV columns of the smallest view (and capacity)
@@ -98,6 +102,8 @@ class Slot:
         self.params = SamplingParams.create(batch_size, device=self.device)
         self.call_params = self.params
         self.processing = None                    # the call's `LogitsProcessing`, if any
+        self.edit_state: EditState | None = None  # fused edits' buffers, once a call had edits
+        self.edits: EditState | None = None       # the call's fused edits, if any
         self.heuristic = False
         # A one-token step feeds its token and a dead copy (see `compiled`): live flags.
         self.one_live = torch.tensor([[True, False]], device=self.device).repeat(batch_size, 1)
@@ -153,14 +159,16 @@ class Slot:
         """Every tensor a step writes besides the KV entries (which a step rewrites with the
         same values): what a graph capture's warm-up run must leave as it found it."""
         drafter_state = [t for attached in self.drafters.values() for t in attached.state_tensors()]
+        edit_state = self.edits.tensors() if self.edits is not None else []
         return [self.seq, self.logprobs, self.length, self.finished, self.num_drafts, self.drafts,
-                self.draft_failed, self.report, *drafter_state,
+                self.draft_failed, self.report, *drafter_state, *edit_state,
                 *(t for entry in self.caches
                   for t in (entry.cache.live, entry.cache.position, entry.cache.key_index))]
 
     def nbytes(self) -> int:
         tensors = [self.seq, self.logprobs, self.drafts, self.draft_failed, self.report]
-        return (sum(t.numel() * t.element_size() for t in tensors)
+        edit_bytes = self.edit_state.nbytes() if self.edit_state is not None else 0
+        return (sum(t.numel() * t.element_size() for t in tensors) + edit_bytes
                 + sum(entry.cache.nbytes() for entry in self.caches))
 
     @property
@@ -241,10 +249,37 @@ class Slot:
             getattr(self.params, name).copy_(getattr(params, name))
         self.call_params = _with_flags(self.params, params)
         self.processing = plan.processing
+        self._load_edits(plan.edits, input_ids)
         self.heuristic = plan.schedule == "heuristic" and plan.drafter is not None
         for entry in self.caches:
             entry.cache.reset()
         return input_ids, (mask.cumsum(dim=1) - 1).clamp_min(0), mask.bool()
+
+    def _load_edits(self, rules, input_ids: torch.Tensor) -> None:
+        """The call's fused edits (`edits.EditRules`, or None) for the padded prompts
+        `input_ids`. Steps captured with edits differ from those without (the codes, the
+        kernels' variant), and the graph key does not say which: a call that turns the
+        edits on or off bumps the buffers' generation, so its steps are captured anew."""
+        if rules is not None and self.edit_state is None:
+            self.edit_state = EditState(self.batch_size, self.engine.head.vocab_size, self.device)
+        edits = self.edit_state if rules is not None else None
+        if (edits is None) != (self.edits is None):
+            self.generation += 1
+        self.edits = edits
+        if edits is not None:
+            edits.load(rules, input_ids)
+
+    def step_edits(self, drafts: torch.Tensor | None = None):
+        """The fused edits (`LogitEdits`, or None without) of the rows' next token, or with
+        `drafts` ``[B, G]`` of the positions verifying them. A step's own, and after it those
+        of the rows it flagged for completion (which emitted nothing: their state is as it
+        was), for `samplers.complete_sample` / `complete_verify`."""
+        if self.edits is None:
+            return None
+        generated = self.length - self.prompt_length
+        if drafts is None:
+            return self.edits.sample_edits(generated)
+        return self.edits.verify_edits(generated, drafts)
 
     def forward_prompt(self, runner: DecoderRunner, cache: WindowCache, input_ids: torch.Tensor,
                        positions: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
@@ -270,7 +305,11 @@ class Slot:
         """Sample one token per row from the target's last hidden states and commit it."""
         sampler = self.engine.target_sampler(self)
         hidden = hidden.to(sampler.weight.dtype)
-        tokens, logprobs, status = sampler.sample(hidden, self.length)
+        if self.edits is None:
+            tokens, logprobs, status = sampler.sample(hidden, self.length)
+        else:
+            tokens, logprobs, status = sampler.sample(hidden, self.length,
+                                                      edits=self.step_edits())
         self.commit(tokens[:, None], logprobs[:, None], torch.ones_like(self.length),
                     torch.zeros_like(self.length), status)
         return hidden
@@ -294,8 +333,12 @@ class Slot:
             torch.cat([torch.ones_like(last, dtype=torch.bool), within], dim=1))
         sampler = self.engine.target_sampler(self)
         hidden = hidden[:, -(width + 1):].to(sampler.weight.dtype)
-        num_accepted, tokens, logprobs, accept_probs, status = sampler.verify(
-            hidden, drafts, self.length)
+        if self.edits is None:
+            num_accepted, tokens, logprobs, accept_probs, status = sampler.verify(
+                hidden, drafts, self.length)
+        else:
+            num_accepted, tokens, logprobs, accept_probs, status = sampler.verify(
+                hidden, drafts, self.length, edits=self.step_edits(drafts))
         self.commit(tokens, logprobs, num_accepted + 1, (drafts >= 0).sum(dim=1), status,
                     broken, schedule=True, accept_probs=accept_probs)
         return hidden, drafts
@@ -319,6 +362,8 @@ class Slot:
         index = (self.length[:, None] + columns[None, :]).clamp_max(self.seq.shape[1] - 1)
         write = columns[None, :] < emitted[:, None]
         self.seq.scatter_(1, index, torch.where(write, tokens, self.seq.gather(1, index)))
+        if self.edits is not None:
+            self.edits.absorb(tokens, write)
         self.logprobs.scatter_(1, index, torch.where(write, logprobs.float(),
                                                      self.logprobs.gather(1, index)))
         self.length += emitted

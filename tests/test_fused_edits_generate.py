@@ -1,0 +1,231 @@
+"""`generate(sampler="flash")` with the fused logit edits (`flashspec.generation.edits`).
+
+Pinned here: the fused options run fused (no warning, no materialized processing), their
+seeded tokens equal the materialized path's (transformers' own processors, forced by a
+custom processor that changes nothing), plain = assistant = self-drafting = prompt lookup
+with each option and with all of them at once, and each step's codes equal those of plain
+decoding at the same position. (tests/test_logits_options.py pins each option against a
+float64 reference of transformers' processors, now on the fused path.)
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, seed, settings, strategies as st
+from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.generation import logits_process as lp
+
+import flashspec
+from flashspec.generation.edits import EditRules, EditState
+from flashspec.params import BAN, PENALIZE
+
+from _models import VOCAB, tiny_model
+from test_generate import _quiet_single_threaded  # noqa: F401 - the module's autouse fixture
+from test_logits_options import EOS, PROMPTS, draft, flash, left_pad, target
+
+SEED = 5
+SAMPLING = dict(do_sample=True, temperature=0.9, top_k=0)
+QWEN25_INSTRUCT = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.8,
+                       repetition_penalty=1.05)
+FUSED = {
+    "repetition_penalty": dict(repetition_penalty=1.8),
+    "suppress_tokens": dict(suppress_tokens=[101, 53, 65]),
+    "begin_suppress_tokens": dict(begin_suppress_tokens=[101, 53, 65, 7]),
+    "bad_words_ids": dict(bad_words_ids=[[101], [62], [38]]),
+    "min_new_tokens": dict(min_new_tokens=8, eos_token_id=EOS),
+    "min_length": dict(min_length=18, eos_token_id=EOS),
+    "all": dict(repetition_penalty=1.3, suppress_tokens=[53], bad_words_ids=[[62], [38]],
+                begin_suppress_tokens=[7], min_new_tokens=6, eos_token_id=[EOS, 4]),
+    "qwen2.5-instruct": QWEN25_INSTRUCT,
+}
+
+
+class Unchanged(LogitsProcessor):
+    """A custom processor that changes nothing: the call then runs on the materialized path,
+    with transformers' own processors for every other option."""
+
+    def __call__(self, input_ids, scores):
+        return scores
+
+
+def sampling_of(option):
+    return {} if option == "qwen2.5-instruct" else SAMPLING
+
+
+@functools.lru_cache(maxsize=None)
+def run(option: str, mode: str = "plain", materialized: bool = False) -> torch.Tensor:
+    ids, mask = left_pad(PROMPTS)
+    extra = dict(logits_processor=LogitsProcessorList([Unchanged()])) if materialized else {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "sampler='flash' runs this call")
+        return flash(target(), ids, mask, mode, seed=SEED, **sampling_of(option), **FUSED[option],
+                     **extra).sequences
+
+
+@pytest.mark.parametrize("option", list(FUSED))
+def test_fused_options_plan_no_materialized_path(option):
+    ids, mask = left_pad(PROMPTS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = flashspec.generation.plan.plan_generation(
+            target(), ids, None, attention_mask=mask, max_new_tokens=12, **sampling_of(option),
+            **FUSED[option])
+    assert plan.processing is None and plan.edits is not None
+
+
+@pytest.mark.parametrize("option", list(FUSED))
+def test_fused_tokens_equal_the_materialized_path(option):
+    fused = run(option)
+    assert torch.equal(fused, run(option, materialized=True)), (
+        fused[:, len(PROMPTS[0]):].tolist(), run(option, materialized=True)[:, len(PROMPTS[0]):].tolist())
+
+
+@pytest.mark.parametrize("option", list(FUSED))
+def test_fused_options_change_the_tokens(option):
+    """The option bites on these prompts (the tests above compare what it decides)."""
+    ids, mask = left_pad(PROMPTS)
+    kept = {k: v for k, v in FUSED[option].items() if k in ("eos_token_id",)}
+    sampling = QWEN25_INSTRUCT | dict(repetition_penalty=1.0) if option == "qwen2.5-instruct" \
+        else SAMPLING
+    without = flash(target(), ids, mask, seed=SEED, **sampling, **kept).sequences
+    assert not torch.equal(run(option), without)
+
+
+@pytest.mark.parametrize("mode", ["assistant", "self", "lookup"])
+@pytest.mark.parametrize("option", list(FUSED))
+def test_speculation_invariance(option, mode):
+    assert torch.equal(run(option, mode), run(option))
+
+
+@pytest.mark.parametrize("num_drafts", [1, 3, 6])
+def test_all_options_any_draft_length(num_drafts):
+    ids, mask = left_pad(PROMPTS)
+    out = flash(target(), ids, mask, seed=SEED, **SAMPLING, **FUSED["all"],
+                assistant_model=target(), num_assistant_tokens=num_drafts)
+    assert torch.equal(out.sequences, run("all"))
+    assert int(out.flash_stats.accepted.sum()) > 0
+
+
+def test_greedy_with_every_fused_option_equals_stock():
+    ids, mask = left_pad(PROMPTS)
+    kwargs = dict(FUSED["all"], max_new_tokens=12, do_sample=False)
+    expected = target().generate(ids, attention_mask=mask, **kwargs)
+    for mode in ("plain", "self", "lookup"):
+        out = flash(target(), ids, mask, mode, **kwargs)
+        assert torch.equal(out.sequences, expected), mode
+
+
+def test_qwen25_instruct_generation_config_runs_fused():
+    """The model's own generation_config (Qwen2.5-Instruct's values), no argument: no
+    warning, the materialized path's tokens, and the same with speculation."""
+    model = tiny_model("qwen3")
+    for name, value in dict(QWEN25_INSTRUCT, eos_token_id=[EOS, 4], pad_token_id=0).items():
+        setattr(model.generation_config, name, value)
+    ids = torch.tensor([PROMPTS[1]])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "sampler='flash' runs this call")
+        plain = model.generate(ids, sampler="flash", seed=SEED, min_new_tokens=10)
+        for speculative in (dict(assistant_model=model, num_assistant_tokens=4),
+                            dict(prompt_lookup_num_tokens=3)):
+            assert torch.equal(model.generate(ids, sampler="flash", seed=SEED, min_new_tokens=10,
+                                              **speculative), plain)
+    with pytest.warns(UserWarning, match="`logits_processor` \\(Unchanged\\)"):
+        materialized = model.generate(ids, sampler="flash", seed=SEED, min_new_tokens=10,
+                                      logits_processor=LogitsProcessorList([Unchanged()]))
+    assert torch.equal(plain, materialized)
+    assert plain.shape[1] > ids.shape[1] + 10
+
+
+def test_unfused_options_keep_the_materialized_path_and_name_the_fused_ones():
+    ids, mask = left_pad(PROMPTS[:1])
+    for kwargs, named in ((dict(bad_words_ids=[[92, 62]]), "multi-token `bad_words_ids`"),
+                          (dict(repetition_penalty=1.2, no_repeat_ngram_size=3),
+                           "`repetition_penalty`=1.2")):
+        with pytest.warns(UserWarning, match=named):
+            plan = flashspec.generation.plan.plan_generation(
+                target(), ids, None, attention_mask=mask, max_new_tokens=2, **kwargs)
+        assert plan.processing is not None and plan.edits is None
+
+
+def test_rules_from_transformers_processors():
+    """Lengths as transformers counts them: the padded prompt's width plus the generated
+    tokens (prompt width 10 here); ids outside the vocabulary dropped as torch.isin drops
+    them."""
+    eos = torch.tensor([EOS, 4])
+    processors = [lp.RepetitionPenaltyLogitsProcessor(1.5), lp.NoBadWordsLogitsProcessor([[8]], eos),
+                  lp.MinLengthLogitsProcessor(14, eos), lp.MinNewTokensLengthLogitsProcessor(10, 2, eos),
+                  lp.SuppressTokensLogitsProcessor([9]),
+                  lp.SuppressTokensAtBeginLogitsProcessor([3, VOCAB + 5], 10),
+                  lp.TemperatureLogitsWarper(0.5), lp.TopKLogitsWarper(4)]
+    rules = EditRules.from_processors(processors, 10, VOCAB)
+    assert rules == EditRules(penalty=1.5, banned=(8, 9), begin_banned=(3,), begin_count=0,
+                              eos=(4, EOS), min_count=4)
+    assert EditRules.from_processors(processors + [lp.NoRepeatNGramLogitsProcessor(2)], 10,
+                                     VOCAB) is None
+    assert EditRules.from_processors([lp.NoBadWordsLogitsProcessor([[8, 9]], eos)], 10, VOCAB) is None
+
+
+@seed(0)
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(batch=st.integers(1, 3), num_drafts=st.integers(1, 5), penalized=st.booleans(),
+       setting=st.integers(0, 10_000))
+def test_verify_codes_are_plain_decodings(batch, num_drafts, penalized, setting):
+    """Position j of a verification step has the codes a plain step has after the drafts
+    before j were emitted: the same state, absorbed one token at a time."""
+    g = torch.Generator().manual_seed(setting)
+    vocab = 40
+    rules = EditRules(penalty=1.3 if penalized else 1.0, banned=(3, 5),
+                      begin_banned=(7, 8), begin_count=int(torch.randint(0, 4, (1,), generator=g)),
+                      eos=(1,), min_count=int(torch.randint(0, 6, (1,), generator=g)))
+    prompts = torch.randint(0, vocab, (batch, 6), generator=g)
+    drafts = torch.randint(0, vocab, (batch, num_drafts), generator=g)
+    lengths = torch.randint(0, num_drafts + 1, (batch,), generator=g)
+    drafts = torch.where(torch.arange(num_drafts)[None] < lengths[:, None], drafts, -1)
+    generated = torch.randint(0, 5, (batch,), generator=g)
+    state = EditState(batch, vocab, torch.device("cpu"))
+    state.load(rules, prompts)
+    codes = state.verify_edits(generated, drafts).codes
+    plain = EditState(batch, vocab, torch.device("cpu"))
+    plain.load(rules, prompts)
+    for j in range(num_drafts + 1):
+        expected = plain.sample_edits(generated + j).codes
+        used = lengths >= j
+        assert torch.equal(codes[used, j], expected[used]), j
+        if j < num_drafts:
+            plain.absorb(drafts[:, j:j + 1], (drafts[:, j:j + 1] >= 0))
+    assert not (codes == PENALIZE).any() or penalized
+    assert (codes[..., [3, 5]] == BAN).all() and (codes.max() <= BAN)
+
+
+def test_completion_applies_the_step_edits():
+    """`complete_sample` / `complete_verify` (rows a fused step flagged) apply the step's
+    edits of their rows: the tokens of the whole batch's call at those rows."""
+    from flashspec import SamplingParams, sampling
+    from flashspec.generation import samplers
+    from flashspec.params import LogitEdits
+
+    g = torch.Generator().manual_seed(4)
+    batch, vocab, dim, num_drafts = 4, 50, 8, 2
+    weight = torch.randn(vocab, dim, generator=g)
+    hidden = torch.randn(batch, num_drafts + 1, dim, generator=g) * 3
+    params = SamplingParams.create(batch, temperature=0.8, seed=2)
+    positions = torch.arange(batch) * 7
+    codes = torch.randint(0, 3, (batch, num_drafts + 1, vocab), generator=g).to(torch.uint8)
+    edits = LogitEdits(codes, torch.full((batch,), 1.5, dtype=torch.float64))
+    drafts = torch.randint(0, vocab, (batch, num_drafts), generator=g)
+    sampler = samplers.MaterializedSampler(weight, params)
+    rows = torch.tensor([3, 1])
+    unedited = sampling.sample(hidden[:, 0], weight, params, positions).tokens
+    codes[torch.arange(batch), 0, unedited] = BAN          # the edits bite
+    sample_edits = LogitEdits(codes[:, 0], edits.penalty)
+    tokens, _ = samplers.complete_sample(sampler, hidden[:, 0], rows, positions, edits=sample_edits)
+    whole = sampling.sample(hidden[:, 0], weight, params, positions, edits=sample_edits)
+    assert torch.equal(tokens, whole.tokens[rows]) and not (tokens == unedited[rows]).any()
+    num_accepted, tokens, _, _ = samplers.complete_verify(sampler, hidden, drafts, rows, positions,
+                                                          edits=edits)
+    whole = sampling.verify(hidden, weight, drafts, params, positions, edits=edits)
+    assert torch.equal(tokens, whole.tokens[rows]) and torch.equal(num_accepted, whole.num_accepted[rows])
