@@ -225,3 +225,17 @@ def test_property_fused_equals_reference(batch, vocab_size, ban, penalize, setti
     assert_near_ties(ours.tokens, theirs.tokens, edited_logits64(hidden, weight, edits), params,
                      positions)
     assert not (edits.codes == BAN).gather(1, ours.tokens[:, None]).any()
+
+
+def test_edit_cost_benchmark_runs(tmp_path):
+    """The GPU bar's benchmark (`flashspec.bench.edit_cost`) at a tiny shape: every timing
+    and ratio present."""
+    import json
+
+    from flashspec.bench import edit_cost
+
+    assert edit_cost.main(["--quick", "--vocab", "96", "--dim", "16", "--batch-sizes", "2",
+                           "--drafts", "2", "--context", "8", "--bad-words", "5",
+                           "--out", str(tmp_path)]) == 0
+    row, = json.loads((tmp_path / "edit_cost.json").read_text())["rows"]
+    assert set(row["ms"]) == set(edit_cost.TIMINGS) and row["x_verify_step"] > 0

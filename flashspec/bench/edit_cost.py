@@ -1,0 +1,200 @@
+"""Cost of the fused logit edits: the fused LM-head kernels with and without edit codes.
+
+Issue 30's GPU bar: sampling with a repetition penalty over a 4,096-token context plus a
+bad-words list costs <= 1.05x the same call without edits at B <= 16 and <= 1.10x at B = 64
+(D = 4096, V = 151,936, bf16); verification likewise against plain verification. For each
+batch size B this times, as CUDA-graph replays (the engine's steps are replays), medians of
+`triton.testing.do_bench` (L2 flushed before each call):
+
+* ``sample`` / ``sample_edits``: `kernels.fused_sample` with Qwen2.5-Instruct's warpers
+  (T 0.7, top-k 20, top-p 0.8), without and with codes ``[B, V]``;
+* ``verify`` / ``verify_edits``: `kernels.fused_verify` of G drafts per row, without and with
+  codes ``[B, G+1, V]``;
+* ``codes_sample`` / ``codes_verify``: making those codes on the device from the slot's
+  state (`generation.edits.EditState`), which an engine step adds to the kernels;
+* ``sample_triton`` / ``verify_triton``: without codes, on the Triton stage 1 that calls
+  with codes run (on Hopper the default table gives calls without codes the warp-specialized
+  Gluon stage 1 above 32 truncated rows), which tells the codes' cost from the kernel's.
+
+The codes penalize a random context of `--context` tokens per row and ban `--bad-words`
+random single tokens (and EOS, as min_new_tokens does). Ratios: ``sample_edits / sample``
+(the kernels' bar), ``sample_edits / sample_triton`` (the codes alone),
+``(sample_edits + codes_sample) / sample`` (the step's), and the same for verification.
+
+    python -m flashspec.bench.edit_cost --batch-sizes 1,16,64 --out bench_out   # GPU
+    TRITON_INTERPRET=1 python -m flashspec.bench.edit_cost --quick               # CPU smoke
+
+Writes ``edit_cost.json`` to ``--out`` (device, versions, shapes, date) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from flashspec.bench.cli import package_version, positive_int, positive_ints
+
+QWEN25_INSTRUCT = dict(temperature=0.7, top_k=20, top_p=0.8)
+PENALTY = 1.05
+EOS = 151645                 # Qwen2.5's <|im_end|>, banned as min_new_tokens bans it
+TIMINGS = ("sample", "sample_triton", "sample_edits", "codes_sample", "verify", "verify_triton",
+           "verify_edits", "codes_verify")
+
+
+def edit_state(batch: int, vocab: int, context: int, bad_words: int, device,
+               generator: torch.Generator):
+    """An `EditState` of `batch` rows: a repetition penalty over a random context of
+    `context` tokens, `bad_words` random banned tokens, EOS banned (min_new_tokens)."""
+    from flashspec.generation.edits import EditRules, EditState
+
+    banned = torch.randperm(vocab, generator=generator)[:bad_words].tolist()
+    rules = EditRules(penalty=PENALTY, banned=tuple(sorted(banned)), eos=(EOS % vocab,),
+                      min_count=1)
+    state = EditState(batch, vocab, torch.device(device))
+    state.load(rules, torch.randint(0, vocab, (batch, context), generator=generator).to(device))
+    return state
+
+
+def calls(dim: int, vocab: int, batch: int, num_drafts: int, context: int, bad_words: int,
+          device: str) -> dict[str, Callable]:
+    """The timed calls of one batch size (`TIMINGS`), on bf16 operands."""
+    from flashspec import SamplingParams
+    from flashspec.kernels import default_config, fused_sample, fused_verify
+
+    g = torch.Generator().manual_seed(batch)
+    weight = (torch.randn(vocab, dim, generator=g) * dim**-0.5).to(device, torch.bfloat16)
+    hidden = (2.0 * torch.randn(batch, num_drafts + 1, dim, generator=g)).to(device, torch.bfloat16)
+    params = SamplingParams.create(batch, seed=0, device=device, **QWEN25_INSTRUCT)
+    positions = torch.full((batch,), context, dtype=torch.long, device=device)
+    drafts = torch.randint(0, vocab, (batch, num_drafts), generator=g).to(device)
+    state = edit_state(batch, vocab, context, bad_words, device, g)
+    generated = torch.ones(batch, dtype=torch.long, device=device)
+    sample_edits, verify_edits = state.sample_edits(generated), state.verify_edits(generated, drafts)
+    last = hidden[:, -1].contiguous()
+    sample_triton = default_config(batch, 2, truncation=True)
+    verify_triton = default_config(batch * (num_drafts + 1), 2, truncation=True, verification=True)
+    return {
+        "sample": partial(fused_sample, last, weight, params, positions),
+        "sample_triton": partial(fused_sample, last, weight, params, positions,
+                                 config=sample_triton),
+        "sample_edits": partial(fused_sample, last, weight, params, positions, edits=sample_edits),
+        "codes_sample": partial(state.sample_edits, generated),
+        "verify": partial(fused_verify, hidden, weight, drafts, params, positions),
+        "verify_triton": partial(fused_verify, hidden, weight, drafts, params, positions,
+                                 config=verify_triton),
+        "verify_edits": partial(fused_verify, hidden, weight, drafts, params, positions,
+                                edits=verify_edits),
+        "codes_verify": partial(state.verify_edits, generated, drafts),
+    }
+
+
+def time_ms(fn: Callable, cuda: bool, rep_ms: float) -> float:
+    """Median milliseconds of `fn`: on CUDA its CUDA-graph replay under do_bench, on CPU
+    perf_counter around eager calls."""
+    fn()  # compiles
+    if not cuda:
+        times = []
+        while len(times) < 3 or sum(times) < rep_ms and len(times) < 50:
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+    import triton.testing
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=rep_ms, return_mode="median")
+
+
+def run(dim: int, vocab: int, batch_sizes: list[int], num_drafts: int, context: int,
+        bad_words: int, rep_ms: float) -> list[dict]:
+    cuda = torch.cuda.is_available()
+    rows = []
+    for batch in batch_sizes:
+        print(f"timing D={dim} V={vocab} B={batch} G={num_drafts} ...", file=sys.stderr, flush=True)
+        fns = calls(dim, vocab, batch, num_drafts, context, bad_words, "cuda" if cuda else "cpu")
+        ms = {name: time_ms(fns[name], cuda, rep_ms) for name in TIMINGS}
+        rows.append({
+            "D": dim, "V": vocab, "B": batch, "G": num_drafts, "ms": ms,
+            "x_sample": ms["sample_edits"] / ms["sample"],
+            "x_sample_triton": ms["sample_edits"] / ms["sample_triton"],
+            "x_sample_step": (ms["sample_edits"] + ms["codes_sample"]) / ms["sample"],
+            "x_verify": ms["verify_edits"] / ms["verify"],
+            "x_verify_triton": ms["verify_edits"] / ms["verify_triton"],
+            "x_verify_step": (ms["verify_edits"] + ms["codes_verify"]) / ms["verify"],
+        })
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'B':>4} {'G':>2} {'sample':>8} {'+edits':>8} {'x':>6} {'x tt':>6} {'x step':>7} "
+          f"{'verify':>8} {'+edits':>8} {'x':>6} {'x tt':>6} {'x step':>7}   (ms; x tt: against "
+          "the Triton stage 1 without codes)")
+    for row in rows:
+        ms = row["ms"]
+        print(f"{row['B']:>4} {row['G']:>2} {ms['sample']:8.4f} {ms['sample_edits']:8.4f} "
+              f"{row['x_sample']:6.3f} {row['x_sample_triton']:6.3f} {row['x_sample_step']:7.3f} "
+              f"{ms['verify']:8.4f} {ms['verify_edits']:8.4f} {row['x_verify']:6.3f} "
+              f"{row['x_verify_triton']:6.3f} {row['x_verify_step']:7.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Time the fused kernels with and without logit "
+                                                 "edit codes (issue 30's bar).")
+    parser.add_argument("--dim", type=positive_int, default=None, help="hidden size (4096)")
+    parser.add_argument("--vocab", type=positive_int, default=None, help="vocabulary (151936)")
+    parser.add_argument("--batch-sizes", type=lambda t: positive_ints(t, "1,16,64"), default=None,
+                        help="comma-separated batch sizes (1,4,16,64)")
+    parser.add_argument("--drafts", type=positive_int, default=4, help="drafts per row verified")
+    parser.add_argument("--context", type=positive_int, default=None,
+                        help="penalized context tokens per row (4096)")
+    parser.add_argument("--bad-words", type=positive_int, default=64, help="banned tokens")
+    parser.add_argument("--rep-ms", type=float, default=100.0, help="timed ms per call kind")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench_out"))
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: D=64, V=1000, B in {1, 4}, context 64 (CPU too, with "
+                             "TRITON_INTERPRET=1)")
+    args = parser.parse_args(argv)
+    quick = args.quick
+    dim = args.dim or (64 if quick else 4096)
+    vocab = args.vocab or (1000 if quick else 151936)
+    batch_sizes = args.batch_sizes or ([1, 4] if quick else [1, 4, 16, 64])
+    context = args.context or (64 if quick else 4096)
+    rep_ms = 5.0 if quick else args.rep_ms
+    if not torch.cuda.is_available() and not quick:
+        print("error: no CUDA device (use --quick with TRITON_INTERPRET=1 for a CPU smoke test)",
+              file=sys.stderr)
+        return 2
+    rows = run(dim, vocab, batch_sizes, args.drafts, context, args.bad_words, rep_ms)
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "versions": {name: package_version(name) for name in ("torch", "triton")},
+        "dtype": "bfloat16", "sampling": QWEN25_INSTRUCT, "penalty": PENALTY,
+        "context": context, "bad_words": args.bad_words, "rows": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "edit_cost.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.out / 'edit_cost.json'}")
+    print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
