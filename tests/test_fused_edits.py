@@ -239,3 +239,102 @@ def test_edit_cost_benchmark_runs(tmp_path):
                            "--out", str(tmp_path)]) == 0
     row, = json.loads((tmp_path / "edit_cost.json").read_text())["rows"]
     assert set(row["ms"]) == set(edit_cost.TIMINGS) and row["x_verify_step"] > 0
+
+
+# Transformers' own processors for a context of `width` tokens, per option set.
+def _hf_processors(option, width, eos):
+    return {
+        "repetition_penalty": [lp.RepetitionPenaltyLogitsProcessor(1.3)],
+        "bans": [lp.NoBadWordsLogitsProcessor([[5], [40], [77], [3]], eos),
+                 lp.SuppressTokensLogitsProcessor([6, 41, 500])],
+        "min_new_tokens": [lp.MinNewTokensLengthLogitsProcessor(width - 2, 5, eos)],
+        "all": [lp.RepetitionPenaltyLogitsProcessor(0.7), lp.NoBadWordsLogitsProcessor([[5]], eos),
+                lp.MinLengthLogitsProcessor(width + 2, eos), lp.SuppressTokensLogitsProcessor([6]),
+                lp.SuppressTokensAtBeginLogitsProcessor([9, 10], width + 1)],
+    }[option]
+
+
+def _hf_warpers(params, row):
+    """transformers' warpers of `params`' row, in its order (the kernels' semantics)."""
+    if not bool(params.do_sample[row]) or float(params.temperature[row]) == 0.0:
+        return []
+    warpers = [lp.TemperatureLogitsWarper(float(params.temperature[row]))]
+    if int(params.top_k[row]) > 0:
+        warpers.append(lp.TopKLogitsWarper(int(params.top_k[row])))
+    if float(params.top_p[row]) < 1.0:
+        warpers.append(lp.TopPLogitsWarper(float(params.top_p[row])))
+    if float(params.min_p[row]) > 0.0:
+        warpers.append(lp.MinPLogitsWarper(float(params.min_p[row])))
+    return warpers
+
+
+@pytest.mark.parametrize("option", ["repetition_penalty", "bans", "min_new_tokens", "all"])
+def test_fused_equals_transformers_processors_in_float64(option):
+    """The codes that `EditRules` / `EditState` make from transformers' processors and a
+    context, applied by the fused kernels, against those processors on the float64 logits of
+    the same context (stock's input_ids: the row's tokens so far; its length decides the
+    length rules), then transformers' warpers and the same Philox noise: the same token, or a
+    float64 near-tie. Generated counts 0..3 cross the begin position and the EOS minimum;
+    a bad word equal to an EOS id and an id past the vocabulary are dropped as transformers
+    drops them."""
+    from flashspec.generation.edits import EditRules, EditState
+
+    g = torch.Generator().manual_seed(len(option))
+    batch, vocab_size, width = 8, 96, 12
+    eos = torch.tensor([3, 70])
+    rules = EditRules.from_processors(_hf_processors(option, width, eos), width, vocab_size)
+    hidden, weight, positions = random_problem(g, batch, vocab_size, 32)
+    params = mixed_params(g, batch, seed=7)
+    context = torch.randint(0, vocab_size, (batch, width + 3), generator=g)
+    logits64 = reference.compute_logits(hidden.double().cpu(), weight.double().cpu())
+    for generated in range(4):
+        state = EditState(batch, vocab_size, torch.device(DEVICE))
+        state.load(rules, context[:, :width].to(DEVICE))
+        state.absorb(context[:, width:width + generated].to(DEVICE),
+                     torch.ones(batch, generated, dtype=torch.bool, device=DEVICE))
+        edits = state.sample_edits(torch.full((batch,), generated, device=DEVICE))
+        ours = sampling.sample(hidden, weight, params, positions, edits=edits, backend="fused",
+                               config=SMALL).tokens.cpu()
+        ids = context[:, :width + generated]
+        edited = lp.LogitsProcessorList(_hf_processors(option, width, eos))(ids, logits64.clone())
+        for row in range(batch):
+            scores = lp.LogitsProcessorList(_hf_warpers(params, row))(ids[row:row + 1],
+                                                                     edited[row:row + 1].clone())[0]
+            noise = rng.gumbel(params.seed[row].cpu(), positions[row].cpu(),
+                               torch.arange(vocab_size), dtype=torch.float64)
+            sampled = bool(params.do_sample[row]) and float(params.temperature[row]) != 0.0
+            want = int((scores + noise).argmax() if sampled else scores.argmax())
+            got = int(ours[row])
+            assert got == want or is_near_tie(
+                edited[row], bool(params.do_sample[row]), float(params.temperature[row]),
+                int(params.top_k[row]), float(params.top_p[row]), float(params.min_p[row]),
+                noise, got, want), (option, generated, row, got, want)
+            assert bool(torch.isfinite(edited[row, got])), (option, generated, row)
+
+
+def test_goodness_of_fit_with_edits():
+    """Many seeds of one edited row (penalized context, bans): the fused kernels' tokens
+    follow transformers' processed distribution (chi-squared). Truncation with edits is
+    pinned pathwise above; this samples the whole vocabulary, the Gumbel race's path."""
+    from flashspec.bench.statistics import assert_samples_match
+
+    g = torch.Generator().manual_seed(12)
+    samples, vocab_size = 2048, 48
+    hidden, weight, _ = random_problem(g, 1, vocab_size, 16, scale=1.0)
+    codes = torch.zeros(vocab_size, dtype=torch.uint8)
+    codes[:12] = PENALIZE
+    codes[[2, 20, 30]] = BAN
+    params = SamplingParams.create(samples, temperature=0.8, seed=torch.arange(samples),
+                                   device=DEVICE)
+    edits = LogitEdits(codes.expand(samples, -1).contiguous().to(DEVICE),
+                       torch.full((samples,), 1.6, dtype=torch.float64, device=DEVICE))
+    positions = torch.zeros(samples, dtype=torch.long, device=DEVICE)
+    config = kernels.TileConfig(block_v=32, block_r=64, block_d=16)
+    tokens = sampling.sample(hidden.expand(samples, -1).contiguous(), weight, params, positions,
+                             edits=edits, backend="fused", config=config).tokens
+    logits = reference.compute_logits(hidden.double().cpu(), weight.double().cpu())
+    scores = lp.LogitsProcessorList([
+        lp.RepetitionPenaltyLogitsProcessor(1.6), lp.SuppressTokensLogitsProcessor([2, 20, 30]),
+        lp.TemperatureLogitsWarper(0.8),
+    ])(torch.arange(12)[None], logits)
+    assert_samples_match(tokens, scores.softmax(dim=-1)[0], what="fused sample with edits")
