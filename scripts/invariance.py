@@ -25,8 +25,9 @@ import flashspec
 from flashspec.bench.cli import resolve_device
 from flashspec.bench.cold_start import Call, steady_state
 from flashspec.bench.invariance import (WAYS, equal_rows, invariance_runs, repeating_prompts,
-                                        scaled_head, set_invariant)
+                                        scaled_head)
 from flashspec.bench.random_init import peak_weights, random_model
+from flashspec.generation.engine import cached_engine
 
 ASSISTANT_SHAPE = {"qwen3": "qwen3-0.6b", "llama": "llama-3.2-1b"}
 SAMPLINGS = {"sampled": dict(do_sample=True, temperature=1.0, top_k=0),
@@ -58,10 +59,18 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--head-scale", type=float, default=3.0)
+    parser.add_argument("--samplings", default="sampled,greedy", help="of: sampled, greedy")
+    parser.add_argument("--ways", default=",".join(WAYS[1:]),
+                        help=f"compared with plain, of: {', '.join(WAYS[1:])}")
     parser.add_argument("--compare-off", default="", help="shapes also run without the kernels")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench_out"))
     args = parser.parse_args(argv)
+    for option, given, allowed in (("--samplings", args.samplings, SAMPLINGS),
+                                   ("--ways", args.ways, WAYS[1:])):
+        unknown = set(given.split(",")) - set(allowed)
+        if unknown:
+            parser.error(f"{option}: {sorted(unknown)} not among {sorted(allowed)}")
     device = resolve_device(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -74,23 +83,28 @@ def main(argv=None) -> int:
     for shape, job in jobs:
         target, assistant = load(shape, device, args.head_scale if job == "invariance" else None)
         for on in [True, False] if job == "speed" or shape in off else [True]:
-            set_invariant(target, on)
             if job == "invariance":
                 ids = repeating_prompts(args.rows, args.prompt, target.config.vocab_size, device)
-                for name, sampling in SAMPLINGS.items():
-                    runs = invariance_runs(target, assistant, ids, args.new_tokens, sampling)
+                for name in args.samplings.split(","):
+                    runs = invariance_runs(target, assistant, ids, args.new_tokens,
+                                           SAMPLINGS[name], ways=args.ways.split(","),
+                                           invariant=on)
                     counts = equal_rows(runs["tokens"])
                     row = {"shape": shape, "invariant": on, "sampling": name, "equal": counts,
                            "seconds": runs["seconds"]}
                     report["invariance"].append(row)
                     (args.out / "invariance.json").write_text(json.dumps(report, indent=1))
                     print(f"{shape:14s} {'invariant' if on else 'off':9s} {name:7s} " + "  ".join(
-                        f"{way} {counts[way]['equal']}/{counts[way]['rows']}" for way in WAYS),
+                        f"{way} {counts[way]['equal']}/{counts[way]['rows']}" for way in counts),
                         flush=True)
             else:
-                calls = [Call("plain", 1, 128), Call("assistant 5", 1, 128, "assistant")]
+                calls = [Call("plain", 1, 128, invariant=on),
+                         Call("assistant 5", 1, 128, "assistant", invariant=on)]
                 for row in steady_state(target, assistant, calls):
-                    report["speed"].append({"shape": shape, "invariant": on, **row})
+                    kernels = {slot.target.runner.invariant
+                               for slot in cached_engine(target.model).slots.values()}
+                    report["speed"].append({"shape": shape, "invariant": on, **row,
+                                            "slots_invariant": sorted(kernels)})
                     (args.out / "invariance.json").write_text(json.dumps(report, indent=1))
                     print(f"{shape:14s} {'invariant' if on else 'off':9s} {row['name']:12s} "
                           f"{row['tok_s']:7.1f} tok/s", flush=True)

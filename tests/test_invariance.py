@@ -92,3 +92,63 @@ def test_only_the_first_token_comes_from_the_eager_prefill(monkeypatch):
     plain = model.generate(ids, **kwargs)
     assert torch.equal(model.generate(ids, assistant_model=model, num_assistant_tokens=4,
                                       **kwargs), plain)
+
+
+# ---- generate(invariant=True): the invariant decoder kernels (interpreted on CPU) -------------
+
+def _engine_runners(model) -> set:
+    engine = model.model._flashspec_engine
+    return {slot.target.runner.invariant for slot in engine.slots.values()}
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.usefixtures("index_order_dot")
+def test_invariant_kernels_give_the_same_tokens_with_drafts_and_in_a_batch():
+    """The CPU twin of test_invariance_gpu.py: with ``invariant=True`` the target's forwards
+    run the invariant kernels (on CPU through Triton's interpreter), and each row's seeded
+    tokens are the same alone, drafted by itself and by prompt lookup, and in a batch."""
+    model = tiny_model("llama").to(DEVICE)
+    ids, seeds = _prompts()[:3].to(DEVICE), torch.arange(3)
+    kwargs = dict(sampler="flash", max_new_tokens=6, pad_token_id=0, do_sample=True, top_k=0,
+                  invariant=True)
+    alone = torch.cat([model.generate(ids[r:r + 1], seed=seeds[r:r + 1], **kwargs)
+                       for r in range(3)])
+    assert _engine_runners(model) == {True}
+    assert torch.equal(model.generate(ids, seed=seeds, **kwargs), alone)
+    assert torch.equal(model.generate(ids, seed=seeds, prompt_lookup_num_tokens=3, **kwargs), alone)
+    assert torch.equal(model.generate(ids, seed=seeds, assistant_model=model,
+                                      num_assistant_tokens=3, **kwargs), alone)
+
+
+def test_switching_invariant_rebuilds_the_slot_with_the_other_kernels():
+    model = tiny_model("llama").to(DEVICE)
+    ids = _prompts()[:2].to(DEVICE)
+    kwargs = dict(sampler="flash", max_new_tokens=2, pad_token_id=0, do_sample=False)
+    first = model.generate(ids, **kwargs)
+    assert _engine_runners(model) == {False}
+    model.generate(ids, invariant=True, **kwargs)
+    assert _engine_runners(model) == {True}
+    assert torch.equal(model.generate(ids, **kwargs), first)
+    assert _engine_runners(model) == {False}
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (dict(sampler="flash", invariant="yes"), TypeError, "`invariant` must be True or False"),
+    (dict(invariant=True), ValueError, "`invariant` is a flashspec option"),
+    (dict(sampler="flash", invariant=True, num_beams=2), ValueError,
+     "`invariant` needs flashspec's engine"),
+])
+def test_invariant_is_checked(call, error, words):
+    model = tiny_model("llama")
+    with pytest.raises(error, match=words):
+        model.generate(_prompts()[:1], max_new_tokens=2, pad_token_id=0, **call)
+
+
+def test_invariant_refuses_a_decoder_its_attention_cannot_run():
+    model = tiny_model("gemma2")
+    with pytest.raises(ValueError, match=r"`invariant`=True is not supported for Gemma2Model: "
+                                         "its attention softcaps logits"):
+        model.generate(_prompts()[:1], sampler="flash", max_new_tokens=2, pad_token_id=0,
+                       invariant=True)

@@ -1,10 +1,8 @@
 """The batch-invariant decoder kernels (`flashspec.kernels.invariant`): each row's result is
 bitwise the same whatever shares the launch, and equals a float64 reference to rounding.
 
-On CPU they run through Triton's interpreter. Its dot is numpy's matmul, whose BLAS adds a
-row's products in an order that can depend on the row's place in the tile (seen with
-OpenBLAS), which no GPU MMA does; the fixture below gives the interpreter a dot that adds
-the products in index order, so that the tests check the kernels' own structure (fixed
+On CPU they run through Triton's interpreter, with a dot that adds products in index order
+(conftest's `index_order_dot`), so that the tests check the kernels' own structure (fixed
 chunks, position-ordered key blocks, masked blocks as exact no-ops). On a GPU the same tests
 check the hardware's MMAs, and `linear`'s split-K and one-program paths against each other
 at real widths.
@@ -12,7 +10,6 @@ at real widths.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -22,19 +19,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 
-@pytest.fixture(autouse=True)
-def _dot_in_index_order(monkeypatch):
-    if DEVICE == "cuda":
-        return
-    from triton.runtime import interpreter
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        total = np.zeros(d.data.shape, dtype=d.data.dtype)
-        for k in range(a.data.shape[1]):
-            total += np.multiply.outer(a.data[:, k], b.data[k, :]).astype(d.data.dtype)
-        return interpreter.TensorHandle(total + d.data, d.dtype.scalar)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+pytestmark = pytest.mark.usefixtures("index_order_dot")
 
 
 def _rand(*shape, dtype=torch.float32, seed=0):

@@ -30,6 +30,7 @@ class Call:
     prompt_length: int
     drafter: str = "none"              # "none", "lookup" (4 drafts) or "assistant" (5 drafts)
     sampled: bool = False
+    invariant: bool = False            # generate's `invariant`: the invariant decoder kernels
 
 
 CALLS = (
@@ -65,7 +66,7 @@ def prompt_ids(batch_size: int, length: int, vocab_size: int, device) -> torch.T
 
 
 def call_kwargs(call: Call, draft, new_tokens: int) -> dict:
-    kwargs = dict(sampler="flash", max_new_tokens=new_tokens, seed=0)
+    kwargs = dict(sampler="flash", max_new_tokens=new_tokens, seed=0, invariant=call.invariant)
     kwargs.update(QWEN3_SAMPLING if call.sampled else dict(do_sample=False))
     if call.drafter == "lookup":
         kwargs["prompt_lookup_num_tokens"] = 4

@@ -37,12 +37,13 @@ def scaled_head(model, scale: float) -> None:
 
 
 def invariance_runs(model, assistant, ids: torch.Tensor, new_tokens: int, sampling: dict,
-                    num_drafts: int = 4, ways=WAYS) -> dict:
+                    num_drafts: int = 4, ways=WAYS, invariant: bool = True) -> dict:
     """Tokens ``[rows, new_tokens]`` of each of `ways` (of `WAYS`; "plain" always), and each
-    way's wall seconds. Row r uses seed r; `sampling`: generate's sampling options."""
+    way's wall seconds. Row r uses seed r; `sampling`: generate's sampling options;
+    `invariant`: generate's (the invariant decoder kernels or cuBLAS and PyTorch's)."""
     rows = ids.shape[0]
     seeds = torch.arange(rows)
-    kwargs = dict(sampler="flash", max_new_tokens=new_tokens, **sampling)
+    kwargs = dict(sampler="flash", max_new_tokens=new_tokens, invariant=invariant, **sampling)
     constant = dict(num_assistant_tokens=num_drafts, num_assistant_tokens_schedule="constant")
     drafters = {"plain": {}, "self": dict(assistant_model=model, **constant),
                 # Draft counts grow while drafts are accepted: wider verifications.
@@ -80,15 +81,3 @@ def equal_rows(tokens: dict) -> dict:
                  if not same[r]]
         out[name] = {"equal": int(same.sum()), "rows": run.shape[0], "first_differences": first}
     return out
-
-
-def set_invariant(model, on: bool) -> None:
-    """Switch the engine of `model` (a wrapped target) to the invariant kernels or off: the
-    engine is rebuilt at its next call (``FLASHSPEC_INVARIANT`` is read when it is built)."""
-    import os
-
-    from ..generation.engine import drop_engine
-    from ..generation.heads import output_head
-    from ..generation.invariant import SWITCH_ENV
-    os.environ[SWITCH_ENV] = "1" if on else "0"
-    drop_engine(output_head(model, "model").decoder)

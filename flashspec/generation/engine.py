@@ -2,12 +2,14 @@
 
 The engine lives on the target's decoder (so it goes away with the model) and holds:
 
-* one `DecoderRunner` per decoder it has met (the target, assistants): on CUDA each runs
-  a forward compiled once with symbolic sizes (`compiled`), so no prompt length,
-  `max_new_tokens`, sampling value or batch size compiles again;
+* one `DecoderRunner` per decoder it has met (the target, assistants) and kernel choice
+  (`invariant`): on CUDA each runs a forward compiled once with symbolic sizes
+  (`compiled`), so no prompt length, `max_new_tokens`, sampling value or batch size
+  compiles again;
 * one `Slot` per batch bucket (on CUDA 2, 4, 8, ... rows; the rows a call lacks are
   finished padding): running state and KV caches, grown when a call needs more columns,
-  evicted least recently used when a new one does not fit the memory budget;
+  evicted least recently used when a new one does not fit the memory budget, rebuilt when a
+  call switches `invariant`;
 * the CUDA graphs of the slots' steps, captured on first use per (slot, step, KV view,
   kernel flags) into one shared memory pool; a capture replays an already compiled forward
   and costs well under a second.
@@ -31,7 +33,7 @@ import weakref
 import torch
 
 from ..checks import NonFiniteLogitsError
-from . import invariant, samplers
+from . import samplers
 from .compiled import LOG, DecoderRunner, Event
 from .outputs import Generated, SpeculationStats
 from .slot import Report, Slot, bucket
@@ -42,9 +44,10 @@ _ENGINE_ATTRIBUTE = "_flashspec_engine"
 _BUDGET_ATTRIBUTE = "_flashspec_memory_budget"
 
 
-def engine_for(plan, sampler: str = "fused") -> "Engine":
+def engine_for(plan, sampler: str = "fused", invariant: bool = False) -> "Engine":
     """The engine of `plan`'s target (created on first use, replaced when the target's
-    weights moved, e.g. after ``model.half()`` or ``.to(...)``)."""
+    weights moved, e.g. after ``model.half()`` or ``.to(...)``), set for this call's sampler
+    and decoder kernels (`invariant`: `flashspec.generation.invariant`'s)."""
     if sampler not in SAMPLER_KINDS:
         raise ValueError(f"`sampler`={sampler!r} is not allowed: use one of {SAMPLER_KINDS}")
     decoder = plan.head.decoder
@@ -55,6 +58,7 @@ def engine_for(plan, sampler: str = "fused") -> "Engine":
         engine = Engine(plan.head)
         object.__setattr__(decoder, _ENGINE_ATTRIBUTE, engine)
     engine.sampler_kind = sampler
+    engine.invariant = invariant
     return engine
 
 
@@ -92,12 +96,14 @@ class Engine:
     def __init__(self, head):
         self.head = head
         self.sampler_kind = "fused"               # this call's: part of every graph's key
+        self.invariant = False                    # this call's: its slot's runners use it
         self.device = head.weight.device
         self.graphs_enabled = self.device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
         self._pool_anchor = _anchor(self.pool, self.device) if self.graphs_enabled else None
         self.weight_storage = _weight_storage(head)
         self.events: list[Event] = []            # compilations and captures, in order
+        # decoder -> {invariant: runner}
         self.runners: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self.target = self.runner(head.decoder, "model")
         self.slots: dict[int, Slot] = {}          # batch bucket -> slot, least recent first
@@ -121,10 +127,12 @@ class Engine:
     # ---- what the engine holds ---------------------------------------------------------
 
     def runner(self, decoder: torch.nn.Module, role: str) -> DecoderRunner:
-        if decoder not in self.runners:
-            self.runners[decoder] = DecoderRunner(decoder, role, self.graphs_enabled, self.events,
-                                                  invariant.wanted(decoder, self.device))
-        return self.runners[decoder]
+        """`decoder`'s runner with the call's decoder kernels."""
+        runners = self.runners.setdefault(decoder, {})
+        if self.invariant not in runners:
+            runners[self.invariant] = DecoderRunner(decoder, role, self.graphs_enabled,
+                                                    self.events, self.invariant)
+        return runners[self.invariant]
 
     def dtype_of(self, decoder: torch.nn.Module) -> torch.dtype:
         return next(decoder.parameters()).dtype
@@ -160,6 +168,9 @@ class Engine:
         max_drafts = _max_drafts(plan)
         capacity = bucket(width + max(max_drafts, 1) + 2)
         slot = self.slots.pop(batch, None)
+        if slot is not None and slot.target.runner.invariant != self.invariant:
+            self._drop_graphs(slot)             # its runners use the other decoder kernels
+            slot = None
         if slot is None:
             kv_bytes = self._slot_bytes(plan, batch, capacity)
             self._make_room(kv_bytes, keep=None)
@@ -204,9 +215,12 @@ class Engine:
 
     def _evict(self, batch: int) -> None:
         slot = self.slots.pop(batch)
+        self._drop_graphs(slot)
+        LOG.info("evicted the slot of %d rows (%d KV columns)", slot.batch_size, slot.capacity)
+
+    def _drop_graphs(self, slot: Slot) -> None:
         for key in [key for key in self.graphs if key[0] == id(slot)]:
             self.graph_bytes -= self.graphs.pop(key)[2]
-        LOG.info("evicted the slot of %d rows (%d KV columns)", slot.batch_size, slot.capacity)
 
     # ---- one generate() call -------------------------------------------------------------
 

@@ -12,14 +12,14 @@ traces through, so the compiled layers and the eager prefill use the same kernel
 
 Seeded sampling then gives the same tokens with or without drafts (a verification forward
 over k+1 tokens computes each position's hidden state as the one-token forward would) and
-alone or in any batch.
+alone or in any batch. `generate(sampler="flash", invariant=True)` asks for it
+(`check_supported` refuses a decoder these kernels cannot run); it costs about 10% of a
+decode step (BENCHMARKS.md), so it is off by default.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +29,6 @@ from transformers import AttentionInterface
 from ..kernels import invariant as kernels
 
 ATTENTION = "flashspec_invariant"
-SWITCH_ENV = "FLASHSPEC_INVARIANT"
-_SWITCH_VALUES = ("auto", "1", "0")
-LOG = logging.getLogger("flashspec")
 
 
 @torch.library.custom_op("flashspec::invariant_linear", mutates_args=())
@@ -176,22 +173,13 @@ def unsupported_reason(decoder: torch.nn.Module) -> str | None:
         return "its attention softcaps logits"
     return None
 
-def wanted(decoder: torch.nn.Module, device: torch.device) -> bool:
-    """Whether the engine runs `decoder` with the invariant kernels: ``FLASHSPEC_INVARIANT``
-    = ``0`` (default: cuBLAS and PyTorch's own kernels), ``1`` (everywhere, CPU included
-    through Triton's interpreter; an unsupported decoder is an error) or ``auto`` (on CUDA,
-    for the decoders they support; others are logged). Read when an engine is built
-    (`flashspec.generation.engine.drop_engine` rebuilds it)."""
-    setting = os.environ.get(SWITCH_ENV, "0")
-    if setting not in _SWITCH_VALUES:
-        raise ValueError(f"{SWITCH_ENV}={setting!r} is not allowed: use one of {_SWITCH_VALUES}")
-    if setting == "0" or (setting == "auto" and device.type != "cuda"):
-        return False
-    reason = unsupported_reason(decoder)
-    if reason is None:
-        return True
-    message = f"{type(decoder).__name__} cannot run flashspec's invariant kernels: {reason}"
-    if setting == "1":
-        raise ValueError(message + f"; set {SWITCH_ENV}=0 or auto")
-    LOG.info("%s; seeded tokens may then differ with drafts or batch", message)
-    return False
+
+def check_supported(decoders) -> None:
+    """ValueError naming `invariant` if one of `decoders` cannot run the invariant kernels."""
+    for decoder in decoders:
+        reason = unsupported_reason(decoder)
+        if reason is not None:
+            raise ValueError(f"`invariant`=True is not supported for {type(decoder).__name__}: "
+                             f"{reason}, which flashspec's invariant attention does not "
+                             "implement; drop `invariant` (seeded tokens may then differ with "
+                             "drafts or batch)")

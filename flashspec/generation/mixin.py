@@ -16,11 +16,12 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationMixin
 
 from .engine import engine_for
+from .invariant import check_supported
 from .outputs import FlashGenerateOutput
 from .plan import StockDelegation, plan_generation
 
 SAMPLERS = ("flash", "materialized")
-_FLASH_OPTIONS = ("seed", "output_logprobs", "drafter")
+_FLASH_OPTIONS = ("seed", "output_logprobs", "drafter", "invariant")
 
 
 class FlashGenerationMixin(GenerationMixin):
@@ -37,6 +38,14 @@ class FlashGenerationMixin(GenerationMixin):
         drafter: a `flashspec.generation.drafters.Drafter` of your own as the source of
             drafts (``num_assistant_tokens`` per step, default 4, constant schedule), instead
             of an assistant or prompt lookup.
+        invariant: run the target's and the assistant's forwards with flashspec's
+            batch-invariant decoder kernels (`flashspec.generation.invariant`), so that each
+            row's hidden states, and so its seeded tokens, are bitwise the same with or
+            without drafts and alone or in any batch, in bf16 on CUDA too (sampled and
+            greedy). Costs about 10% of tok/s. Without it the kernels are cuBLAS's and
+            PyTorch's: the fused sampling is still exact, but in bf16 a verification forward
+            can round a hidden state differently from a one-token forward, and a close
+            race can then go the other way (README, "Exactness").
 
     ``sampler="materialized"`` runs the same engine with the ``[B, V]`` logits computed
     in the model's dtype and sampled by torch ops: the baseline the fused kernels are
@@ -54,11 +63,11 @@ class FlashGenerationMixin(GenerationMixin):
     """
 
     def generate(self, inputs=None, generation_config=None, *args, sampler=None, seed=None,
-                 output_logprobs=False, drafter=None, **kwargs):
+                 output_logprobs=False, drafter=None, invariant=False, **kwargs):
         started = time.monotonic()            # max_time counts from here
         if sampler is None:
             given = dict(seed=seed is not None, output_logprobs=output_logprobs,
-                         drafter=drafter is not None)
+                         drafter=drafter is not None, invariant=invariant is not False)
             name = next((name for name in _FLASH_OPTIONS if given[name]), None)
             if name is not None:
                 seeding = " (stock generate() is seeded with torch.manual_seed)" if name == "seed" else ""
@@ -71,17 +80,21 @@ class FlashGenerationMixin(GenerationMixin):
         if args:
             raise ValueError("with sampler='flash', pass generate()'s arguments after "
                              "`generation_config` by keyword")
+        if not isinstance(invariant, bool):
+            raise TypeError(f"`invariant` must be True or False, got {invariant!r}")
         with torch.no_grad():
             plan = plan_generation(self, inputs, generation_config, seed=seed,
                                    output_logprobs=output_logprobs, drafter=drafter,
                                    started=started, **kwargs)
             if isinstance(plan, StockDelegation):
-                _check_stock_call(plan, seed, output_logprobs, drafter)
+                _check_stock_call(plan, seed, output_logprobs, drafter, invariant)
                 warnings.warn(f"sampler='{sampler}' defers this call to stock transformers "
                               f"generate(): {plan.reason}", UserWarning, stacklevel=2)
             else:
                 kind = "fused" if sampler == "flash" else "materialized"
-                generated = engine_for(plan, kind).run(plan)
+                if invariant:
+                    check_supported([plan.head.decoder, *getattr(plan.drafter, "decoders", ())])
+                generated = engine_for(plan, kind, invariant).run(plan)
         if isinstance(plan, StockDelegation):
             return super().generate(inputs, generation_config, **kwargs)
         width = int(generated.count.max())
@@ -94,10 +107,11 @@ class FlashGenerationMixin(GenerationMixin):
                                    logprobs=logprobs, flash_stats=generated.stats)
 
 
-def _check_stock_call(plan: StockDelegation, seed, output_logprobs, drafter) -> None:
+def _check_stock_call(plan: StockDelegation, seed, output_logprobs, drafter, invariant) -> None:
     """flashspec's own options have no meaning in stock `generate`: refuse them there."""
-    if output_logprobs or drafter is not None:
-        name = "output_logprobs" if output_logprobs else "drafter"
+    if output_logprobs or drafter is not None or invariant:
+        name = ("output_logprobs" if output_logprobs else
+                "drafter" if drafter is not None else "invariant")
         raise ValueError(f"`{name}` needs flashspec's engine, but this call runs stock "
                          f"generate() ({plan.reason}); drop `{name}` or that option")
     if seed is not None and plan.samples:
