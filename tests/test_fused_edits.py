@@ -247,6 +247,8 @@ def _hf_processors(option, width, eos):
         "repetition_penalty": [lp.RepetitionPenaltyLogitsProcessor(1.3)],
         "bans": [lp.NoBadWordsLogitsProcessor([[5], [40], [77], [3]], eos),
                  lp.SuppressTokensLogitsProcessor([6, 41, 500])],
+        "multi-token words": [lp.NoBadWordsLogitsProcessor(
+            [[12, 13], [20, 21, 22], [30, 31], [31, 32], [12, 14]], eos)],
         "min_new_tokens": [lp.MinNewTokensLengthLogitsProcessor(width - 2, 5, eos)],
         "all": [lp.RepetitionPenaltyLogitsProcessor(0.7), lp.NoBadWordsLogitsProcessor([[5]], eos),
                 lp.MinLengthLogitsProcessor(width + 2, eos), lp.SuppressTokensLogitsProcessor([6]),
@@ -268,7 +270,8 @@ def _hf_warpers(params, row):
     return warpers
 
 
-@pytest.mark.parametrize("option", ["repetition_penalty", "bans", "min_new_tokens", "all"])
+@pytest.mark.parametrize("option", ["repetition_penalty", "bans", "multi-token words",
+                                    "min_new_tokens", "all"])
 def test_fused_equals_transformers_processors_in_float64(option):
     """The codes that `EditRules` / `EditState` make from transformers' processors and a
     context, applied by the fused kernels, against those processors on the float64 logits of
@@ -286,6 +289,10 @@ def test_fused_equals_transformers_processors_in_float64(option):
     hidden, weight, positions = random_problem(g, batch, vocab_size, 32)
     params = mixed_params(g, batch, seed=7)
     context = torch.randint(0, vocab_size, (batch, width + 3), generator=g)
+    # Contexts that end with bad words' prefixes, now and after the generated tokens.
+    context[:3, width - 1] = 12
+    context[3:5, width - 2:width + 1] = torch.tensor([20, 21, 30])
+    context[5:, width:width + 3] = torch.tensor([31, 20, 21])
     logits64 = reference.compute_logits(hidden.double().cpu(), weight.double().cpu())
     for generated in range(4):
         state = EditState(batch, vocab_size, torch.device(DEVICE))
@@ -293,6 +300,8 @@ def test_fused_equals_transformers_processors_in_float64(option):
         state.absorb(context[:, width:width + generated].to(DEVICE),
                      torch.ones(batch, generated, dtype=torch.bool, device=DEVICE))
         edits = state.sample_edits(torch.full((batch,), generated, device=DEVICE))
+        if option == "multi-token words" and generated == 0:   # the words bite
+            assert (edits.codes[:3, [13, 14]] == BAN).all() and (edits.codes[3:5, 22] == BAN).all()
         ours = sampling.sample(hidden, weight, params, positions, edits=edits, backend="fused",
                                config=SMALL).tokens.cpu()
         ids = context[:, :width + generated]

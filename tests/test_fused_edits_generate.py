@@ -36,9 +36,10 @@ FUSED = {
     "suppress_tokens": dict(suppress_tokens=[101, 53, 65]),
     "begin_suppress_tokens": dict(begin_suppress_tokens=[101, 53, 65, 7]),
     "bad_words_ids": dict(bad_words_ids=[[101], [62], [38]]),
+    "multi-token bad_words_ids": dict(bad_words_ids=[[101], [92, 62], [31, 38], [5, 6, 7, 8]]),
     "min_new_tokens": dict(min_new_tokens=8, eos_token_id=EOS),
     "min_length": dict(min_length=18, eos_token_id=EOS),
-    "all": dict(repetition_penalty=1.3, suppress_tokens=[53], bad_words_ids=[[62], [38]],
+    "all": dict(repetition_penalty=1.3, suppress_tokens=[53], bad_words_ids=[[62], [38], [9, 10]],
                 begin_suppress_tokens=[7], min_new_tokens=6, eos_token_id=[EOS, 4]),
     "qwen2.5-instruct": QWEN25_INSTRUCT,
 }
@@ -142,7 +143,8 @@ def test_qwen25_instruct_generation_config_runs_fused():
 
 def test_unfused_options_keep_the_materialized_path_and_name_the_fused_ones():
     ids, mask = left_pad(PROMPTS[:1])
-    for kwargs, named in ((dict(bad_words_ids=[[92, 62]]), "multi-token `bad_words_ids`"),
+    for kwargs, named in ((dict(bad_words_ids=[[92, 62]], sequence_bias=[[[7], 2.0]]),
+                           "`bad_words_ids`=\\[\\[92, 62\\]\\]"),
                           (dict(repetition_penalty=1.2, no_repeat_ngram_size=3),
                            "`repetition_penalty`=1.2")):
         with pytest.warns(UserWarning, match=named):
@@ -166,7 +168,11 @@ def test_rules_from_transformers_processors():
                               eos=(4, EOS), min_count=4)
     assert EditRules.from_processors(processors + [lp.NoRepeatNGramLogitsProcessor(2)], 10,
                                      VOCAB) is None
-    assert EditRules.from_processors([lp.NoBadWordsLogitsProcessor([[8, 9]], eos)], 10, VOCAB) is None
+    assert EditRules.from_processors([lp.NoBadWordsLogitsProcessor([[8, VOCAB]], eos)], 10,
+                                     VOCAB) is None
+    words = EditRules.from_processors([lp.NoBadWordsLogitsProcessor([[8, 9], [4], [7]], eos)], 10,
+                                      VOCAB)
+    assert words == EditRules(banned=(7,), words=((8, 9),))      # [4] is an EOS: dropped
 
 
 @seed(0)
@@ -180,9 +186,11 @@ def test_verify_codes_are_plain_decodings(batch, num_drafts, penalized, setting)
     vocab = 40
     rules = EditRules(penalty=1.3 if penalized else 1.0, banned=(3, 5),
                       begin_banned=(7, 8), begin_count=int(torch.randint(0, 4, (1,), generator=g)),
-                      eos=(1,), min_count=int(torch.randint(0, 6, (1,), generator=g)))
-    prompts = torch.randint(0, vocab, (batch, 6), generator=g)
-    drafts = torch.randint(0, vocab, (batch, num_drafts), generator=g)
+                      eos=(1,), min_count=int(torch.randint(0, 6, (1,), generator=g)),
+                      words=((2, 4), (6, 2, 9), (1, 1, 1, 30)))
+    # Tokens mostly from a few ids, so that the bad words' prefixes come up.
+    prompts = torch.randint(0, 10, (batch, 6), generator=g)
+    drafts = torch.randint(0, 10, (batch, num_drafts), generator=g)
     lengths = torch.randint(0, num_drafts + 1, (batch,), generator=g)
     drafts = torch.where(torch.arange(num_drafts)[None] < lengths[:, None], drafts, -1)
     generated = torch.randint(0, 5, (batch,), generator=g)

@@ -8,6 +8,9 @@ device with torch ops only (no host read: the steps stay capturable in CUDA grap
   `RepetitionPenaltyLogitsProcessor` reads stock's ``input_ids``: the left-padded prompt,
   pad tokens included, and the generated tokens);
 * ``suppress_tokens``, single-token ``bad_words_ids``: BAN everywhere;
+* multi-token ``bad_words_ids``: a word's last token BAN where the context ends with the
+  rest of the word (transformers' `NoBadWordsLogitsProcessor`, matched on the device against
+  each row's last tokens, which the slot keeps);
 * ``begin_suppress_tokens``: BAN at the first generated position;
 * ``min_length`` / ``min_new_tokens``: the EOS ids BAN while the row's length is short.
 
@@ -22,8 +25,8 @@ position's bans; a verification step's position j adds the drafts before j (its 
 and the bans at t + j, so every position is edited as plain decoding would edit it, and
 seeded tokens stay the same with and without speculation.
 
-Still on the materialized path (`processing`): multi-token ``bad_words_ids``,
-``no_repeat_ngram_size`` and every other processor (`plan`).
+Still on the materialized path (`processing`): ``no_repeat_ngram_size``, ``sequence_bias``
+and every other processor (`plan`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ _FUSED_WARPERS = (lp.TemperatureLogitsWarper, lp.TopKLogitsWarper, lp.TopPLogits
 FUSED_OPTIONS = ("repetition_penalty", "bad_words_ids", "suppress_tokens",
                  "begin_suppress_tokens", "min_length", "min_new_tokens")
 NEVER = -1    # a generated count no position has
+NO_TOKEN = -1     # a context position before the padded prompt (or past the drafts)
+ANY_TOKEN = -2    # a word's unused leading slot: matches anything
+SOME_TOKEN = -3   # the slot before a word's prefix: matches a token, not NO_TOKEN (transformers
+                  # skips a word longer than the context)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +56,9 @@ class EditRules:
     """A call's fused edits (host values, from transformers' processors): `penalty` (1.0:
     none), `banned` (every position), `begin_banned` (the position after `begin_count`
     generated tokens, or none: `NEVER`), `eos` (banned while fewer than `min_count` tokens
-    are generated). Token ids outside the vocabulary are dropped, as ``torch.isin`` in
-    transformers' processors ignores them."""
+    are generated), `words` (multi-token bad words: the last token banned after the others).
+    Token ids outside the vocabulary are dropped, as ``torch.isin`` in transformers'
+    processors ignores them."""
 
     penalty: float = 1.0
     banned: tuple[int, ...] = ()
@@ -58,12 +66,14 @@ class EditRules:
     begin_count: int = NEVER
     eos: tuple[int, ...] = ()
     min_count: int = 0
+    words: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def from_processors(cls, processors, prompt_width: int, vocab_size: int) -> "EditRules | None":
         """The rules of `processors` (transformers' list for the call, whose inputs are
-        ``prompt_width`` wide), or None if one of them is not fused (a multi-token bad word,
-        a repetition penalty that ignores the prompt, any other processor)."""
+        ``prompt_width`` wide), or None if one of them is not fused (a bad word with an id
+        outside the vocabulary, a repetition penalty that ignores the prompt, any other
+        processor)."""
         rules = cls()
         for processor in processors:
             if isinstance(processor, _FUSED_WARPERS):
@@ -75,13 +85,14 @@ class EditRules:
         return rules
 
     def _merged(self, penalty=None, banned=(), begin_banned=(), begin_count=NEVER, eos=(),
-                min_count=0) -> "EditRules":
+                min_count=0, words=()) -> "EditRules":
         return EditRules(
             penalty=self.penalty if penalty is None else penalty,
             banned=tuple(sorted({*self.banned, *banned})),
             begin_banned=tuple(sorted({*self.begin_banned, *begin_banned})),
             begin_count=begin_count if begin_banned else self.begin_count,
-            eos=tuple(sorted({*self.eos, *eos})), min_count=max(self.min_count, min_count))
+            eos=tuple(sorted({*self.eos, *eos})), min_count=max(self.min_count, min_count),
+            words=tuple(sorted({*self.words, *words})))
 
 
 def _ids(values, vocab_size: int) -> tuple[int, ...]:
@@ -113,13 +124,11 @@ def _rule_of(processor, prompt_width: int, vocab_size: int) -> dict | None:
                     min_count=processor.min_new_tokens + processor.prompt_length_to_skip
                     - prompt_width)
     if type(processor) is lp.NoBadWordsLogitsProcessor:
-        words = list(processor.sequence_bias)
-        if any(len(word) != 1 for word in words):
-            return None
-        ids = [word[0] for word in words]
-        if any(not 0 <= i < vocab_size for i in ids):
+        words = [tuple(int(i) for i in word) for word in processor.sequence_bias]
+        if any(not 0 <= i < vocab_size for word in words for i in word):
             return None       # transformers raises on them: its processor's path says so
-        return dict(banned=tuple(ids))
+        return dict(banned=tuple(word[0] for word in words if len(word) == 1),
+                    words=tuple(word for word in words if len(word) > 1))
     return None
 
 
@@ -137,6 +146,11 @@ class EditState:
             gather and one max per step then make them, with no [B, V] pass per kind.
         begin_count / min_count: int64 ``[1]``: the generated count of the begin position
             (`NEVER`: none); EOS is banned below `min_count`.
+        words / word_ends: int64 ``[K, M+1]`` / ``[K]``: the multi-token bad words, each
+            one's tokens but the last right-aligned after `SOME_TOKEN` and `ANY_TOKEN`s, and
+            the last tokens (M: the longest such prefix; K = 0 without words).
+        tail: int64 ``[B, M+1]``: each row's last M+1 context tokens (`NO_TOKEN` before its
+            padded prompt), which the words are matched against.
     """
 
     def __init__(self, batch_size: int, vocab_size: int, device: torch.device):
@@ -147,11 +161,16 @@ class EditState:
         self.ban_rows = torch.zeros(4, vocab_size, **uint8)
         self.begin_count = torch.full((1,), NEVER, dtype=torch.long, device=device)
         self.min_count = torch.zeros(1, dtype=torch.long, device=device)
+        self.words = torch.zeros(0, 1, dtype=torch.long, device=device)
+        self.word_ends = torch.zeros(0, dtype=torch.long, device=device)
+        self.tail = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
 
-    def load(self, rules: EditRules, input_ids: torch.Tensor) -> None:
+    def load(self, rules: EditRules, input_ids: torch.Tensor) -> bool:
         """The call's `rules` for rows whose left-padded prompts are `input_ids` ``[B, L]``
-        (padding tokens are context too, as in stock's ``input_ids``)."""
+        (padding tokens are context too, as in stock's ``input_ids``). Returns whether the
+        words' buffers changed shape (new ones: steps captured before do not read them)."""
         device = self.base.device
+        replaced = self._load_words(rules.words)
         self.penalty.fill_(rules.penalty)
         self.context_code.fill_(KEEP if rules.penalty == 1.0 else PENALIZE)
         self.ban_rows.zero_()
@@ -162,16 +181,40 @@ class EditState:
         self.min_count.fill_(rules.min_count)
         self.base.zero_()
         self.base[:, torch.tensor(rules.banned, dtype=torch.long, device=device)] = BAN
+        self.tail.fill_(NO_TOKEN)
         self.absorb(input_ids, torch.ones_like(input_ids, dtype=torch.bool))
+        return replaced
+
+    def _load_words(self, words: tuple[tuple[int, ...], ...]) -> bool:
+        longest = max((len(word) - 1 for word in words), default=0)
+        rows = [[ANY_TOKEN] * (longest - len(word) + 1) + [SOME_TOKEN, *word[:-1]]
+                for word in words]
+        device = self.base.device
+        prefixes = torch.tensor(rows, dtype=torch.long, device=device).view(len(words), longest + 1)
+        ends = torch.tensor([word[-1] for word in words], dtype=torch.long, device=device)
+        if prefixes.shape == self.words.shape:
+            self.words.copy_(prefixes)
+            self.word_ends.copy_(ends)
+            return False
+        self.words, self.word_ends = prefixes, ends
+        self.tail = self.tail.new_empty(self.tail.shape[0], longest + 1)
+        return True
 
     def absorb(self, tokens: torch.Tensor, written: torch.Tensor) -> None:
-        """Tokens ``[B, W]`` where `written` joined the rows' contexts."""
+        """Tokens ``[B, W]`` where `written` (the first few of each row) joined the rows'
+        contexts."""
         codes = written.to(torch.uint8) * self.context_code
         self.base.scatter_reduce_(1, tokens.clamp_min(0), codes, reduce="amax")
+        if self.word_ends.numel():
+            joined = torch.cat([self.tail, tokens], dim=1)
+            kept = written.sum(dim=1, keepdim=True) + torch.arange(self.tail.shape[1],
+                                                                    device=tokens.device)
+            self.tail.copy_(joined.gather(1, kept))
 
     def sample_edits(self, generated: torch.Tensor) -> LogitEdits:
         """The edits of each row's next token, after `generated` ``[B]`` tokens."""
-        return LogitEdits(self._with_position_bans(self.base, generated), self.penalty)
+        codes = self._with_position_bans(self.base, generated)
+        return LogitEdits(self._with_word_bans(codes, self.tail), self.penalty)
 
     def verify_edits(self, generated: torch.Tensor, drafts: torch.Tensor) -> LogitEdits:
         """The edits ``[B, G+1, V]`` of the positions that verify `drafts` ``[B, G]`` (-1
@@ -184,8 +227,22 @@ class EditState:
         in_context = (before[None] & is_draft[:, None, :]).to(torch.uint8) * self.context_code
         codes = self._with_position_bans(self.base[:, None, :], generated[:, None] + positions)
         index = drafts.clamp_min(0)[:, None, :].expand(batch, num_drafts + 1, num_drafts)
-        return LogitEdits(codes.scatter_reduce_(2, index, in_context, reduce="amax"),
-                          self.penalty)
+        codes.scatter_reduce_(2, index, in_context, reduce="amax")
+        # Position j's last context tokens: the row's, then its first j drafts.
+        contexts = torch.cat([self.tail, torch.where(is_draft, drafts, NO_TOKEN)], dim=1)
+        windows = contexts.unfold(1, self.tail.shape[1], 1)                  # [B, G+1, M+1]
+        return LogitEdits(self._with_word_bans(codes, windows), self.penalty)
+
+    def _with_word_bans(self, codes: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+        """`codes` ``[..., V]`` with each multi-token bad word's last token banned where the
+        context's last tokens `windows` ``[..., M+1]`` end with the rest of the word."""
+        if not self.word_ends.numel():
+            return codes
+        context = windows[..., None, :]
+        match = ((context == self.words) | (self.words == ANY_TOKEN)
+                 | ((self.words == SOME_TOKEN) & (context >= 0))).all(dim=-1)   # [..., K]
+        ends = self.word_ends.expand(match.shape)
+        return codes.scatter_reduce_(-1, ends, match.to(torch.uint8) * BAN, reduce="amax")
 
     def _with_position_bans(self, codes: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
         """`codes` ``[..., V]`` (broadcast to ``[*generated.shape, V]``) with EOS banned
@@ -196,7 +253,8 @@ class EditState:
 
     def tensors(self) -> list[torch.Tensor]:
         """What a step writes (a graph capture's warm-up must restore it)."""
-        return [self.base]
+        return [self.base, self.tail]
 
     def nbytes(self) -> int:
-        return self.base.numel() + self.ban_rows.numel()
+        return (self.base.numel() + self.ban_rows.numel()
+                + 8 * (self.tail.numel() + self.words.numel() + self.word_ends.numel()))

@@ -8,7 +8,7 @@ from exactly what stock `generate` would.
 Every option stock `generate` accepts in greedy or sampling mode runs on flashspec's
 engine: temperature, top-k, top-p and min-p in the fused kernels, and with them the logit
 edits of `edits.FUSED_OPTIONS` (repetition_penalty, suppress_tokens, begin_suppress_tokens,
-single-token bad_words_ids, min_length, min_new_tokens: `edits.EditRules`, made from
+bad_words_ids, min_length, min_new_tokens: `edits.EditRules`, made from
 transformers' own processors for the call) while nothing else needs the materialized path;
 everything else that edits the logits (transformers' processors, the unfused warpers, a user's `logits_processor` or
 `prefix_allowed_tokens_fn`, watermarking, a head's softcap or bias, `output_scores` /
@@ -55,8 +55,8 @@ _ENGINE_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE,
                  GenerationMode.ASSISTED_GENERATION)
 
 # Options transformers applies as logits processors (whatever the mode): set, the call runs
-# on the materialized path, but for `edits.FUSED_OPTIONS` when nothing else needs that path
-# (multi-token bad_words_ids do). name -> is_off(value).
+# on the materialized path, but for `edits.FUSED_OPTIONS` when nothing else needs that path.
+# name -> is_off(value).
 PROCESSOR_OPTIONS = {
     "repetition_penalty": lambda v: v is None or v == 1.0,
     "encoder_repetition_penalty": lambda v: v is None or v == 1.0,
@@ -327,9 +327,6 @@ def _materialized_reasons(config: GenerationConfig, head: OutputHead, sampling: 
         value = getattr(config, name, None)
         if not is_off(value):
             reasons.append((name, f"`{name}`={value!r} ({source(name)})"))
-    bad_words = config.bad_words_ids
-    if bad_words is not None and any(len(word) != 1 for word in bad_words):
-        reasons.append((None, "multi-token `bad_words_ids` (single-token ones are fused)"))
     if logits_processor:
         names = ", ".join(type(p).__name__ for p in logits_processor)
         reasons.append((None, f"`logits_processor` ({names})"))

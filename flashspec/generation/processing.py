@@ -30,7 +30,7 @@ The same holds for stock assisted generation, which also calls them on drafted p
 
 Each step's work is eager (no CUDA graph, host reads allowed). A fused version of an edit
 replaces it here option by option (`edits`: repetition_penalty, suppress_tokens,
-begin_suppress_tokens, single-token bad_words_ids, min_length, min_new_tokens): `plan` lists
+begin_suppress_tokens, bad_words_ids, min_length, min_new_tokens): `plan` lists
 such an option as a reason only when another one forces this path, and transformers' own
 processor then applies it here.
 """

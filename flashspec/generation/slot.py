@@ -259,15 +259,15 @@ class Slot:
         """The call's fused edits (`edits.EditRules`, or None) for the padded prompts
         `input_ids`. Steps captured with edits differ from those without (the codes, the
         kernels' variant), and the graph key does not say which: a call that turns the
-        edits on or off bumps the buffers' generation, so its steps are captured anew."""
+        edits on or off, or needs other buffers for its bad words, bumps the buffers'
+        generation, so its steps are captured anew."""
         if rules is not None and self.edit_state is None:
             self.edit_state = EditState(self.batch_size, self.engine.head.vocab_size, self.device)
         edits = self.edit_state if rules is not None else None
-        if (edits is None) != (self.edits is None):
+        replaced = edits is not None and edits.load(rules, input_ids)
+        if replaced or (edits is None) != (self.edits is None):
             self.generation += 1
         self.edits = edits
-        if edits is not None:
-            edits.load(rules, input_ids)
 
     def step_edits(self, drafts: torch.Tensor | None = None):
         """The fused edits (`LogitEdits`, or None without) of the rows' next token, or with
