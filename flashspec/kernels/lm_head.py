@@ -2,12 +2,14 @@
 
 `lm_head_tiles_kernel`, one program per (vocab tile, row tile): the logits tile
 ``hidden[r0:r0+BR] @ weight[tile's tokens].T`` in fp32 (a tile holds BV consecutive tokens,
-or, when truncating, BV / 16 interleaved groups of 16: `rows._column_tokens`), summarised
-per (row, tile) by the epilogue (`epilogue.py`; with ``TileConfig.race``, `race.py`) into
+or, when truncating, BV / 16 interleaved groups of 16: `rows._column_tokens`), with EDITS
+edited by the rows' codes (`epilogue._edited_logits`), summarised per (row, tile) by the
+epilogue (`epilogue.py`; with ``TileConfig.race``, `race.py`) into
 ``[R, NUM_VT]`` arrays that stage 2 (`merge.py`) reduces per row.
 
-Above 64 rows on Hopper, stage 1 is `lm_head_ws.lm_head_tiles_ws_kernel` instead, a
-warp-specialized Gluon kernel running the same epilogue.
+Above 64 rows on Hopper (32 when truncating), stage 1 is
+`lm_head_ws.lm_head_tiles_ws_kernel` instead, a warp-specialized Gluon kernel running the
+same epilogue, except for calls with logit edits, which stay here (`ops._launch`).
 """
 
 import triton
