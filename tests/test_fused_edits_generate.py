@@ -25,7 +25,7 @@ from flashspec.params import BAN, PENALIZE
 
 from _models import VOCAB, tiny_model
 from test_generate import _quiet_single_threaded  # noqa: F401 - the module's autouse fixture
-from test_logits_options import EOS, PROMPTS, draft, flash, left_pad, target
+from test_logits_options import EOS, PROMPTS, flash, left_pad, target
 
 SEED = 5
 SAMPLING = dict(do_sample=True, temperature=0.9, top_k=0)
@@ -237,3 +237,70 @@ def test_completion_applies_the_step_edits():
                                                           edits=edits)
     whole = sampling.verify(hidden, weight, drafts, params, positions, edits=edits)
     assert torch.equal(tokens, whole.tokens[rows]) and torch.equal(num_accepted, whole.num_accepted[rows])
+
+
+# --------------------------------------------------------------------------------------
+# CUDA: the engine's fused path (CUDA graphs, the kernels with edit codes)
+# --------------------------------------------------------------------------------------
+
+GPU_EDITS = dict(repetition_penalty=1.3, bad_words_ids=[[7], [30, 31]], suppress_tokens=[9],
+                 min_new_tokens=6, eos_token_id=[3, 4], pad_token_id=0)
+
+
+def _assert_same_or_edited_near_tie(ids, mask, got, want, sampling, seeds):
+    """Rows equal, or the first difference is a near-tie of the float64 target's logits
+    after transformers' processors for `GPU_EDITS` (stock's input_ids: the padded prompt
+    and the tokens before)."""
+    from flashspec import rng
+    from flashspec.bench.statistics import is_near_tie
+    from test_generate_gpu import VOCAB as GPU_VOCAB, _reference
+
+    eos = torch.tensor(GPU_EDITS["eos_token_id"])
+    width = ids.shape[1]
+    processors = LogitsProcessorList([
+        lp.RepetitionPenaltyLogitsProcessor(GPU_EDITS["repetition_penalty"]),
+        lp.NoBadWordsLogitsProcessor(GPU_EDITS["bad_words_ids"], eos),
+        lp.MinNewTokensLengthLogitsProcessor(width, GPU_EDITS["min_new_tokens"], eos),
+        lp.SuppressTokensLogitsProcessor(GPU_EDITS["suppress_tokens"])])
+    for row in range(len(ids)):
+        a, b = got[row].cpu(), want[row].cpu()
+        if torch.equal(a, b):
+            continue
+        k = int((a != b).nonzero()[0])
+        real = a[:k][mask[row].cpu().bool().tolist() + [True] * (k - width)]
+        with torch.no_grad():
+            logits64 = _reference()(real[None]).logits[0, -1].double()
+        edited = processors(a[None, :k], logits64[None])[0]
+        noise = rng.gumbel(torch.tensor(int(seeds[row])), torch.tensor(len(real)),
+                           torch.arange(GPU_VOCAB))
+        assert is_near_tie(edited, True, sampling["temperature"], sampling["top_k"],
+                           sampling["top_p"], 0.0, noise.double(), int(a[k]), int(b[k])), \
+            f"row {row} differs at new token {k - width}: {int(a[k])} vs {int(b[k])}"
+
+
+@pytest.mark.gpu
+def test_fused_edits_on_cuda_equal_the_cpu_engine_and_survive_switching():
+    """On CUDA the call runs the kernels with codes in captured graphs: plain, assistant
+    and prompt lookup equal the CPU engine (the reference with the same codes), up to
+    near-ties of the edited float64 logits; a call without edits in between (other graphs:
+    the slot's buffers' generation moves) leaves the next call with edits unchanged."""
+    from flashspec.generation.engine import cached_engine
+    from test_generate_gpu import MODES as GPU_MODES, _cpu_pair, _pair, _prompts, _run
+
+    model, draft = _pair(torch.float32)
+    ids, mask = _prompts("cuda")
+    seeds = torch.tensor([41, 42, 43, 44])
+    sampling = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.8)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "sampler='flash' runs this call")
+        on_cpu = _run(*_cpu_pair(), ids.cpu(), mask.cpu(), GPU_MODES["plain"], seed=seeds,
+                      **sampling, **GPU_EDITS)
+        for mode in GPU_MODES.values():
+            graphed = _run(model, draft, ids, mask, mode, seed=seeds, **sampling, **GPU_EDITS)
+            _assert_same_or_edited_near_tie(ids, mask, graphed, on_cpu, sampling, seeds)
+        assert cached_engine(model.get_decoder()).graphs
+        plain = _run(model, draft, ids, mask, GPU_MODES["plain"], seed=seeds, **sampling)
+        assert not torch.equal(plain, graphed)
+        again = _run(model, draft, ids, mask, GPU_MODES["prompt_lookup"], seed=seeds, **sampling,
+                     **GPU_EDITS)
+        assert torch.equal(again, graphed)
