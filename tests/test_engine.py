@@ -7,7 +7,9 @@ for mixed sliding/full layers, and its refusals."""
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ import flashspec
 from flashspec.generation import engine as engine_module
 from flashspec.generation import samplers
 from flashspec.generation import slot as slot_module
+from flashspec.generation.compiled import LOG, DecoderRunner
 from flashspec.generation.drafters import AttachedDrafter, Drafter
 from flashspec.generation.heads import check_decoder
 from flashspec.generation.kv_cache import FULL, SLIDING, WindowCache, layer_kinds
@@ -569,7 +572,7 @@ def test_after_warmup_calls_capture_nothing(emulated_graphs):
     for rows, length, new in [(1, 20, 40), (3, 300, 100), (2, 500, 90)]:
         ids = torch.randint(1, 100, (rows, length), generator=g)
         flash(model, ids, max_new_tokens=new, **settings)
-    assert [key[1:2] + key[3:5] for key in emulated_graphs[captured:]] == []
+    assert [key[1:2] + key[3:4] + key[-1:] for key in emulated_graphs[captured:]] == []
 
 
 class _FlagRowOne(samplers.MaterializedSampler):
@@ -681,12 +684,101 @@ def test_max_time_bounds_a_call_with_long_drafts():
 
 
 def _timed_calls(model, ids, kwargs):
-    import time
     model.generate(ids, max_time=0.05, **kwargs)           # the engine and its slot exist
     started = time.monotonic()
     out = model.generate(ids, max_time=0.5, **kwargs)
     seconds = time.monotonic() - started
+    return seconds, _one_forward(model, ids), out
+
+
+def _one_forward(model, ids) -> float:
+    """Seconds of a call that runs one forward (and the rest of a call's work)."""
     started = time.monotonic()
     model.generate(ids, sampler="flash", max_new_tokens=1, pad_token_id=0)
-    one_forward = time.monotonic() - started
-    return seconds, one_forward, out
+    return time.monotonic() - started
+
+
+class _SlowCompile:
+    """A CPU twin of a first compilation: installed as each runner's compiled forward, it
+    waits `SECONDS` (inductor takes 5-40 s on CUDA) the first time, then runs the eager
+    forward, so the engine's runners report that a step would compile."""
+
+    SECONDS = 2.0
+
+    def __init__(self, monkeypatch):
+        self.waits = []
+        init = DecoderRunner.__init__
+        twin = self
+
+        def patched(runner, *args, **kwargs):
+            init(runner, *args, **kwargs)
+
+            def compiled(*forward_args):
+                if not runner.compiled:
+                    twin.waits.append(runner.role)
+                    time.sleep(twin.SECONDS)
+                return runner._forward(*forward_args)
+
+            runner.compile, runner._compiled = True, compiled
+
+        monkeypatch.setattr(DecoderRunner, "__init__", patched)
+
+
+@pytest.mark.parametrize("drafts", ["plain", "assistant"])
+def test_max_time_runs_uncompiled_where_its_steps_would_compile(monkeypatch, drafts):
+    """A call with max_time whose steps would compile (here a twin compilation of 2 s) runs
+    uncompiled: no compilation, one line in the log, greedy tokens exactly stock's, within
+    max_time + 0.2 s + one forward. A call without max_time then compiles."""
+    slow = _SlowCompile(monkeypatch)
+    model = tiny_model("llama")
+    ids = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(sampler="flash", do_sample=False, pad_token_id=0)
+    if drafts == "assistant":
+        kwargs.update(assistant_model=tiny_draft("llama"), num_assistant_tokens=4)
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    LOG.addHandler(handler)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        started = time.monotonic()
+        out = model.generate(ids, max_time=0.3, max_new_tokens=100_000, **kwargs)
+        seconds = time.monotonic() - started
+        one_forward = _one_forward(model, ids)
+    finally:
+        torch.set_num_threads(threads)
+        LOG.removeHandler(handler)
+    assert seconds < 0.3 + 0.2 + one_forward, (seconds, one_forward)
+    assert slow.waits == []
+    engine = engine_module.cached_engine(model.model)
+    assert not [e for e in engine.events if e.kind == "compile"]
+    assert [line for line in lines if "runs uncompiled" in line] == [
+        "this call has max_time and would compile the model's forward (LlamaModel): it runs "
+        "uncompiled (eager forwards, no CUDA graphs, the LM head by torch ops); "
+        "flashspec.warmup() with this call's settings prepares it"]
+    new = out.shape[1] - ids.shape[1]
+    assert new > 1
+    want = stock(model, ids, max_new_tokens=new)
+    for ours, theirs in zip(out.tolist(), want.tolist()):
+        while ours[-1] == 0:                  # a row the clock stopped earlier is padded
+            ours.pop()
+        assert ours == theirs[:len(ours)]
+    model.generate(ids, max_new_tokens=4, **kwargs)
+    roles = ["model", "assistant_model"] if drafts == "assistant" else ["model"]
+    assert sorted(slow.waits) == sorted(roles)
+    assert [e.kind for e in engine.events] == ["compile"] * len(roles)
+
+
+def test_warmup_meets_every_width_of_a_timed_call(emulated_graphs):
+    """Warm-up verifies at each width a call with max_time can meet (powers of two up to
+    the draft count), besides the schedule's own: after it, such calls find every step
+    captured."""
+    model, assistant = tiny_model("llama"), tiny_draft("llama")
+    flashspec.generation.warmup(model, assistant_model=assistant, num_assistant_tokens=6,
+                                batch_sizes=(1,), max_length=300, progress=False)
+    engine = engine_module.cached_engine(model.model)
+    slot = engine.slots[2]
+    assert engine.timed_widths(slot) == [1, 2, 4, 6]
+    verified = {key[3] for key in emulated_graphs if key[3][0] == "verify"}
+    assert verified == {("verify", 1), ("verify", 2), ("verify", 4), ("verify", 6)}

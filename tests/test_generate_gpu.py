@@ -9,6 +9,7 @@ float64 target (bf16 and fp32 GEMMs round differently), never a plain disagreeme
 """
 
 import functools
+import time
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import flashspec
 from flashspec import rng
 from flashspec.bench.statistics import acceptance_check, assert_acceptance_matches, is_near_tie
+from flashspec.generation.engine import cached_engine
 
 pytestmark = pytest.mark.gpu
 
@@ -201,3 +203,48 @@ def test_slots_grow_and_capture_again_in_the_engine_pool():
         for mode in MODES.values():
             flash = _run(model, draft, ids, mask, mode, do_sample=False)
             _assert_same_or_near_tie(ids, mask, flash, stock, {}, [0], 1e-4)
+
+
+def test_max_time_counts_compilation_and_capture():
+    """A fresh engine: a first call with max_time=0.3 would compile the decoder and the
+    LM-head kernels and capture graphs (seconds); it runs uncompiled instead, ends within
+    0.3 s + 0.2 s + one forward, compiles and captures nothing, and its greedy tokens are
+    stock's up to bf16 near-ties. After warm-up, calls with max_time run compiled: they
+    replay graphs, at every width a timed step can take, and compile or capture nothing.
+    CPU twin: test_engine.py::test_max_time_runs_uncompiled_where_its_steps_would_compile."""
+    model, assistant = flashspec.wrap(_llama(0, 2, torch.bfloat16)), _llama(1, 1, torch.bfloat16)
+    torch.manual_seed(5)
+    ids = torch.randint(1, VOCAB, (1, 12), device="cuda")
+    mask = torch.ones_like(ids)
+    # CUDA, cuBLAS and sdpa are set up by a stock call first: not flashspec's work to count.
+    model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    kwargs = dict(attention_mask=mask, sampler="flash", do_sample=False)
+    started = time.monotonic()
+    out = model.generate(ids, max_time=0.3, max_new_tokens=10**6, **kwargs)
+    seconds = time.monotonic() - started
+    started = time.monotonic()
+    model.generate(ids, max_time=60.0, max_new_tokens=1, **kwargs)      # one uncompiled forward
+    one_forward = time.monotonic() - started
+    assert seconds < 0.3 + 0.2 + one_forward, (seconds, one_forward)
+    engine = cached_engine(model.model)
+    assert engine.events == [] and engine.graphs == {} and engine.compiled_kernels == {}
+    new = out.shape[1] - ids.shape[1]
+    assert new > 1
+    stock = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+    _assert_same_or_near_tie(ids, mask, out, stock, {}, [0], 3e-2)
+
+    drafts = dict(assistant_model=assistant, num_assistant_tokens=4,
+                  num_assistant_tokens_schedule="constant")
+    # Drafts first: attaching the assistant replaces the slot's buffers (and their graphs).
+    flashspec.warmup(model, batch_sizes=(1,), max_length=256, progress=False, do_sample=False,
+                     **drafts)
+    flashspec.warmup(model, batch_sizes=(1,), max_length=256, progress=False, do_sample=False)
+    want = model.generate(ids, max_new_tokens=64, **kwargs)
+    for extra, replayed in (({}, {"plain"}),
+                            (drafts, {"draft_first", "draft_next", ("verify", 1), ("verify", 4)})):
+        events = len(engine.events)
+        out = model.generate(ids, max_time=30.0, max_new_tokens=64, **kwargs, **extra)
+        assert engine.events[events:] == []
+        assert replayed <= set(engine.last_call_graphs), engine.last_call_graphs.keys()
+        if not extra:      # the same graphs as the call without max_time: the same tokens
+            assert torch.equal(out, want)

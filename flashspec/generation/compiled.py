@@ -120,23 +120,34 @@ class DecoderRunner:
         self.invariant = invariant
         self.events = events
         self.compiled = False
-        self._compiled = None
+        self._compiled = None            # the compiled forward, made at the first compiled step
+        # Set by the engine for a call that must not compile (`max_time`): steps run eagerly.
+        self.eager = False
         if compile:
             use_disk_cache()
-            dynamo = torch._dynamo.config
-            # Every decoder (target, assistants) is a compilation of the same function.
-            dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
-            dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 1024)
-            layers = _decoder_layers(decoder)
-            if layers is not None:
-                self._layers = _RegionalLayers(layers)
-                self._compiled = self._regional_forward
-            else:
-                self._compiled = torch.compile(self._forward)
 
     @property
     def decoder(self) -> torch.nn.Module:
         return self._decoder()
+
+    @property
+    def would_compile(self) -> bool:
+        """The next compiled step would compile the forward first (seconds)."""
+        return self.compile and not self.compiled
+
+    def _compiled_forward(self):
+        """The forward torch.compile traces: regional (the layer stack's) where the decoder
+        has one, else whole. Made at the first compiled step, so that a call that runs
+        uncompiled does not pay dynamo's import either."""
+        dynamo = torch._dynamo.config
+        # Every decoder (target, assistants) is a compilation of the same function.
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
+        dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 1024)
+        layers = _decoder_layers(self.decoder)
+        if layers is None:
+            return torch.compile(self._forward)
+        self._layers = _RegionalLayers(layers)
+        return self._regional_forward
 
     def forward(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 new_live: torch.Tensor | None = None) -> torch.Tensor:
@@ -175,13 +186,13 @@ class DecoderRunner:
     def step(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
              new_live: torch.Tensor) -> torch.Tensor:
         """`forward` of a fixed-shape step (at least two rows and two tokens per row):
-        compiled when this runner compiles."""
+        compiled when this runner compiles, unless `eager` is set."""
         with self._kernels():
             return self._step(cache, input_ids, position_ids, new_live)
 
     def _step(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
               new_live: torch.Tensor) -> torch.Tensor:
-        if self._compiled is None:
+        if not self.compile or self.eager:
             return self._forward(cache, input_ids, position_ids, new_live)
         if min(input_ids.shape) < 2:
             raise ValueError(f"a compiled step needs at least 2 rows and 2 tokens per row, got "
@@ -193,6 +204,8 @@ class DecoderRunner:
         if self.compiled:
             return self._compiled(cache, input_ids, position_ids, new_live)
         started = time.perf_counter()
+        if self._compiled is None:
+            self._compiled = self._compiled_forward()
         # Sizes that happen to be equal (say 2 rows feeding 2 tokens) must stay separate
         # symbols, or a later call where they differ would compile again.
         with torch.fx.experimental._config.patch(use_duck_shape=False):

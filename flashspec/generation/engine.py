@@ -20,12 +20,18 @@ make room in the caches, run the drafter's steps and the target's step (each a g
 replay on CUDA, a plain call elsewhere), read the step's report. Every compilation and
 capture is logged (logger ``"flashspec"``) with the shape that caused it.
 
-(About 500 lines: the call loop, the slots, the graphs and the memory budget share one
+A call with `max_time` compiles and captures nothing: its budget counts from the call's
+start, and a compilation (seconds) would overrun it. Where its steps would compile or capture
+(`Engine.needs_compiling` says what), the call runs uncompiled: eager forwards, no CUDA
+graphs, the LM head by torch ops (`samplers.MaterializedSampler` over model-dtype logits).
+
+(About 600 lines: the call loop, the slots, the graphs and the memory budget share one
 object's state; the steps themselves live in `slot`, the drafters in `drafters`.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import weakref
@@ -42,6 +48,7 @@ SAMPLER_KINDS = ("fused", "materialized")
 MAX_HEURISTIC_DRAFTS = 64        # the heuristic schedule's drafts per step, at most
 _ENGINE_ATTRIBUTE = "_flashspec_engine"
 _BUDGET_ATTRIBUTE = "_flashspec_memory_budget"
+_WARMING_ATTRIBUTE = "_flashspec_warming"
 
 
 def engine_for(plan, sampler: str = "fused", invariant: bool = False) -> "Engine":
@@ -84,6 +91,19 @@ def set_memory_budget(decoder: torch.nn.Module, budget: int) -> None:
         engine.memory_budget = budget
 
 
+@contextlib.contextmanager
+def warming(decoder: torch.nn.Module):
+    """Calls on the engine of `decoder` (a target's decoder) inside this block are warm-up
+    calls (`flashspec.warmup`): with drafts, their first steps take each width a call with
+    `max_time` can meet (`Engine.timed_widths`), so that such calls find every step compiled
+    and captured."""
+    object.__setattr__(decoder, _WARMING_ATTRIBUTE, True)
+    try:
+        yield
+    finally:
+        object.__setattr__(decoder, _WARMING_ATTRIBUTE, False)
+
+
 def drop_engine(decoder: torch.nn.Module) -> None:
     """Free the engine living on `decoder` (its slots and graphs)."""
     engine = cached_engine(decoder)
@@ -97,6 +117,8 @@ class Engine:
         self.head = head
         self.sampler_kind = "fused"               # this call's: part of every graph's key
         self.invariant = False                    # this call's: its slot's runners use it
+        self.timed = False                        # this call has a max_time: it captures nothing
+        self.uncompiled = False                   # this call runs uncompiled (`needs_compiling`)
         self.device = head.weight.device
         self.graphs_enabled = self.device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
@@ -138,11 +160,15 @@ class Engine:
         return next(decoder.parameters()).dtype
 
     def sampler(self, weight: torch.Tensor, slot: Slot):
+        """The LM-head operations on `weight`: the fused kernels on CUDA, except in an
+        uncompiled call, which takes the materialized backend (torch ops, nothing to compile;
+        exact for logits rounded to the model's dtype, as stock's are)."""
         params = slot.call_params
-        if (self.sampler_kind == "fused" and self.device.type == "cuda"
-                and weight.dtype != torch.float64):
+        cuda = self.device.type == "cuda"
+        fused = self.sampler_kind == "fused" and cuda and weight.dtype != torch.float64
+        if fused and not self.uncompiled:
             return samplers.FusedSampler(weight, params)
-        if self.sampler_kind == "materialized" and self.device.type == "cuda":
+        if fused or (self.sampler_kind == "materialized" and cuda):
             return samplers.MaterializedSampler(weight, params, samplers.model_dtype_logits)
         return samplers.MaterializedSampler(weight, params)
 
@@ -230,7 +256,20 @@ class Engine:
         slot = self.slot_for(plan)
         drafter = slot.attached(plan.drafter) if plan.drafter is not None else None
         prompt = slot.load(plan, _max_drafts(plan))
-        self._compile_kernels(slot, plan)
+        timed_widths = self.timed_widths(slot) if drafter is not None else []
+        self.timed, self.uncompiled = plan.max_time is not None, False
+        if self.timed:
+            missing = self.needs_compiling(slot, plan, timed_widths)
+            if missing is not None:
+                self.uncompiled = True
+                LOG.info("this call has max_time and would %s: it runs uncompiled (eager "
+                         "forwards, no CUDA graphs, the LM head by torch ops); "
+                         "flashspec.warmup() with this call's settings prepares it", missing)
+        for runner in self._call_runners(slot, plan):
+            runner.eager = self.uncompiled
+        warming = getattr(self.head.decoder, _WARMING_ATTRIBUTE, False)
+        self._compile_kernels(slot, self._kernel_widths(slot, timed_widths, self.timed or warming))
+        warm_widths = list(timed_widths) if warming else []
         num_rows = plan.input_ids.shape[0]
         stops = _StopStrings(plan, num_rows) if plan.stop_criteria is not None else None
         steps = []
@@ -248,6 +287,8 @@ class Engine:
             timed = deadline is not None and width > 0
             if timed:
                 width = _width_in_time(width, deadline - time.monotonic(), per_forward)
+            elif warm_widths and width > 0:
+                width, timed = warm_widths.pop(0), True
             step_started = time.monotonic()
             # Room for the step's writes: a one-token forward writes a dead column too.
             if width == 0:
@@ -269,16 +310,71 @@ class Engine:
         tokens, count, logprobs = slot.outputs(num_rows, plan.pad_token_id, plan.output_logprobs)
         return Generated(tokens, count, logprobs, _stats(steps, num_rows))
 
-    def _compile_kernels(self, slot: Slot, plan) -> None:
-        """Compile the fused LM-head kernels' variants that `slot`'s steps of this call's
-        widths meet, for every sampling setting (`samplers.kernel_settings`), the first time
-        a (rows, width) comes: a later call that changes only its sampling options then
-        compiles no kernel. Triton keeps them on disk, so another process only loads them."""
+    def timed_widths(self, slot: Slot) -> list[int]:
+        """The verification widths a call with `max_time` can meet in `slot` (its drafts cut
+        to any count up to the call's): each count's `_step_width`, powers of two and the
+        call's draft count, smallest first."""
+        return sorted({self._step_width(slot, w, timed=True) for w in range(1, slot.call_drafts + 1)})
+
+    def needs_compiling(self, slot: Slot, plan, timed_widths: list[int]) -> str | None:
+        """What a call with `max_time` would compile or capture first (None: nothing, and it
+        runs compiled, replaying the graphs that exist):
+
+        * a decoder of the call (the target, an assistant) whose forward is not compiled;
+        * with the fused LM head, a width of `timed_widths` (or 0, sampling) whose kernels
+          are not compiled for the slot's rows (`compiled_kernels`);
+        * where steps are captured (CUDA, no materialized fallback), a step the call can meet
+          (``plain`` without drafts; with drafts, the drafter's steps and the verification
+          at each of `timed_widths`) never captured over the slot's buffers with this call's
+          drafter, sampler, kernel flags and schedule, at any KV view. A capture proves what
+          the step's kernels are (edit codes, an assistant's argmax) compiled.
+
+        A KV view the call grows into may lack a graph of a step captured at another view:
+        such a step runs its compiled forward and kernels directly (`_run_step`)."""
+        for runner in self._call_runners(slot, plan):
+            if runner.would_compile:
+                return f"compile the {runner.role}'s forward ({type(runner.decoder).__name__})"
+        if isinstance(self.target_sampler(slot), samplers.FusedSampler):
+            compiled = self.compiled_kernels.get(slot.batch_size, set())
+            missing = [w for w in [0, *timed_widths] if w not in compiled]
+            if missing:
+                return (f"compile the LM-head kernels for {slot.batch_size} rows at widths "
+                        f"{missing}")
+        if not self.graphs_enabled or slot.processing is not None:
+            return None
+        if plan.drafter is None:
+            steps = [("plain", None)]
+        else:
+            steps = list(dict.fromkeys(
+                [(key, plan.drafter.key) for w in timed_widths
+                 for key, _ in slot.drafters[plan.drafter.key].steps(w)]
+                + [(("verify", w), None) for w in timed_widths]))
+        captured = {key[:-1] for key in self.graphs}
+        for key, drafter in steps:
+            if self._step_kind(slot, key, drafter) not in captured:
+                return f"capture its step {key!r} for {slot.batch_size} rows"
+        return None
+
+    def _call_runners(self, slot: Slot, plan) -> list[DecoderRunner]:
+        """The runners of `slot` whose decoders this call runs (the target, its drafter's)."""
+        decoders = [self.head.decoder, *getattr(plan.drafter, "decoders", ())]
+        return [entry.runner for entry in slot.caches
+                if any(entry.runner.decoder is decoder for decoder in decoders)]
+
+    def _kernel_widths(self, slot: Slot, timed_widths: list[int], timed: bool) -> set[int]:
+        """Widths whose LM-head kernels a call needs: sampling (0), the step widths of its
+        schedule, and with `timed` (a call with max_time, or a warm-up) those of a timed
+        call (`timed_widths`)."""
+        untimed = {self._step_width(slot, w) for w in range(1, slot.call_drafts + 1)}
+        return {0} | untimed | (set(timed_widths) if timed else set())
+
+    def _compile_kernels(self, slot: Slot, widths: set[int]) -> None:
+        """Compile the fused LM-head kernels' variants that `slot`'s steps of `widths` meet,
+        for every sampling setting (`samplers.kernel_settings`), the first time a (rows,
+        width) comes: a later call that changes only its sampling options then compiles no
+        kernel. Triton keeps them on disk, so another process only loads them."""
         if not isinstance(self.target_sampler(slot), samplers.FusedSampler):
             return
-        widths = {0}
-        if plan.drafter is not None:
-            widths |= {self._step_width(slot, w) for w in range(1, slot.call_drafts + 1)}
         for width in sorted(widths - self.compiled_kernels.get(slot.batch_size, set())):
             started = time.perf_counter()
             samplers.compile_variants(self.head.weight, slot.batch_size, width)
@@ -332,20 +428,28 @@ class Engine:
         return min(1 << (width - 1).bit_length(), slot.call_drafts)
 
     def graph_key(self, slot: Slot, key, drafter=None) -> tuple:
-        """Everything a captured step depends on: the slot and its buffers' generation, the
-        step (a drafter's steps with the drafter's key), each cache's view, the sampler, the
-        kernel flags and the schedule."""
-        return (id(slot), slot.generation, drafter, key, tuple(e.cache.view for e in slot.caches),
-                self.sampler_kind, slot.call_params.kernel_flags(self.head.vocab_size),
-                slot.heuristic)
+        """Everything a captured step depends on: its kind (`_step_kind`) and each cache's
+        view."""
+        return (*self._step_kind(slot, key, drafter), tuple(e.cache.view for e in slot.caches))
+
+    def _step_kind(self, slot: Slot, key, drafter=None) -> tuple:
+        """A step's graph key but the KV views: the slot and its buffers' generation, the
+        step (a drafter's steps with the drafter's key), the sampler, the kernel flags and
+        the schedule."""
+        return (id(slot), slot.generation, drafter, key, self.sampler_kind,
+                slot.call_params.kernel_flags(self.head.vocab_size), slot.heuristic)
 
     def _run_step(self, slot: Slot, key, fn, drafter=None):
         """Run a step (of `drafter`, a drafter key, if given): replay its CUDA graph (captured
-        on first use), or call it (always on the materialized path, which reads the host)."""
-        if not self.graphs_enabled or slot.processing is not None:
+        on first use), or call it (always on the materialized path, which reads the host, and
+        in an uncompiled call). A call with max_time captures nothing: a step without a graph
+        (a KV view the call grew into) runs directly, compiled as the graph's would be."""
+        if not self.graphs_enabled or slot.processing is not None or self.uncompiled:
             return fn()
         full_key = self.graph_key(slot, key, drafter)
         if full_key not in self.graphs:
+            if self.timed:
+                return fn()
             self._drop_stale_graphs(slot)
             self.graphs[full_key] = self._capture(slot, key, fn)
         graph, outputs, _ = self.graphs[full_key]

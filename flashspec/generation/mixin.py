@@ -56,6 +56,16 @@ class FlashGenerationMixin(GenerationMixin):
     generation config) or ``prompt_lookup_num_tokens=`` (with ``max_matching_ngram_size``).
     Batches of any size, with left padding, in every mode.
 
+    ``max_time`` counts from the call's start, compilation and graph capture included. A
+    call with it never compiles or captures: where its steps would (a first call, a new
+    batch bucket, drafter, sampling flags or draft width; `Engine.needs_compiling`), it runs
+    uncompiled, said once in the log (logger ``"flashspec"``): eager forwards, no CUDA
+    graphs, the LM head by torch ops on logits in the model's dtype, exact as
+    ``"materialized"`` is. `flashspec.warmup` with the call's settings (without drafts, also
+    an earlier call without ``max_time``) makes later calls with it run compiled. Each
+    step's drafts are cut to the time left: the call overruns by at most about one forward.
+    (With ``invariant=True`` the invariant kernels, Triton's, still compile at first use.)
+
     Options that edit the logits beyond temperature / top-k / top-p / min-p run on the
     engine's exact materialized path (`flashspec.generation.processing`, one warning); a
     call that selects another decoding method (beam search, ...) runs stock `generate`,

@@ -5,7 +5,10 @@ bucket, step, KV view, kernel flags) meets it; a server or a benchmark would rat
 at start-up than inside its first requests. `warmup` runs short `generate` calls that meet
 every batch bucket of `batch_sizes`, every KV view up to `max_length` (the largest first,
 so that the slot is grown once and the smaller views' graphs are captured over its final
-buffers) and every step of the chosen drafter, with a progress bar.
+buffers) and every step of the chosen drafter, with a progress bar. With drafts, each call's
+first steps take each width a call with `max_time` can meet (`Engine.timed_widths`: powers of
+two up to the draft count): such a call compiles and captures nothing, and runs uncompiled
+where its steps were never compiled and captured (`Engine.needs_compiling`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import time
 
 import torch
 
-from .engine import cached_engine, set_memory_budget
+from .engine import cached_engine, set_memory_budget, warming
 from .heads import output_head
 from .slot import bucket
 
@@ -58,25 +61,27 @@ def warmup(model, *, assistant_model=None, prompt_lookup_num_tokens: int | None 
         views.append(view)
         view *= 2
     calls = [(batch, view) for batch in sorted(set(sizes)) for view in reversed(views)]
-    # More new tokens than drafts per step, so that full-width verifications happen.
     num_drafts = prompt_lookup_num_tokens or (
         generate_kwargs.get("num_assistant_tokens")
         or (assistant_model.generation_config.num_assistant_tokens or 20
             if assistant_model is not None else 0))
-    new_tokens = max(_MIN_NEW_TOKENS, num_drafts + 2)
+    # Room for a step at each timed width (1, 2, 4, ... up to G: under 2G + log2(G) tokens
+    # if every draft is accepted), then a full-width verification.
+    new_tokens = max(_MIN_NEW_TOKENS, 3 * num_drafts + 2)
     bar = _bar(len(calls)) if progress else None
     started = time.perf_counter()
     drafter = dict(assistant_model=assistant_model,
                    prompt_lookup_num_tokens=prompt_lookup_num_tokens)
     drafter = {name: value for name, value in drafter.items() if value is not None}
-    for batch, view in calls:
-        # A prompt past half the view: the steps after it attend over exactly this view.
-        length = min(view // 2 + 1, max(max_length - new_tokens, 1))
-        ids = torch.arange(length, device=device).remainder(97).add(3).repeat(batch, 1)
-        model.generate(ids, attention_mask=torch.ones_like(ids), sampler="flash",
-                       max_new_tokens=new_tokens, **drafter, **generate_kwargs)
-        if bar is not None:
-            bar.update()
+    with warming(head.decoder):
+        for batch, view in calls:
+            # A prompt past half the view: the steps after it attend over exactly this view.
+            length = min(view // 2 + 1, max(max_length - new_tokens, 1))
+            ids = torch.arange(length, device=device).remainder(97).add(3).repeat(batch, 1)
+            model.generate(ids, attention_mask=torch.ones_like(ids), sampler="flash",
+                           max_new_tokens=new_tokens, **drafter, **generate_kwargs)
+            if bar is not None:
+                bar.update()
     if bar is not None:
         bar.close()
     engine = cached_engine(head.decoder)
