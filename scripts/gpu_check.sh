@@ -2,7 +2,7 @@
 # One call on a CUDA machine: the GPU tests, then the kernel and verification benchmarks. Logs
 # and JSON go to $OUT (default ./gpu_out); the benchmarks' tables are printed last.
 #   bash scripts/gpu_check.sh [pytest args...]
-#   PARTS="kernels verify" bash scripts/gpu_check.sh     # a subset: tests, kernels, verify
+#   PARTS="kernels verify" bash scripts/gpu_check.sh     # a subset: tests, fuzz, kernels, verify
 # Without arguments the tests are the kernels compiled for the GPU (Triton, and the Gluon
 # stage 1 on Hopper) and the engine's GPU tests (the rest of the suite is CPU code, which CI
 # runs). Measured durations, H100: the tests one file after another take more than the device
@@ -10,18 +10,22 @@
 # file runs in its own pytest process, all at once (the arguments must then be files; logs in
 # $OUT/pytest_<file>.log; TEST_TIMEOUT=<s> stops each after that long), and the whole suite,
 # 194 tests, took 378 s (sixteenth session, 2026-11-23; 215 tests, 322 s, seventeenth).
-# So two calls:
+# The part fuzz runs the differential fuzz's CUDA profile (tests/test_fuzz_generate.py: bf16,
+# the fast engine against stock generate; it stops drawing after FLASHSPEC_FUZZ_CUDA_SECONDS,
+# default 240; log in $OUT/fuzz.log, the count of each outcome on its last lines). Not yet
+# timed on a GPU. So three calls:
 #   PARALLEL=1 TEST_TIMEOUT=540 PARTS=tests bash scripts/gpu_check.sh
+#   PARTS=fuzz bash scripts/gpu_check.sh
 #   PARTS="kernels verify" bash scripts/gpu_check.sh            # both benchmark tables, 232-312 s
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_out}
-PARTS=${PARTS:-tests kernels verify}
+PARTS=${PARTS:-tests fuzz kernels verify}
 for part in $PARTS; do
     case $part in
-        tests|kernels|verify) ;;
-        *) echo "gpu_check.sh: PARTS has '$part'; allowed: tests, kernels, verify" >&2; exit 2 ;;
+        tests|fuzz|kernels|verify) ;;
+        *) echo "gpu_check.sh: PARTS has '$part'; allowed: tests, fuzz, kernels, verify" >&2; exit 2 ;;
     esac
 done
 mkdir -p "$OUT"
@@ -49,6 +53,9 @@ for part in $PARTS; do
                 python -m pytest -q -x -p no:cacheprovider --durations=15 "$@" 2>&1 \
                     | tee "$OUT/pytest.log" | tail -5
             fi ;;
+        fuzz) python -m pytest -q -p no:cacheprovider -s \
+                "tests/test_fuzz_generate.py::test_cuda_bf16_matches_stock_or_refuses_clearly" 2>&1 \
+                | tee "$OUT/fuzz.log" | tail -5 ;;
         kernels) python scripts/bench_kernels.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
         verify) python scripts/bench_verify.py --out "$OUT" 2>&1 | tee "$OUT/bench_verify.log" | tail -28 ;;
     esac
