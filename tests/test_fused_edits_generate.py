@@ -20,7 +20,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation import logits_process as lp
 
 import flashspec
-from flashspec.generation.edits import EditRules, EditState
+from flashspec.generation.edits import NEVER, EditRules, EditState
 from flashspec.params import BAN, PENALIZE
 
 from _models import VOCAB, tiny_model
@@ -178,16 +178,20 @@ def test_rules_from_transformers_processors():
 @seed(0)
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(batch=st.integers(1, 3), num_drafts=st.integers(1, 5), penalized=st.booleans(),
-       setting=st.integers(0, 10_000))
-def test_verify_codes_are_plain_decodings(batch, num_drafts, penalized, setting):
+       positional=st.booleans(), words=st.booleans(), setting=st.integers(0, 10_000))
+def test_verify_codes_are_plain_decodings(batch, num_drafts, penalized, positional, words,
+                                          setting):
     """Position j of a verification step has the codes a plain step has after the drafts
-    before j were emitted: the same state, absorbed one token at a time."""
+    before j were emitted: the same state, absorbed one token at a time (with and without
+    position bans and words: without both, a plain step's codes are the base codes)."""
     g = torch.Generator().manual_seed(setting)
     vocab = 40
-    rules = EditRules(penalty=1.3 if penalized else 1.0, banned=(3, 5),
-                      begin_banned=(7, 8), begin_count=int(torch.randint(0, 4, (1,), generator=g)),
-                      eos=(1,), min_count=int(torch.randint(0, 6, (1,), generator=g)),
-                      words=((2, 4), (6, 2, 9), (1, 1, 1, 30)))
+    begin_count, min_count = (int(torch.randint(0, 4, (1,), generator=g)),
+                              int(torch.randint(0, 6, (1,), generator=g)))
+    rules = EditRules(penalty=1.3 if penalized else 1.0, banned=(3, 5), begin_banned=(7, 8),
+                      begin_count=begin_count if positional else NEVER, eos=(1,),
+                      min_count=min_count if positional else 0,
+                      words=((2, 4), (6, 2, 9), (1, 1, 1, 30)) if words else ())
     # Tokens mostly from a few ids, so that the bad words' prefixes come up.
     prompts = torch.randint(0, 10, (batch, 6), generator=g)
     drafts = torch.randint(0, 10, (batch, num_drafts), generator=g)
@@ -200,7 +204,7 @@ def test_verify_codes_are_plain_decodings(batch, num_drafts, penalized, setting)
     plain = EditState(batch, vocab, torch.device("cpu"))
     plain.load(rules, prompts)
     for j in range(num_drafts + 1):
-        expected = plain.sample_edits(generated + j).codes
+        expected = plain.sample_edits(generated + j).codes.clone()
         used = lengths >= j
         assert torch.equal(codes[used, j], expected[used]), j
         if j < num_drafts:

@@ -146,6 +146,9 @@ class EditState:
             gather and one max per step then make them, with no [B, V] pass per kind.
         begin_count / min_count: int64 ``[1]``: the generated count of the begin position
             (`NEVER`: none); EOS is banned below `min_count`.
+        position_bans: bool (host): some ban depends on the position. Without one and
+            without words, a sampling step's codes are `base` itself (no pass over
+            ``[B, V]``: Qwen2.5-Instruct's repetition penalty costs no step of its own).
         words / word_ends: int64 ``[K, M+1]`` / ``[K]``: the multi-token bad words, each
             one's tokens but the last right-aligned after `SOME_TOKEN` and `ANY_TOKEN`s, and
             the last tokens (M: the longest such prefix; K = 0 without words).
@@ -161,6 +164,7 @@ class EditState:
         self.ban_rows = torch.zeros(4, vocab_size, **uint8)
         self.begin_count = torch.full((1,), NEVER, dtype=torch.long, device=device)
         self.min_count = torch.zeros(1, dtype=torch.long, device=device)
+        self.position_bans = False
         self.words = torch.zeros(0, 1, dtype=torch.long, device=device)
         self.word_ends = torch.zeros(0, dtype=torch.long, device=device)
         self.tail = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
@@ -168,9 +172,12 @@ class EditState:
     def load(self, rules: EditRules, input_ids: torch.Tensor) -> bool:
         """The call's `rules` for rows whose left-padded prompts are `input_ids` ``[B, L]``
         (padding tokens are context too, as in stock's ``input_ids``). Returns whether the
-        words' buffers changed shape (new ones: steps captured before do not read them)."""
+        steps' work changed: other buffers for the words (steps captured before do not read
+        them), or position bans where there were none or the reverse."""
         device = self.base.device
-        replaced = self._load_words(rules.words)
+        position_bans = rules.min_count > 0 or rules.begin_count != NEVER
+        replaced = self._load_words(rules.words) or position_bans != self.position_bans
+        self.position_bans = position_bans
         self.penalty.fill_(rules.penalty)
         self.context_code.fill_(KEEP if rules.penalty == 1.0 else PENALIZE)
         self.ban_rows.zero_()
@@ -213,6 +220,8 @@ class EditState:
 
     def sample_edits(self, generated: torch.Tensor) -> LogitEdits:
         """The edits of each row's next token, after `generated` ``[B]`` tokens."""
+        if not (self.position_bans or self.word_ends.numel()):
+            return LogitEdits(self.base, self.penalty)
         codes = self._with_position_bans(self.base, generated)
         return LogitEdits(self._with_word_bans(codes, self.tail), self.penalty)
 
@@ -245,9 +254,11 @@ class EditState:
         return codes.scatter_reduce_(-1, ends, match.to(torch.uint8) * BAN, reduce="amax")
 
     def _with_position_bans(self, codes: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
-        """`codes` ``[..., V]`` (broadcast to ``[*generated.shape, V]``) with EOS banned
-        where `generated` is below the minimum and the begin-suppressed tokens where it is
-        the begin position."""
+        """A new tensor: `codes` ``[..., V]`` (broadcast to ``[*generated.shape, V]``) with
+        EOS banned where `generated` is below the minimum and the begin-suppressed tokens
+        where it is the begin position."""
+        if not self.position_bans:
+            return codes.expand(*generated.shape, codes.shape[-1]).clone()
         which = (generated < self.min_count).long() + 2 * (generated == self.begin_count).long()
         return torch.maximum(codes, self.ban_rows[which])
 
