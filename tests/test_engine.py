@@ -782,3 +782,19 @@ def test_warmup_meets_every_width_of_a_timed_call(emulated_graphs):
     assert engine.timed_widths(slot) == [1, 2, 4, 6]
     verified = {key[3] for key in emulated_graphs if key[3][0] == "verify"}
     assert verified == {("verify", 1), ("verify", 2), ("verify", 4), ("verify", 6)}
+
+
+def test_the_cache_goes_by_the_name_the_model_takes_it():
+    """transformers 5.24 renamed decoders' and layers' ``past_key_values`` to ``cache`` (the
+    old name warns there): the runner passes it by the name the forward declares."""
+    from flashspec.generation.compiled import cache_keyword
+
+    def before(self, input_ids=None, past_key_values=None, use_cache=None):
+        pass
+
+    def after(self, input_ids=None, cache=None, use_cache=None):
+        pass
+
+    assert cache_keyword(before) == "past_key_values"
+    assert cache_keyword(after) == "cache"
+    assert cache_keyword(lambda self, x: x) is None

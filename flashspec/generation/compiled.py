@@ -175,8 +175,9 @@ class DecoderRunner:
         # The invariant attention reads keys by position through the cache's index.
         extra = ({"key_index": first_rows(cache.key_index, input_ids.shape[0])}
                  if self.invariant else {})
+        extra[cache_keyword(type(self.decoder).forward)] = cache
         return self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                            past_key_values=cache, use_cache=True, **extra).last_hidden_state
+                            use_cache=True, **extra).last_hidden_state
 
     def _regional_forward(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
                           new_live: torch.Tensor | None = None) -> torch.Tensor:
@@ -220,13 +221,23 @@ class DecoderRunner:
         return hidden
 
 
+@functools.cache
+def cache_keyword(forward) -> str | None:
+    """The name under which `forward` (a transformers decoder's or layer's) takes its KV cache:
+    ``cache`` from transformers 5.24 on (where ``past_key_values`` is deprecated),
+    ``past_key_values`` before; None if it takes none."""
+    parameters = inspect.signature(forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in parameters), None)
+
+
 def _decoder_layers(decoder: torch.nn.Module) -> torch.nn.ModuleList | None:
     """The decoder's stack of layers (``decoder.layers``): its longest ModuleList of one class
-    whose forward takes ``past_key_values``. None if there is none, or if a layer's forward is
-    replaced on the instance (accelerate's hooks do that): those decoders compile whole."""
+    whose forward takes a KV cache (`cache_keyword`). None if there is none, or if a layer's
+    forward is replaced on the instance (accelerate's hooks do that): those decoders compile
+    whole."""
     stacks = [m for m in decoder.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1
               and len({type(layer) for layer in m}) == 1
-              and "past_key_values" in inspect.signature(type(m[0]).forward).parameters]
+              and cache_keyword(type(m[0]).forward) is not None]
     if not stacks:
         return None
     layers = max(stacks, key=len)
@@ -250,7 +261,7 @@ def _mark_all_dynamic(value) -> None:
 
 class _RegionalLayers:
     """One torch.compile of the layer class's forward, called with the layer module as an
-    argument and the layer's own `WindowLayer` as ``past_key_values``. `WindowLayer.update`
+    argument and the layer's own `WindowLayer` as its cache. `WindowLayer.update`
     ignores the layer index and the compiled frame reads no Python int that differs between
     layers (an int it reads becomes a guard, and a recompilation per layer), so every layer
     shares one compilation. Installed only inside ``with``: prefill and any use of the model
@@ -259,14 +270,16 @@ class _RegionalLayers:
     def __init__(self, layers: torch.nn.ModuleList):
         self.layers = list(layers)
         self.compiled = torch.compile(type(self.layers[0]).forward)
+        self.keyword = cache_keyword(type(self.layers[0]).forward)
 
-    def _call(self, layer, index: int, *args, past_key_values=None, **kwargs):
-        if isinstance(past_key_values, WindowCache):
-            _mark_all_dynamic(past_key_values.columns)      # begin() writes a new one per step
-            past_key_values = past_key_values.layers[index]
+    def _call(self, layer, index: int, *args, **kwargs):
+        cache = kwargs.get(self.keyword)
+        if isinstance(cache, WindowCache):
+            _mark_all_dynamic(cache.columns)      # begin() writes a new one per step
+            kwargs[self.keyword] = cache.layers[index]
         _mark_all_dynamic(args)
         _mark_all_dynamic(kwargs)
-        return self.compiled(layer, *args, past_key_values=past_key_values, **kwargs)
+        return self.compiled(layer, *args, **kwargs)
 
     def __enter__(self) -> "_RegionalLayers":
         for index, layer in enumerate(self.layers):
