@@ -347,3 +347,19 @@ def test_goodness_of_fit_with_edits():
         lp.TemperatureLogitsWarper(0.8),
     ])(torch.arange(12)[None], logits)
     assert_samples_match(tokens, scores.softmax(dim=-1)[0], what="fused sample with edits")
+
+
+def test_compile_variants_with_edits_runs_every_setting(monkeypatch):
+    """`samplers.compile_variants(..., edits=True)` runs each kernel setting with codes
+    (the EDITS variants), sampling and verifying."""
+    from flashspec.generation import samplers
+
+    seen = []
+    launch = kernels.ops._launch
+    monkeypatch.setattr(kernels.ops, "_launch",
+                        lambda *args, **kwargs: seen.append(kwargs.get("edits")) or launch(*args, **kwargs))
+    weight = torch.randn(64, 16, device=DEVICE)
+    for width in (0, 2):
+        samplers.compile_variants(weight, 2, width, edits=True)
+    assert len(seen) == 2 * len(samplers.kernel_settings(64))
+    assert all(edits is not None and not edits.codes.any() for edits in seen)

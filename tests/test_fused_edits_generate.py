@@ -308,3 +308,26 @@ def test_fused_edits_on_cuda_equal_the_cpu_engine_and_survive_switching():
         again = _run(model, draft, ids, mask, GPU_MODES["prompt_lookup"], seed=seeds, **sampling,
                      **GPU_EDITS)
         assert torch.equal(again, graphed)
+
+
+def test_slot_edits_key_and_generation_follow_the_edits():
+    """The slot's `edits_key` (for the engine's graph key) and its buffers' generation move
+    when a call's edits change what the steps run: edits on or off, position bans, the
+    bad words' buffer shapes; not between calls that differ in values only."""
+    from flashspec.generation.engine import cached_engine
+
+    ids, mask = left_pad(PROMPTS)
+    calls = [(dict(repetition_penalty=1.2), (False, (0, 1))),
+             (dict(repetition_penalty=1.5, bad_words_ids=[[7]]), (False, (0, 1))),
+             (dict(min_new_tokens=3, eos_token_id=EOS), (True, (0, 1))),
+             (dict(bad_words_ids=[[7, 8], [9, 10, 11]]), (False, (2, 3))),
+             ({}, None)]
+    generations = []
+    for kwargs, key in calls:
+        flash(target(), ids, mask, seed=SEED, max_new_tokens=2, **SAMPLING, **kwargs)
+        slot, = [s for s in cached_engine(target().get_decoder()).slots.values()
+                 if s.batch_size == len(PROMPTS)]
+        assert slot.edits_key() == key, kwargs
+        generations.append(slot.generation)
+    assert generations[1] == generations[0]
+    assert len(set(generations)) == 4

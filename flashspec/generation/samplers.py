@@ -118,17 +118,23 @@ def kernel_settings(vocab_size: int) -> dict[str, dict]:
             "top-k of V": dict(top_k=vocab_size)}
 
 
-def compile_variants(weight: torch.Tensor, rows: int, width: int) -> None:
+def compile_variants(weight: torch.Tensor, rows: int, width: int, edits: bool = False) -> None:
     """Run the fused `sample` (``width == 0``) or `verify` of `width` drafts for `rows` rows
     with every setting of `kernel_settings` on zeros, so that Triton compiles (or loads from
     its disk cache) each variant now: a later call that only changes its sampling setting
-    then compiles nothing. Eager, outside any graph."""
+    then compiles nothing. With `edits`, the variants that apply logit edits (codes that
+    change nothing). Eager, outside any graph."""
     hidden = weight.new_zeros(rows, width + 1, weight.shape[1]) if width else \
         weight.new_zeros(rows, weight.shape[1])
     positions = torch.zeros(rows, dtype=torch.long, device=weight.device)
+    no_edits = None
+    if edits:
+        codes = torch.zeros(*hidden.shape[:-1], weight.shape[0], dtype=torch.uint8,
+                            device=weight.device)
+        no_edits = LogitEdits(codes, torch.ones(rows, dtype=torch.float64, device=weight.device))
     for setting in kernel_settings(weight.shape[0]).values():
         sampler = FusedSampler(weight, SamplingParams.create(rows, device=weight.device, **setting))
         if width:
-            sampler.verify(hidden, positions.new_zeros(rows, width), positions)
+            sampler.verify(hidden, positions.new_zeros(rows, width), positions, edits=no_edits)
         else:
-            sampler.sample(hidden, positions)
+            sampler.sample(hidden, positions, edits=no_edits)

@@ -269,6 +269,13 @@ class Slot:
             self.generation += 1
         self.edits = edits
 
+    def edits_key(self) -> tuple | None:
+        """What the steps' captured work depends on in the call's fused edits (None without):
+        for the engine's graph key."""
+        if self.edits is None:
+            return None
+        return self.edits.position_bans, tuple(self.edits.words.shape)
+
     def step_edits(self, drafts: torch.Tensor | None = None):
         """The fused edits (`LogitEdits`, or None without) of the rows' next token, or with
         `drafts` ``[B, G]`` of the positions verifying them. A step's own, and after it those
