@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from flashspec import SamplingParams, kernels
+from flashspec import params as params_module
 from flashspec.kernels import lm_head_ws
 
 from test_kernels import assert_same_tokens, fused_tokens
@@ -241,3 +242,63 @@ def test_truncated_rows_without_stage_one_noise_equal_the_triton_kernel(config):
     ws = _verify_like_triton(hidden.view(batch, drafts + 1, dim), weight, draft_tokens,
                              verify_params, positions[::drafts + 1], config)
     assert (ws.status == 0).sum() > batch // 2
+
+
+def _edits(rows: int, vocab: int, seed: int):
+    """Random codes: a context of 4,096 penalized tokens and 64 banned ones per row, penalty
+    1.05 to 1.5, as a Qwen2.5-style call with bad words would have."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.zeros(rows, vocab, dtype=torch.uint8)
+    for r in range(rows):
+        order = torch.randperm(vocab, generator=g)
+        codes[r, order[:min(4096, vocab // 2)]] = params_module.PENALIZE
+        codes[r, order[-64:]] = params_module.BAN
+    penalty = 1.05 + 0.45 * torch.rand(rows, generator=g, dtype=torch.float64)
+    return params_module.LogitEdits(codes.cuda(), penalty.cuda())
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("rows, vocab, dim", [(256, 151_936, 4096), (200, 32_003, 520)])
+@pytest.mark.parametrize("config", [WS, WS8, WS64_EXACT, WS_TRUNCATION],
+                         ids=["4 epilogue warps", "8 epilogue warps", "64-row tiles, exact",
+                              "truncation"])
+def test_logit_edits_equal_the_triton_kernel(rows, vocab, dim, config):
+    """The codes of `flashspec.params.LogitEdits` in the Gluon epilogue: sampling (T 0.7, and
+    top-k 20 + top-p 0.8 under the truncation tiles) and argmax with edits equal the Triton
+    kernel's with the same edits, and the edits change tokens (the test has teeth)."""
+    hidden, weight, params, positions = _problem(rows, vocab, dim, rows + 7,
+                                                 truncation=config is WS_TRUNCATION)
+    edits = _edits(rows, vocab, rows)
+    ws = kernels.fused_sample(hidden, weight, params, positions, edits=edits, config=config)
+    tr = kernels.fused_sample(hidden, weight, params, positions, edits=edits, config=TRITON)
+    assert torch.equal(ws.status, tr.status) and torch.equal(ws.tokens, tr.tokens)
+    assert_rounding_close(ws.lse, tr.lse)
+    plain = kernels.fused_sample(hidden, weight, params, positions, config=config)
+    assert not torch.equal(plain.tokens, ws.tokens)
+    banned = edits.codes.gather(1, ws.tokens.clamp(min=0)[:, None])[:, 0]
+    assert not (banned == params_module.BAN).any()
+    greedy = kernels.fused_argmax(hidden, weight, edits=edits, config=config)
+    assert torch.equal(greedy.tokens,
+                       kernels.fused_argmax(hidden, weight, edits=edits, config=TRITON).tokens)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("config", [WS, WS64_EXACT], ids=["128-row tiles", "64-row tiles"])
+def test_verification_with_logit_edits_equals_the_triton_kernel(config):
+    batch, drafts, vocab, dim = 32, 4, 151_936, 4096
+    hidden, weight, _, _ = _problem(batch * (drafts + 1), vocab, dim, 11)
+    params = SamplingParams.create(batch, temperature=0.7, seed=3, device="cuda")
+    positions = torch.arange(batch, device="cuda") * 5
+    draft_tokens = torch.randint(0, vocab, (batch, drafts),
+                                 generator=torch.Generator().manual_seed(8)).cuda()
+    flat = _edits(batch * (drafts + 1), vocab, 9)
+    edits = params_module.LogitEdits(flat.codes.view(batch, drafts + 1, vocab), flat.penalty[:batch])
+    ws = kernels.fused_verify(hidden.view(batch, drafts + 1, dim), weight, draft_tokens, params,
+                              positions, edits=edits, config=config)
+    tr = kernels.fused_verify(hidden.view(batch, drafts + 1, dim), weight, draft_tokens, params,
+                              positions, edits=edits, config=TRITON)
+    for name in ("num_accepted", "tokens", "status"):
+        assert torch.equal(getattr(ws, name), getattr(tr, name)), name
+    assert_rounding_close(ws.logprobs, tr.logprobs)

@@ -12,14 +12,14 @@ batch size B this times, as CUDA-graph replays (the engine's steps are replays),
   codes ``[B, G+1, V]``;
 * ``codes_sample`` / ``codes_verify``: making those codes on the device from the slot's
   state (`generation.edits.EditState`), which an engine step adds to the kernels;
-* ``sample_triton`` / ``verify_triton``: without codes, on the Triton stage 1 that calls
-  with codes run (on Hopper the default table gives calls without codes the warp-specialized
-  Gluon stage 1 above 32 truncated rows), which tells the codes' cost from the kernel's.
+* ``sample_triton`` / ``verify_triton``: without codes, on the Triton stage 1 (on Hopper the
+  default table gives every call, with codes or not, the warp-specialized Gluon stage 1 above
+  32 truncated rows): the codes' cost in the Triton kernel.
 
 The codes penalize a random context of `--context` tokens per row and ban `--bad-words`
 random single tokens (no position-dependent ban: a sampling step's codes are then the slot's
 base codes themselves, and ``codes_sample`` times that lookup). Ratios: ``sample_edits / sample``
-(the kernels' bar), ``sample_edits / sample_triton`` (the codes alone),
+(the kernels' bar), ``sample_edits / sample_triton`` (against the Triton kernel),
 ``(sample_edits + codes_sample) / sample`` (the step's), and the same for verification.
 
     python -m flashspec.bench.edit_cost --batch-sizes 1,16,64 --out bench_out   # GPU

@@ -9,8 +9,7 @@ The logits never reach GPU memory. Each launch runs, in order:
 * stage 1, one program per (vocab tile, row tile): the logits tile on chip, edited where
   the call has logit edits (`flashspec.params.LogitEdits`), summarised per (row, tile):
   best score and id, log-sum-exp terms, candidates (`lm_head.py`, the Triton kernel;
-  `lm_head_ws.py`, the warp-specialized Gluon kernel for many rows on Hopper, for calls
-  without edits; both run the epilogue of `epilogue.py` and the race bound of `race.py`);
+  `lm_head_ws.py`, the warp-specialized Gluon kernel for many rows on Hopper; both run the epilogue of `epilogue.py` and the race bound of `race.py`);
 * stage 2, one program per row: the tiles merged into the row's token, logprob, log-sum-exp
   and status; truncation's candidates merged and certified (`merge.py`);
 * verification's finaliser, one program per batch row: the acceptance chain
@@ -19,7 +18,7 @@ The logits never reach GPU memory. Each launch runs, in order:
 Shared device helpers: `noise.py` (Philox words and Gumbel noise, as `flashspec.rng`),
 `keys.py` (order keys, packed candidate keys), `rows.py` (a row's parameters and a tile's
 tokens). Host side: `ops.py` (the launchers), `tile_config.py` (`TileConfig`, the fixed tile
-table). `invariant.py` holds the batch-invariant decoder kernels (`FLASHSPEC_INVARIANT=1`).
+table). `invariant.py` holds the batch-invariant decoder kernels (`generate(invariant=True)`).
 
 Named `flashspec.kernels`, never top-level `kernels`, which is Hugging Face's own package.
 Importing this package imports Triton; `flashspec` itself does not.

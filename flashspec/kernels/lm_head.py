@@ -9,7 +9,7 @@ epilogue (`epilogue.py`; with ``TileConfig.race``, `race.py`) into
 
 Above 64 rows on Hopper (32 when truncating), stage 1 is
 `lm_head_ws.lm_head_tiles_ws_kernel` instead, a warp-specialized Gluon kernel running the
-same epilogue, except for calls with logit edits, which stay here (`ops._launch`).
+same epilogue, edits included.
 """
 
 import triton

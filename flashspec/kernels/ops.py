@@ -202,15 +202,9 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
     device = hidden.device
     if hidden.stride(-1) != 1:
         hidden = hidden.contiguous()
-    # Logit edits run in the Triton stage 1 only: the warp-specialized Gluon kernel, which
-    # no CPU test can run, is left as it is (above 64 rows on Hopper the Triton kernel then
-    # serves calls with edits).
-    warp_specialized = warp_specialized_ready(hidden, weight) and edits is None
+    warp_specialized = warp_specialized_ready(hidden, weight)
     config = config or default_config(num_rows, hidden.element_size(), truncate, verify,
                                       warp_specialized)
-    if config.warp_specialized and edits is not None:
-        raise ValueError("TileConfig(warp_specialized=True) takes no logit edits (the Gluon "
-                         "stage 1 does not apply them); use another TileConfig")
     if config.warp_specialized and not warp_specialized:
         raise ValueError("TileConfig(warp_specialized=True) needs CUDA tensors on a Hopper GPU "
                          "(not Triton's interpreter), Triton " + lm_head_ws.TESTED_TRITON + "x "
@@ -246,7 +240,7 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
     if config.warp_specialized:
         lm_head_ws.launch(hidden, weight, row, summaries, candidates, drafts, draft_s, bounds,
                           num_vt, rows_per_param, config, tile_noise, need_lse, cand, tile_drafts,
-                          race)
+                          race, edits)
     else:
         _launch_tiles(hidden, weight, row, summaries, candidates, drafts, draft_s, bounds, num_vt,
                       rows_per_param, config, tile_noise, need_lse, cand, tile_drafts, race, edits)
