@@ -798,3 +798,20 @@ def test_the_cache_goes_by_the_name_the_model_takes_it():
     assert cache_keyword(before) == "past_key_values"
     assert cache_keyword(after) == "cache"
     assert cache_keyword(lambda self, x: x) is None
+
+
+def test_a_step_cut_by_time_verifies_only_its_own_drafts(monkeypatch):
+    """A step whose drafts `max_time` cut to 3 verifies 4 columns (a power of two, one graph
+    per width); the fourth holds no draft of this step, so nothing is proposed there (an
+    earlier step's fourth draft would be verified and counted again otherwise)."""
+    widths = iter([4, 3] * 50)
+    monkeypatch.setattr(engine_module, "_width_in_time", lambda width, *args: next(widths))
+    model, assistant = tiny_model("llama"), tiny_draft("llama")
+    ids = torch.randint(1, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    out = model.generate(ids, sampler="flash", max_new_tokens=40, do_sample=False,
+                         assistant_model=assistant, num_assistant_tokens=4, max_time=100.0,
+                         pad_token_id=0, return_dict_in_generate=True)
+    # The prefill drafts nothing; each step emits one token (these drafts are all rejected),
+    # so the row's token budget cuts only the last few steps' drafts.
+    drafted = out.flash_stats.drafted[1:31, 0].tolist()
+    assert drafted == [4, 3] * 15

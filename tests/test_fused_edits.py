@@ -333,8 +333,8 @@ def test_goodness_of_fit_with_edits():
     codes = torch.zeros(vocab_size, dtype=torch.uint8)
     codes[:12] = PENALIZE
     codes[[2, 20, 30]] = BAN
-    params = SamplingParams.create(samples, temperature=0.8, seed=torch.arange(samples),
-                                   device=DEVICE)
+    params = SamplingParams.create(samples, temperature=0.8,
+                                   seed=torch.arange(samples, device=DEVICE), device=DEVICE)
     edits = LogitEdits(codes.expand(samples, -1).contiguous().to(DEVICE),
                        torch.full((samples,), 1.6, dtype=torch.float64, device=DEVICE))
     positions = torch.zeros(samples, dtype=torch.long, device=DEVICE)

@@ -132,7 +132,8 @@ class Engine:
         self.graphs: dict = {}
         self.graph_bytes = 0
         self.last_call_graphs: dict = {}          # step key -> graph replayed by the last call
-        self.compiled_kernels: dict[int, set[int]] = {}   # rows -> step widths (0: sampling)
+        # (rows, with logit edits) -> step widths (0: sampling) whose kernels are compiled
+        self.compiled_kernels: dict[tuple[int, bool], set[int]] = {}
         self.memory_budget = getattr(head.decoder, _BUDGET_ATTRIBUTE, None)
         if self.memory_budget is None and self.device.type == "cuda":
             self.memory_budget = int(0.5 * torch.cuda.mem_get_info(self.device)[0])
@@ -300,6 +301,8 @@ class Engine:
                 slot.ensure_room(report, step + 2)
                 for key, fn in drafter.steps(width):
                     self._run_step(slot, key, fn, plan.drafter.key)
+                if step > width:  # drafts cut by time: the columns past them are an old step's
+                    slot.drafts[:, width:step] = -1
                 hidden, drafts = self._run_step(slot, ("verify", step), lambda: slot.verify(step))
                 report = self._finish(slot, hidden, drafts)
             per_forward = (time.monotonic() - step_started) / (width + 1)
@@ -335,7 +338,7 @@ class Engine:
             if runner.would_compile:
                 return f"compile the {runner.role}'s forward ({type(runner.decoder).__name__})"
         if isinstance(self.target_sampler(slot), samplers.FusedSampler):
-            compiled = self.compiled_kernels.get(slot.batch_size, set())
+            compiled = self.compiled_kernels.get(self._kernel_key(slot), set())
             missing = [w for w in [0, *timed_widths] if w not in compiled]
             if missing:
                 return (f"compile the LM-head kernels for {slot.batch_size} rows at widths "
@@ -375,16 +378,25 @@ class Engine:
         kernel. Triton keeps them on disk, so another process only loads them."""
         if not isinstance(self.target_sampler(slot), samplers.FusedSampler):
             return
-        for width in sorted(widths - self.compiled_kernels.get(slot.batch_size, set())):
+        key = self._kernel_key(slot)
+        for width in sorted(widths - self.compiled_kernels.get(key, set())):
             started = time.perf_counter()
-            samplers.compile_variants(self.head.weight, slot.batch_size, width)
-            self.compiled_kernels.setdefault(slot.batch_size, set()).add(width)
+            samplers.compile_variants(self.head.weight, slot.batch_size, width, edits=key[1])
+            self.compiled_kernels.setdefault(key, set()).add(width)
             settings = ", ".join(samplers.kernel_settings(self.head.vocab_size))
-            event = Event("compile", f"LM-head kernels ({settings}) for {slot.batch_size} rows, "
+            edited = " with logit edits" if key[1] else ""
+            event = Event("compile", f"LM-head kernels ({settings}){edited} for "
+                          f"{slot.batch_size} rows, "
                           + (f"verifying {width} drafts" if width else "sampling"),
                           time.perf_counter() - started)
             self.events.append(event)
             LOG.info("compiled %s in %.1f s", event.what, event.seconds)
+
+    @staticmethod
+    def _kernel_key(slot: Slot) -> tuple[int, bool]:
+        """The fused kernels' variants a slot's steps select beyond the sampling setting: its
+        rows and whether the call edits logits (`Slot.edits`)."""
+        return slot.batch_size, slot.edits is not None
 
     def _prefill(self, slot: Slot, drafter, prompt) -> Report:
         """Eager: the decoders read the prompts and the target samples each row's first
@@ -437,7 +449,8 @@ class Engine:
         step (a drafter's steps with the drafter's key), the sampler, the kernel flags and
         the schedule."""
         return (id(slot), slot.generation, drafter, key, self.sampler_kind,
-                slot.call_params.kernel_flags(self.head.vocab_size), slot.heuristic)
+                slot.call_params.kernel_flags(self.head.vocab_size), slot.heuristic,
+                slot.edits_key())
 
     def _run_step(self, slot: Slot, key, fn, drafter=None):
         """Run a step (of `drafter`, a drafter key, if given): replay its CUDA graph (captured
@@ -510,14 +523,15 @@ class Engine:
         rows = torch.tensor(flagged, device=device)
         sampler = self.target_sampler(slot)
         if drafts is None:
-            tokens, logprobs = samplers.complete_sample(sampler, hidden, rows, slot.length)
+            tokens, logprobs = samplers.complete_sample(sampler, hidden, rows, slot.length,
+                                                        slot.step_edits())
             tokens, logprobs = tokens[:, None], logprobs[:, None]
             proposed = torch.ones_like(rows)
             drafted = torch.zeros_like(rows)
             accept_probs = None
         else:
             num_accepted, tokens, logprobs, accept_probs = samplers.complete_verify(
-                sampler, hidden, drafts, rows, slot.length)
+                sampler, hidden, drafts, rows, slot.length, slot.step_edits(drafts))
             proposed = num_accepted + 1
             drafted = (drafts[rows] >= 0).sum(dim=1)
         batch = slot.batch_size
