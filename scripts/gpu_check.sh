@@ -33,7 +33,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 if [ $# -eq 0 ]; then
     set -- tests/test_kernels_ws.py tests/test_screen.py tests/test_race.py tests/test_kernels.py \
-        tests/test_verify_kernel.py tests/test_rng.py tests/test_generate_gpu.py
+        tests/test_verify_kernel.py tests/test_rng.py tests/test_fused_edits.py \
+        tests/test_fused_edits_generate.py tests/test_invariant_kernels.py \
+        tests/test_invariance_gpu.py tests/test_generate_gpu.py
 fi
 for part in $PARTS; do
     case $part in

@@ -64,9 +64,14 @@ def test_default_table_takes_it_only_where_it_runs():
     assert not kernels.default_config(256).warp_specialized
 
 
-def test_cpu_tensors_are_not_supported_and_an_explicit_config_is_refused():
-    hidden = torch.randn(4, 64, dtype=torch.bfloat16)
-    weight = torch.randn(100, 64, dtype=torch.bfloat16)
+def test_unsupported_tensors_are_refused_an_explicit_config():
+    """CPU tensors and fp32 operands are not the Gluon kernel's; an explicit config that asks
+    for it is refused by name (fp32 on the device the other kernels run on here: the
+    interpreter on CPU, CUDA on a GPU)."""
+    assert not lm_head_ws.supported(torch.randn(4, 64, dtype=torch.bfloat16),
+                                    torch.randn(100, 64, dtype=torch.bfloat16))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hidden, weight = torch.randn(4, 64, device=device), torch.randn(100, 64, device=device)
     assert not lm_head_ws.supported(hidden, weight)
     with pytest.raises(ValueError, match="warp_specialized=True\\) needs CUDA tensors on a Hopper"):
         kernels.fused_argmax(hidden, weight, config=WS)
