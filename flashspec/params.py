@@ -401,6 +401,13 @@ def row_seeds(seed, batch_size: int, device=None) -> torch.Tensor:
     return _per_row("seed", seed, torch.int64, batch_size, device, broadcast=False)
 
 
+def _concrete(device: torch.device) -> torch.device:
+    """``cuda`` as the current CUDA device (``cuda:0``, say), which a tensor's device names."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _per_row(name: str, value, dtype: torch.dtype, batch_size: int, device,
              broadcast: bool = True) -> torch.Tensor:
     if torch.is_tensor(value):
@@ -410,7 +417,7 @@ def _per_row(name: str, value, dtype: torch.dtype, batch_size: int, device,
             raise ValueError(f"`{name}` must be numeric, got a bool tensor")
         if not dtype.is_floating_point and value.dtype.is_floating_point:
             raise ValueError(f"`{name}` must hold integers, got dtype {value.dtype}")
-        if device is not None and value.device != torch.device(device):
+        if device is not None and value.device != _concrete(torch.device(device)):
             raise ValueError(f"`{name}` is on {value.device}, expected {device}")
         tensor = value.to(dtype)
     else:

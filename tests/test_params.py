@@ -193,3 +193,11 @@ def test_kernel_flags(rows, flags):
     params = SamplingParams.create(2, seed=0, **rows)
     assert params.kernel_flags(30) == flags
     assert params.select(torch.tensor([1]), validate=False).kernel_flags(30) == flags
+
+
+@pytest.mark.gpu
+def test_a_tensor_on_the_current_cuda_device_is_on_cuda():
+    """``device="cuda"`` means the current CUDA device: a seed tensor made there is accepted."""
+    seeds = torch.arange(3, device="cuda")
+    params = SamplingParams.create(3, temperature=0.8, seed=seeds, device="cuda")
+    assert torch.equal(params.seed, seeds)
