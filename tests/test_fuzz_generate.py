@@ -451,9 +451,12 @@ _CUDA_STARTED: list[float] = []
 
 @pytest.mark.gpu
 @seed(FUZZ_SEED)
+# No shrinking: a failure on CUDA can leave process-wide state behind (a CUDA graph capture
+# aborted midway, say), and every example shrinking then tries would fail for that reason,
+# hiding the one that broke it. The first failing example is reported as drawn.
 @settings(max_examples=CUDA_EXAMPLES, deadline=None, database=None,
           suppress_health_check=list(HealthCheck), print_blob=True,
-          phases=[Phase.explicit, Phase.generate, Phase.shrink])
+          phases=[Phase.explicit, Phase.generate])
 @given(call=calls(device="cuda"))
 def test_cuda_bf16_matches_stock_or_refuses_clearly(call):
     """The CUDA profile (module docstring): bf16, the fast engine, stock on the same GPU."""
