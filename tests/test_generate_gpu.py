@@ -248,3 +248,30 @@ def test_max_time_counts_compilation_and_capture():
         assert replayed <= set(engine.last_call_graphs), engine.last_call_graphs.keys()
         if not extra:      # the same graphs as the call without max_time: the same tokens
             assert torch.equal(out, want)
+
+
+def test_a_capture_that_fails_midway_leaves_later_calls_working(monkeypatch):
+    """A step that raises while its CUDA graph is being captured (here a ValueError, as a
+    refusal raised from inside a step would be) ends that call with the error; the next
+    call captures and runs, in a new memory pool (the failed capture's pool may still be
+    taking allocations for it)."""
+    from flashspec.generation.slot import Slot
+
+    model = flashspec.wrap(_llama(0, 2, torch.bfloat16))
+    ids = torch.randint(1, VOCAB, (1, 12), device="cuda", generator=None)
+    kwargs = dict(attention_mask=torch.ones_like(ids), sampler="flash", do_sample=False,
+                  max_new_tokens=4)
+    plain = Slot.plain
+
+    def refuses_while_capturing(self):
+        if torch.cuda.is_current_stream_capturing():
+            raise ValueError("refused inside a capture")
+        return plain(self)
+
+    monkeypatch.setattr(Slot, "plain", refuses_while_capturing)
+    with pytest.raises(ValueError, match="refused inside a capture"):
+        model.generate(ids, **kwargs)
+    monkeypatch.setattr(Slot, "plain", plain)
+    out = model.generate(ids, **kwargs)
+    assert out.shape == (1, 16)
+    assert "plain" in cached_engine(model.model).last_call_graphs

@@ -491,8 +491,17 @@ class Engine:
             tensor.copy_(value)
         reserved = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = fn()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = fn()
+        except BaseException as error:
+            # A capture that fails midway can leave its pool taking allocations for it, and
+            # every later capture into that pool fails: the next ones use a new pool.
+            LOG.warning("capturing %s failed (%s: %s); graphs continue in a new memory pool",
+                        key, type(error).__name__, error)
+            self.pool = torch.cuda.graph_pool_handle()
+            self._pool_anchor = _anchor(self.pool, self.device)
+            raise
         pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
         self.graph_bytes += pool_bytes
         compiling = sum(e.seconds for e in self.events[events_before:])   # its own events
