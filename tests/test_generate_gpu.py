@@ -275,3 +275,21 @@ def test_a_capture_that_fails_midway_leaves_later_calls_working(monkeypatch):
     out = model.generate(ids, **kwargs)
     assert out.shape == (1, 16)
     assert "plain" in cached_engine(model.model).last_call_graphs
+
+
+def test_many_eos_ids_are_checked_inside_captured_steps():
+    """Twenty EOS ids: torch.isin would sort them and read the host for that many, which a
+    CUDA graph capture refuses; the steps compare with each id instead and stop at the first
+    one emitted, as stock does (fp32: greedy tokens equal stock's). CPU twin: the EOS cuts of
+    test_generate.py (the same code)."""
+    model = flashspec.wrap(_llama(0, 2, torch.float32))
+    ids = torch.randint(1, VOCAB, (2, 12), device="cuda", generator=None)
+    free = model.generate(ids, attention_mask=torch.ones_like(ids), sampler="flash",
+                          do_sample=False, max_new_tokens=12)
+    eos = [int(free[0, 16])] + list(range(VOCAB - 19, VOCAB))       # row 0 stops at new token 5
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), sampler="flash",
+                         do_sample=False, max_new_tokens=12, eos_token_id=eos, pad_token_id=0)
+    stock = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                           max_new_tokens=12, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(out, stock)
+    assert "plain" in cached_engine(model.model).last_call_graphs

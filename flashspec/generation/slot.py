@@ -365,7 +365,10 @@ class Slot:
         width = tokens.shape[1]
         columns = torch.arange(width, device=self.device)
         emitted = torch.where(ok, torch.minimum(proposed, self.end - self.length), 0)
-        emitted, has_end = cut_at_first_end(emitted, torch.isin(tokens, self.eos))
+        # A comparison with every EOS id, not torch.isin: for some sizes isin sorts and reads
+        # the host, which no CUDA graph capture may do.
+        is_end = (tokens[..., None] == self.eos).any(dim=-1)
+        emitted, has_end = cut_at_first_end(emitted, is_end)
         index = (self.length[:, None] + columns[None, :]).clamp_max(self.seq.shape[1] - 1)
         write = columns[None, :] < emitted[:, None]
         self.seq.scatter_(1, index, torch.where(write, tokens, self.seq.gather(1, index)))
