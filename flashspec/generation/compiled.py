@@ -222,12 +222,15 @@ class DecoderRunner:
 
 
 @functools.cache
-def cache_keyword(forward) -> str | None:
+def cache_keyword(forward) -> str:
     """The name under which `forward` (a transformers decoder's or layer's) takes its KV cache:
-    ``cache`` from transformers 5.24 on (where ``past_key_values`` is deprecated),
-    ``past_key_values`` before; None if it takes none."""
-    parameters = inspect.signature(forward).parameters
-    return next((name for name in ("cache", "past_key_values") if name in parameters), None)
+    ``cache`` where it names it (transformers 5.24 on, where ``past_key_values`` is
+    deprecated), else ``past_key_values`` (named, or taken through ``**kwargs``)."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def _parameters(forward) -> list[str]:
+    return list(inspect.signature(forward).parameters)
 
 
 def _decoder_layers(decoder: torch.nn.Module) -> torch.nn.ModuleList | None:
@@ -237,7 +240,7 @@ def _decoder_layers(decoder: torch.nn.Module) -> torch.nn.ModuleList | None:
     whole."""
     stacks = [m for m in decoder.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1
               and len({type(layer) for layer in m}) == 1
-              and cache_keyword(type(m[0]).forward) is not None]
+              and {"cache", "past_key_values"} & set(_parameters(type(m[0]).forward))]
     if not stacks:
         return None
     layers = max(stacks, key=len)
