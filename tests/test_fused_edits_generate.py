@@ -331,3 +331,19 @@ def test_slot_edits_key_and_generation_follow_the_edits():
         generations.append(slot.generation)
     assert generations[1] == generations[0]
     assert len(set(generations)) == 4
+
+
+def test_a_temperature_past_what_a_finite_ban_holds_is_refused():
+    """A ban is a finite logit (`params.BANNED_LOGIT`): above temperature 2**40 it could win a
+    race, so such a call is refused by name (stock samples uniformly over the allowed tokens
+    there); at 2**40 banned tokens are still never drawn."""
+    model = tiny_model("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    kwargs = dict(sampler="flash", do_sample=True, max_new_tokens=3, pad_token_id=0,
+                  suppress_tokens=list(range(64)))
+    with pytest.raises(ValueError, match=r"`temperature`=1e\+19 \(set in the call\) is not "
+                                         "allowed with banned tokens"):
+        model.generate(ids, temperature=1e19, **kwargs)
+    many = dict(kwargs, max_new_tokens=8)        # 128 draws, each banned with odds 1/2 if broken
+    out = model.generate(ids.repeat(16, 1), temperature=2.0**40, seed=torch.arange(16), **many)
+    assert (out[:, 3:] >= 64).all()

@@ -68,6 +68,10 @@ class EditRules:
     min_count: int = 0
     words: tuple[tuple[int, ...], ...] = ()
 
+    def bans_tokens(self) -> bool:
+        """Whether some position bans some token (not only a repetition penalty)."""
+        return bool(self.banned or self.begin_banned or self.eos or self.words)
+
     @classmethod
     def from_processors(cls, processors, prompt_width: int, vocab_size: int) -> "EditRules | None":
         """The rules of `processors` (transformers' list for the call, whose inputs are
@@ -269,3 +273,14 @@ class EditState:
     def nbytes(self) -> int:
         return (self.base.numel() + self.ban_rows.numel()
                 + 8 * (self.tail.numel() + self.words.numel() + self.word_ends.numel()))
+
+
+def bans_every_token(edits: LogitEdits, tokens: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+    """Bool ``[B]``: sampled rows (`sampled` ``[B]``) whose token `tokens` (``[B]``, or ``[B, W]``
+    with -1 past a row's last) is banned at its position by `edits` (codes ``[B, V]`` or
+    ``[B, W, V]``). The Gumbel race only picks a banned token when every token is banned:
+    transformers' sampling fails there (torch.multinomial of a row of -inf), greedy decoding
+    takes token 0, as the kernels' argmax does."""
+    codes = edits.codes.gather(-1, tokens.clamp_min(0)[..., None])[..., 0]
+    banned = (codes == BAN) & (tokens >= 0)
+    return (banned.view(tokens.shape[0], -1).any(dim=1)) & sampled

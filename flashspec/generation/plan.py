@@ -266,6 +266,8 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
         params = SamplingParams.create(batch_size, **options.sampling, seed=seed, device=device)
         if head.logit_scale != 1.0:
             params = dataclasses.replace(params, temperature=params.temperature / head.logit_scale)
+        if edits is not None and edits.bans_tokens() and sampling:
+            _check_banning_temperature(params, source("temperature"))
 
     stop_criteria = None
     if config.stop_strings:
@@ -311,6 +313,22 @@ def _time_left(max_time, started: float) -> float | None:
         return float(max_time) - (time.monotonic() - started)
     except OverflowError:
         return None
+
+
+# The largest temperature at which a banned token (`params.BANNED_LOGIT`, finite) still loses
+# every race and weighs 0 in every probability: its score / T stays below -2**24.
+MAX_BANNING_TEMPERATURE = 2.0**40
+
+
+def _check_banning_temperature(params: SamplingParams, source: str) -> None:
+    hottest = float(params.temperature.max())
+    if hottest > MAX_BANNING_TEMPERATURE:
+        raise ValueError(
+            f"`temperature`={hottest!r} ({source}) is not allowed with banned tokens "
+            f"(suppress_tokens, bad_words_ids, min_new_tokens, ...): flashspec bans a token "
+            f"with a finite logit, which stays below every other token only up to "
+            f"temperature {MAX_BANNING_TEMPERATURE:.0f} (2**40); use a temperature at most that "
+            "(sampling is then uniform over the allowed tokens to within 1e-9)")
 
 
 def _materialized_reasons(config: GenerationConfig, head: OutputHead, sampling: bool,
