@@ -33,7 +33,9 @@ class FlashGenerationMixin(GenerationMixin):
             ``num_return_sequences`` expansion), or None (seeds drawn from torch's default
             generator, so ``torch.manual_seed`` makes runs repeatable). Row b's token at
             sequence index i depends only on (seed, i, the logits): the same with or
-            without an assistant or prompt lookup, alone or in any batch.
+            without an assistant or prompt lookup, alone or in any batch (but for logit
+            edits that read the padded context, as in stock: README, "Exact and
+            speculation invariant").
         output_logprobs: with ``return_dict_in_generate=True``, return per-token logprobs.
         drafter: a `flashspec.generation.drafters.Drafter` of your own as the source of
             drafts (``num_assistant_tokens`` per step, default 4, constant schedule), instead
@@ -42,10 +44,12 @@ class FlashGenerationMixin(GenerationMixin):
             batch-invariant decoder kernels (`flashspec.generation.invariant`), so that each
             row's hidden states, and so its seeded tokens, are bitwise the same with or
             without drafts and alone or in any batch, in bf16 on CUDA too (sampled and
-            greedy). Costs about 10% of tok/s. Without it the kernels are cuBLAS's and
-            PyTorch's: the fused sampling is still exact, but in bf16 a verification forward
-            can round a hidden state differently from a one-token forward, and a close
-            race can then go the other way (README, "Exactness").
+            greedy). Costs tok/s (Llama-3.1-8B shape: -29%, BENCHMARKS.md). Not covered: a
+            call with ``max_time`` that runs uncompiled (its LM head is then a cuBLAS
+            matmul). Without it the kernels are cuBLAS's and PyTorch's: the fused sampling
+            is still exact, but in bf16 a verification forward can round a hidden state
+            differently from a one-token forward, and a close race can then go the other
+            way (README, "Exact and speculation invariant").
 
     ``sampler="materialized"`` runs the same engine with the ``[B, V]`` logits computed
     in the model's dtype and sampled by torch ops: the baseline the fused kernels are
