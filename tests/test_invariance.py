@@ -105,10 +105,22 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.usefixtures("index_order_dot")
-def test_invariant_kernels_give_the_same_tokens_with_drafts_and_in_a_batch():
+def test_invariant_kernels_give_the_same_tokens_with_drafts_and_in_a_batch(monkeypatch):
     """The CPU twin of test_invariance_gpu.py: with ``invariant=True`` the target's forwards
-    run the invariant kernels (on CPU through Triton's interpreter), and each row's seeded
-    tokens are the same alone, drafted by itself and by prompt lookup, and in a batch."""
+    run the invariant kernels (on CPU through Triton's interpreter: every linear layer and
+    attention of every forward goes through them), and each row's seeded tokens are the same
+    alone, drafted by itself and by prompt lookup, and in a batch. (On CPU the torch path is
+    invariant for this model too; the GPU test is the one that fails without the kernels.)"""
+    from flashspec.kernels import invariant as kernels
+
+    calls = {"linear": 0, "attention": 0}
+    for name in calls:
+        run = getattr(kernels, name)
+
+        def counted(*args, _run=run, _name=name, **kwargs):
+            calls[_name] += 1
+            return _run(*args, **kwargs)
+        monkeypatch.setattr(kernels, name, counted)
     model = tiny_model("llama").to(DEVICE)
     ids, seeds = _prompts()[:3].to(DEVICE), torch.arange(3)
     kwargs = dict(sampler="flash", max_new_tokens=6, pad_token_id=0, do_sample=True, top_k=0,
@@ -120,6 +132,9 @@ def test_invariant_kernels_give_the_same_tokens_with_drafts_and_in_a_batch():
     assert torch.equal(model.generate(ids, seed=seeds, prompt_lookup_num_tokens=3, **kwargs), alone)
     assert torch.equal(model.generate(ids, seed=seeds, assistant_model=model,
                                       num_assistant_tokens=3, **kwargs), alone)
+    layers = model.config.num_hidden_layers
+    # 7 linear layers and one attention per layer, per forward: prefills and steps
+    assert calls["attention"] >= 4 * 6 * layers and calls["linear"] == 7 * calls["attention"]
 
 
 def test_switching_invariant_rebuilds_the_slot_with_the_other_kernels():
