@@ -10,14 +10,14 @@ engine: temperature, top-k, top-p and min-p in the fused kernels, and with them 
 edits of `edits.FUSED_OPTIONS` (repetition_penalty, suppress_tokens, begin_suppress_tokens,
 bad_words_ids, min_length, min_new_tokens: `edits.EditRules`, made from
 transformers' own processors for the call) while nothing else needs the materialized path;
-everything else that edits the logits (transformers' processors, the unfused warpers, a user's `logits_processor` or
-`prefix_allowed_tokens_fn`, watermarking, a head's softcap or bias, `output_scores` /
-`output_logits`) on the engine's exact materialized path (`processing`), with one warning
-naming what forced it. What selects another decoding method (beam search, contrastive
-search, DoLa, constrained beams, guidance, SynthID watermarking, ...) or output flashspec
-does not collect is `StockDelegation`: `generate` defers to stock transformers with a
-warning. What neither can run is refused with a ValueError naming the option, where its
-value came from and the override that works.
+everything else that edits the logits (transformers' processors, the unfused warpers, a
+user's `logits_processor` or `prefix_allowed_tokens_fn`, watermarking, a head's softcap or
+bias, `output_scores` / `output_logits`) on the engine's exact materialized path
+(`processing`), with one warning naming what forced it. What selects another decoding
+method (beam search, contrastive search, DoLa, constrained beams, guidance, SynthID
+watermarking, ...) or output flashspec does not collect is `StockDelegation`: `generate`
+defers to stock transformers with a warning. What neither can run is refused with a
+ValueError naming the option, where its value came from and the override that works.
 
 Deliberate differences: `num_assistant_tokens` passed to `generate` is honoured (stock
 transformers reads only the assistant's generation config); batches work with an

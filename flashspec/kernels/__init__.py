@@ -9,7 +9,8 @@ The logits never reach GPU memory. Each launch runs, in order:
 * stage 1, one program per (vocab tile, row tile): the logits tile on chip, edited where
   the call has logit edits (`flashspec.params.LogitEdits`), summarised per (row, tile):
   best score and id, log-sum-exp terms, candidates (`lm_head.py`, the Triton kernel;
-  `lm_head_ws.py`, the warp-specialized Gluon kernel for many rows on Hopper; both run the epilogue of `epilogue.py` and the race bound of `race.py`);
+  `lm_head_ws.py`, the warp-specialized Gluon kernel for many rows on Hopper; both run
+  the epilogue of `epilogue.py` and the race bound of `race.py`);
 * stage 2, one program per row: the tiles merged into the row's token, logprob, log-sum-exp
   and status; truncation's candidates merged and certified (`merge.py`);
 * verification's finaliser, one program per batch row: the acceptance chain
