@@ -17,6 +17,7 @@ import torch
 OK = 0
 NEEDS_COMPLETION = 1  # a truncated support overflowed the fused kernels' candidate budget
 NON_FINITE = 2        # NaN or infinite logits (or logits / temperature)
+NO_TOKEN_LEFT = 3     # a sampled row's logit edits ban every token (the engine's steps only)
 
 
 class ArgmaxOutput(NamedTuple):

@@ -311,9 +311,11 @@ def test_fused_edits_on_cuda_equal_the_cpu_engine_and_survive_switching():
 
 
 def test_slot_edits_key_and_generation_follow_the_edits():
-    """The slot's `edits_key` (for the engine's graph key) and its buffers' generation move
-    when a call's edits change what the steps run: edits on or off, position bans, the
-    bad words' buffer shapes; not between calls that differ in values only."""
+    """The slot's `edits_key` (for the engine's graph key) follows what the steps run: edits
+    on or off, position bans, the bad words' buffer shapes. Its buffers' generation moves
+    only when the bad words need other buffers: graphs with and without edits, with and
+    without position bans, live side by side (a server alternating calls with and without
+    a repetition penalty captures each step once)."""
     from flashspec.generation.engine import cached_engine
 
     ids, mask = left_pad(PROMPTS)
@@ -329,8 +331,25 @@ def test_slot_edits_key_and_generation_follow_the_edits():
                  if s.batch_size == len(PROMPTS)]
         assert slot.edits_key() == key, kwargs
         generations.append(slot.generation)
-    assert generations[1] == generations[0]
-    assert len(set(generations)) == 4
+    first = generations[0]
+    assert generations == [first, first, first, first + 1, first + 1]
+
+
+def test_rows_whose_edits_ban_every_token_are_refused_when_sampled():
+    """Every token an EOS id and a minimum length: a sampled row has nothing left to draw.
+    Stock's sampling fails (torch.multinomial); flashspec raises a ValueError saying so, with
+    and without drafts, rather than drawing a banned token. A greedy row takes token 0, as
+    stock's argmax of a row of -inf does."""
+    model = tiny_model("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    kwargs = dict(max_new_tokens=4, min_new_tokens=2, eos_token_id=list(range(VOCAB)),
+                  pad_token_id=0)
+    for drafts in ({}, dict(prompt_lookup_num_tokens=2)):
+        with pytest.raises(ValueError, match="leave no token to sample for row 0"):
+            model.generate(ids, sampler="flash", do_sample=True, seed=0, **drafts, **kwargs)
+    greedy = dict(kwargs, do_sample=False)
+    assert torch.equal(model.generate(ids, sampler="flash", **greedy),
+                       model.generate(ids, **greedy))
 
 
 def test_a_temperature_past_what_a_finite_ban_holds_is_refused():

@@ -176,11 +176,11 @@ class EditState:
     def load(self, rules: EditRules, input_ids: torch.Tensor) -> bool:
         """The call's `rules` for rows whose left-padded prompts are `input_ids` ``[B, L]``
         (padding tokens are context too, as in stock's ``input_ids``). Returns whether the
-        steps' work changed: other buffers for the words (steps captured before do not read
-        them), or position bans where there were none or the reverse."""
+        steps' buffers changed: other buffers for the words (steps captured before do not
+        read them)."""
         device = self.base.device
         position_bans = rules.min_count > 0 or rules.begin_count != NEVER
-        replaced = self._load_words(rules.words) or position_bans != self.position_bans
+        replaced = self._load_words(rules.words)
         self.position_bans = position_bans
         self.penalty.fill_(rules.penalty)
         self.context_code.fill_(KEEP if rules.penalty == 1.0 else PENALIZE)

@@ -301,8 +301,9 @@ class Engine:
                 slot.ensure_room(report, step + 2)
                 for key, fn in drafter.steps(width):
                     self._run_step(slot, key, fn, plan.drafter.key)
-                if step > width:  # drafts cut by time: the columns past them are an old step's
+                if step > width:  # fewer drafts than columns: those past them are an old step's
                     slot.drafts[:, width:step] = -1
+                    slot.draft_failed[:, width:step] = False
                 hidden, drafts = self._run_step(slot, ("verify", step), lambda: slot.verify(step))
                 report = self._finish(slot, hidden, drafts)
             per_forward = (time.monotonic() - step_started) / (width + 1)
@@ -521,6 +522,12 @@ class Engine:
         bad = [b for b, s in enumerate(report.status) if s == samplers.NON_FINITE]
         if bad:
             raise NonFiniteLogitsError(bad)
+        excluded = [b for b, s in enumerate(report.status) if s == samplers.NO_TOKEN_LEFT]
+        if excluded:
+            raise ValueError(f"the call's logit edits leave no token to sample for row "
+                             f"{excluded[0]}: they ban every token (suppress_tokens, "
+                             "bad_words_ids, or every token an EOS id with min_new_tokens); "
+                             "transformers' sampling fails there too")
         flagged = [b for b, s in enumerate(report.status) if s == samplers.NEEDS_COMPLETION]
         if flagged:
             report = self._complete(slot, hidden, drafts, flagged, report)

@@ -30,7 +30,8 @@ from typing import Callable
 import torch
 
 from .. import reference, sampling
-from ..outputs import NEEDS_COMPLETION, NON_FINITE  # noqa: F401 - the engine reads them here
+# The engine reads the status codes here.
+from ..outputs import NEEDS_COMPLETION, NO_TOKEN_LEFT, NON_FINITE  # noqa: F401
 from ..params import LogitEdits, SamplingParams
 from ..reference import model_dtype_logits
 

@@ -29,7 +29,8 @@ import torch
 
 from ..params import SamplingParams
 from .compiled import DecoderRunner
-from .edits import EditState
+from ..outputs import NO_TOKEN_LEFT, OK
+from .edits import EditState, bans_every_token
 from .kv_cache import WindowCache, layer_kinds
 
 MIN_VIEW = 256            # KV columns of the smallest view (and capacity)
@@ -257,15 +258,14 @@ class Slot:
 
     def _load_edits(self, rules, input_ids: torch.Tensor) -> None:
         """The call's fused edits (`edits.EditRules`, or None) for the padded prompts
-        `input_ids`. Steps captured with edits differ from those without (the codes, the
-        kernels' variant), and the graph key does not say which: a call that turns the
-        edits on or off, or needs other buffers for its bad words, bumps the buffers'
+        `input_ids`. Steps with and without edits, with and without position bans, read the
+        same buffers and differ in the graph key (`edits_key`), so their graphs live side by
+        side; a call that needs other buffers for its bad words bumps the buffers'
         generation, so its steps are captured anew."""
         if rules is not None and self.edit_state is None:
             self.edit_state = EditState(self.batch_size, self.engine.head.vocab_size, self.device)
         edits = self.edit_state if rules is not None else None
-        replaced = edits is not None and edits.load(rules, input_ids)
-        if replaced or (edits is None) != (self.edits is None):
+        if edits is not None and edits.load(rules, input_ids):
             self.generation += 1
         self.edits = edits
 
@@ -315,8 +315,9 @@ class Slot:
         if self.edits is None:
             tokens, logprobs, status = sampler.sample(hidden, self.length)
         else:
-            tokens, logprobs, status = sampler.sample(hidden, self.length,
-                                                      edits=self.step_edits())
+            edits = self.step_edits()
+            tokens, logprobs, status = sampler.sample(hidden, self.length, edits=edits)
+            status = self._unless_all_banned(status, edits, tokens)
         self.commit(tokens[:, None], logprobs[:, None], torch.ones_like(self.length),
                     torch.zeros_like(self.length), status)
         return hidden
@@ -344,11 +345,19 @@ class Slot:
             num_accepted, tokens, logprobs, accept_probs, status = sampler.verify(
                 hidden, drafts, self.length)
         else:
+            edits = self.step_edits(drafts)
             num_accepted, tokens, logprobs, accept_probs, status = sampler.verify(
-                hidden, drafts, self.length, edits=self.step_edits(drafts))
+                hidden, drafts, self.length, edits=edits)
+            status = self._unless_all_banned(status, edits, tokens)
         self.commit(tokens, logprobs, num_accepted + 1, (drafts >= 0).sum(dim=1), status,
                     broken, schedule=True, accept_probs=accept_probs)
         return hidden, drafts
+
+    def _unless_all_banned(self, status: torch.Tensor, edits, tokens: torch.Tensor):
+        """`status` with `NO_TOKEN_LEFT` for the sampled rows whose edits ban every token
+        (`edits.bans_every_token`), which transformers' sampling refuses."""
+        banned = bans_every_token(edits, tokens, ~self.call_params.is_greedy)
+        return torch.where(banned & (status == OK), NO_TOKEN_LEFT, status).to(status.dtype)
 
     def commit(self, tokens: torch.Tensor, logprobs: torch.Tensor, proposed: torch.Tensor,
                drafted: torch.Tensor, status: torch.Tensor, broken: torch.Tensor | None = None,
