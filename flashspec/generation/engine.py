@@ -525,9 +525,10 @@ class Engine:
         excluded = [b for b, s in enumerate(report.status) if s == samplers.NO_TOKEN_LEFT]
         if excluded:
             raise ValueError(f"the call's logit edits leave no token to sample for row "
-                             f"{excluded[0]}: they ban every token (suppress_tokens, "
-                             "bad_words_ids, or every token an EOS id with min_new_tokens); "
-                             "transformers' sampling fails there too")
+                             f"{excluded[0]}: `suppress_tokens`, `begin_suppress_tokens`, "
+                             "`bad_words_ids` and `min_new_tokens` / `min_length` (which ban "
+                             "every `eos_token_id`) ban every token there; transformers' "
+                             "sampling fails there too")
         flagged = [b for b, s in enumerate(report.status) if s == samplers.NEEDS_COMPLETION]
         if flagged:
             report = self._complete(slot, hidden, drafts, flagged, report)
