@@ -140,6 +140,8 @@ def _finite_rows(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """
     low, high = logits.amin(dim=-1), logits.amax(dim=-1)  # aminmax: 20x slower on CPU
     finite = torch.isfinite(low) & torch.isfinite(high)
+    if params.all_greedy:    # a host flag: no row is divided by a temperature
+        return finite
     largest = torch.maximum(low.abs(), high.abs())
     scaled_finite = torch.isfinite(largest / _safe_temperature(params, logits.dtype)[:, 0])
     return finite & (params.is_greedy | scaled_finite)
@@ -251,7 +253,10 @@ def verify_logits(logits: torch.Tensor, draft_tokens: torch.Tensor, params: Samp
     batch_size, num_drafts = draft_tokens.shape
     num_positions = num_drafts + 1
     vocab_size = logits.shape[-1]
-    flat_params = params.repeat_interleave(num_positions, validate=False)
+    # With every row greedy (a host flag) the functions below read only that flag, not the
+    # rows' values: the per-position copy of each parameter is skipped.
+    flat_params = (params if params.all_greedy
+                   else params.repeat_interleave(num_positions, validate=False))
     offsets = torch.arange(num_positions, device=logits.device)
     flat_positions = (positions[:, None] + offsets[None, :]).reshape(-1)
     # Drafts end at the first padding; the position after the last draft gets no draft.
@@ -264,11 +269,13 @@ def verify_logits(logits: torch.Tensor, draft_tokens: torch.Tensor, params: Samp
     flat_scores = transform_logits(logits, flat_params)
     target = _choose(logits, flat_scores, flat_params, flat_positions).view(batch_size, num_positions)
     scores = flat_scores.view(batch_size, num_positions, vocab_size)
-    draft_index = drafts.clamp_min(0)[..., None]
     log_norm = scores.logsumexp(dim=-1)
-    draft_prob = (scores.gather(-1, draft_index).squeeze(-1) - log_norm).exp()
     greedy = params.is_greedy[:, None]
-    accept_prob = torch.where(greedy, (drafts == target).to(scores.dtype), draft_prob)
+    accept_prob = (drafts == target).to(scores.dtype)
+    if not params.all_greedy:
+        draft_prob = (scores.gather(-1, drafts.clamp_min(0)[..., None]).squeeze(-1)
+                      - log_norm).exp()
+        accept_prob = torch.where(greedy, accept_prob, draft_prob)
     accept_prob = torch.where(drafts >= 0, accept_prob, 0.0)
 
     if acceptance == "strict":
