@@ -34,6 +34,9 @@ from .edits import EditState, bans_every_token
 from .kv_cache import WindowCache, layer_kinds
 
 MIN_VIEW = 256            # KV columns of the smallest view (and capacity)
+# Without CUDA graphs a view costs nothing to change: it grows by this many columns, and
+# attention reads fewer dead ones (on CPU, a GQA model's keys are copied per head over all).
+EAGER_VIEW_STEP = 32
 EOS_SLOTS = 8             # end-of-sequence ids a slot holds before it needs a larger buffer
 NO_TOKEN = -2             # fills unused EOS entries: never a token, never the -1 of "none"
 
@@ -41,6 +44,14 @@ NO_TOKEN = -2             # fills unused EOS entries: never a token, never the -
 def bucket(columns: int) -> int:
     """The power of two, at least `MIN_VIEW`, that holds `columns`."""
     return max(MIN_VIEW, 1 << max(columns - 1, 0).bit_length())
+
+
+def kv_view(columns: int, graphs: bool) -> int:
+    """KV columns a step attends over when it needs `columns`: with graphs a `bucket` (each
+    view is a graph), else the next multiple of `EAGER_VIEW_STEP`."""
+    if graphs:
+        return bucket(columns)
+    return -(-columns // EAGER_VIEW_STEP) * EAGER_VIEW_STEP
 
 
 @dataclasses.dataclass
@@ -191,8 +202,9 @@ class Slot:
         needed = max(fills) + columns
         if needed > self.capacity:
             self.engine.grow(self, bucket(needed))
+        view = kv_view(needed, self.engine.graphs_enabled)
         for entry in self.caches:
-            entry.cache.set_view(bucket(needed))
+            entry.cache.set_view(view)
 
     def grow(self, capacity: int) -> None:
         """Larger buffers for every cache and the token columns (graphs are captured anew)."""
