@@ -12,6 +12,7 @@ acceptance statistics and the speed side by side. CPU or GPU, whichever is there
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from pathlib import Path
 
@@ -60,9 +61,11 @@ def main(argv=None) -> int:
                              "models on CUDA, where fp32 accumulation may break near-ties "
                              "differently from stock)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled comparison")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of each mode per prompt, in turn; the table gives the median")
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 1 or args.num_drafts < 1:
-        parser.error("--max-new-tokens and --num-drafts must be >= 1")
+    if args.max_new_tokens < 1 or args.num_drafts < 1 or args.repeats < 1:
+        parser.error("--max-new-tokens, --num-drafts and --repeats must be >= 1")
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device
     builtin = args.target == str(TINY_PAIR / "target")
@@ -81,7 +84,8 @@ def main(argv=None) -> int:
     millions = lambda m: sum(p.numel() for p in m.parameters()) / 1e6  # noqa: E731
     print(f"target {args.target} ({millions(target):.1f}M params), draft {args.draft} "
           f"({millions(draft):.1f}M), {device}, {str(dtype).replace('torch.', '')}, "
-          f"{args.max_new_tokens} new tokens, greedy unless said\n")
+          f"{args.max_new_tokens} new tokens, greedy unless said, times the median of "
+          f"{args.repeats} runs\n")
 
     draft.generation_config.num_assistant_tokens = args.num_drafts
     draft.generation_config.num_assistant_tokens_schedule = "constant"
@@ -101,7 +105,7 @@ def main(argv=None) -> int:
         inputs = tokenizer(prompt, return_tensors="pt").to(device)
         common = dict(max_new_tokens=args.max_new_tokens, do_sample=False,
                       pad_token_id=tokenizer.pad_token_id)
-        results = {name: _timed(target, inputs, **common, **kwargs) for name, kwargs in modes.items()}
+        results = _median_runs(target, inputs, modes, common, args.repeats)
         stock = results["stock HF"][0]
         completion = tokenizer.decode(stock[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
         print(f"=== {label} ===\n{prompt}\033[1m{completion}\033[0m\n")
@@ -127,6 +131,17 @@ def main(argv=None) -> int:
           f"emit the same tokens: {torch.equal(plain, speculative)}")
     print(tokenizer.decode(plain[0], skip_special_tokens=True))
     return 0
+
+
+def _median_runs(model, inputs, modes: dict, common: dict, repeats: int) -> dict:
+    """Per mode: (sequences, median seconds, stats) of `repeats` runs, the modes taken in
+    turn so that each sees the same machine (a shared CPU's load moves from run to run)."""
+    runs = {name: [] for name in modes}
+    for _ in range(repeats):
+        for name, kwargs in modes.items():
+            runs[name].append(_timed(model, inputs, **common, **kwargs))
+    return {name: (timed[0][0], statistics.median(t[1] for t in timed), timed[0][2])
+            for name, timed in runs.items()}
 
 
 def _timed(model, inputs, **kwargs):
