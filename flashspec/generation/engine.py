@@ -652,14 +652,21 @@ def _weight_storage(head) -> tuple:
 
 
 def _stats(steps: list[Report], num_rows: int) -> SpeculationStats:
-    """Speculation statistics, one entry per step and row that was running."""
+    """Speculation statistics, one entry per step and row that was running (0 for a row
+    already finished), built from the reports' lists in one pass (a few tensors per call,
+    not per step)."""
     running = [True] * num_rows
-    table = []
+    counts, probs = [], []
     for report in steps:
-        rows = [b for b in range(num_rows) if running[b]]
-        table.append((torch.tensor(rows, dtype=torch.long),
-                      *(torch.tensor([getattr(report, name)[b] for b in rows])
-                        for name in ("drafted", "accepted", "emitted")),
-                      torch.tensor(report.accept_probs, dtype=torch.float64).T[rows]))
+        counts.append([[getattr(report, name)[b] if running[b] else 0 for b in range(num_rows)]
+                       for name in ("drafted", "accepted", "emitted")])
+        probs.append((report.accept_probs, running))
         running = [not done for done in report.finished[:num_rows]]
-    return SpeculationStats.from_steps(table, num_rows)
+    table = (torch.tensor(counts, dtype=torch.long).permute(1, 0, 2) if steps
+             else torch.zeros(3, 0, num_rows, dtype=torch.long))
+    width = int(table[0].max()) if steps else 0
+    accept_probs = torch.tensor(
+        [[[step_probs[g][b] if was_running and g < len(step_probs) else 0.0 for g in range(width)]
+          for b, was_running in enumerate(rows_running)]
+         for step_probs, rows_running in probs], dtype=torch.float64).view(len(steps), num_rows, width)
+    return SpeculationStats(*table.contiguous(), accept_probs)
