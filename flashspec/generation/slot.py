@@ -318,7 +318,7 @@ class Slot:
         # A compiled forward takes two tokens or more: the token and a dead copy. An eager one
         # takes the token alone (on CPU a second row of every matmul costs 1.7x the first).
         fed = 2 if target.runner.compile and not target.runner.eager else 1
-        positions = (self.length - 1)[:, None].expand(-1, fed)
+        positions = (self.length - 1)[:, None].repeat(1, fed)
         hidden = target.runner.step(target.cache, self.seq.gather(1, positions), positions,
                                     self.one_live[:, :fed])
         return self.sample(hidden[:, 0])
