@@ -1,0 +1,45 @@
+"""The one-pass verification codes (`flashspec.kernels.edit_codes`) equal the torch ops of
+`generation.edits.EditState` (the CPU path and reference), through the interpreter on CPU and
+compiled on a GPU."""
+
+import pytest
+import torch
+
+from flashspec.generation.edits import NEVER, EditRules, EditState
+from flashspec.kernels.edit_codes import BLOCK_V, verify_codes
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _state(batch, vocab, device, penalty, min_count, begin_count, seed):
+    g = torch.Generator().manual_seed(seed)
+    banned = tuple(sorted(torch.randperm(vocab, generator=g)[:5].tolist()))
+    rules = EditRules(penalty=penalty, banned=banned, begin_banned=(3, 4), begin_count=begin_count,
+                      eos=(1,), min_count=min_count)
+    state = EditState(batch, vocab, torch.device(device))
+    state.load(rules, torch.randint(0, vocab, (batch, 6), generator=g).to(device))
+    return state, g
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("penalty, min_count, begin_count",
+                         [(1.0, 0, NEVER), (1.3, 0, NEVER), (1.3, 2, 1), (1.0, 3, NEVER)])
+@pytest.mark.parametrize("num_drafts", [0, 1, 4])
+def test_verify_codes_equal_torch_ops(device, penalty, min_count, begin_count, num_drafts):
+    batch, vocab = 3, BLOCK_V + 37        # a partial last tile
+    state, g = _state(batch, vocab, device, penalty, min_count, begin_count, seed=num_drafts)
+    drafts = torch.randint(0, vocab, (batch, num_drafts), generator=g).to(device)
+    if num_drafts > 1:
+        drafts[1, 1] = -1                  # row 1's drafts end there; the next one is ignored
+        drafts[2, 0] = drafts[2, 1] = 5    # a draft repeated
+    generated = torch.tensor([0, 1, 2], device=device)
+    expected = state.verify_edits(generated, drafts).codes
+    positions = torch.arange(num_drafts + 1, device=device)
+    which = None
+    if state.position_bans:
+        count = generated[:, None] + positions
+        which = (count < state.min_count).long() + 2 * (count == state.begin_count).long()
+    codes = verify_codes(state.base, drafts, state.context_code,
+                         state.ban_rows if state.position_bans else None, which)
+    assert codes.dtype == torch.uint8 and codes.shape == (batch, num_drafts + 1, vocab)
+    assert torch.equal(codes, expected)
