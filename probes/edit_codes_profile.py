@@ -25,16 +25,14 @@ from flashspec.bench.edit_cost import QWEN25_INSTRUCT, edit_state, time_ms
 from flashspec.generation.edits import NEVER
 from flashspec.kernels.edit_codes import verify_codes
 
+TILES = [dict(block=2048, num_warps=4), dict(block=4096, num_warps=8),
+         dict(block=8192, num_warps=8), dict(block=16384, num_warps=16)]
 
-def kernel_codes(state, generated, drafts):
-    """`state.verify_edits` with its ``[B, G+1, V]`` codes made by the one-pass kernel."""
-    positions = torch.arange(drafts.shape[1] + 1, device=drafts.device)
-    which = None
-    if state.position_bans:
-        count = generated[:, None] + positions
-        which = (count < state.min_count).long() + 2 * (count == state.begin_count).long()
-    return verify_codes(state.base, drafts, state.context_code,
-                        state.ban_rows if state.position_bans else None, which)
+
+def kernel_codes(state, table, generated, drafts, **tiles):
+    """`state.verify_edits`'s ``[B, G+1, V]`` codes made by the one-pass kernel."""
+    bans = (state.ban_rows, table, generated) if state.position_bans else ()
+    return verify_codes(state.base, drafts, state.context_code, *bans, **tiles)
 
 
 def main() -> None:
@@ -66,23 +64,32 @@ def main() -> None:
                 state.begin_count.fill_(NEVER)
                 state.ban_rows[1, 7] = 2
                 state.ban_rows[3, 7] = 2
+                state.ban_rows[2, 9] = 2
+            counts = torch.arange(4, device="cuda")
+            table = (counts < state.min_count).long() + 2 * (counts == state.begin_count).long()
             torch_codes = state.verify_edits(generated, drafts).codes
-            triton_codes = kernel_codes(state, generated, drafts)
-            assert torch.equal(torch_codes, triton_codes), (batch, bans)
+            for tiles in TILES:
+                assert torch.equal(torch_codes, kernel_codes(state, table, generated, drafts, **tiles))
             edits = state.verify_edits(generated, drafts)
             ms = {
                 "verify": time_ms(partial(fused_verify, hidden, weight, drafts, params, positions), True, 100),
                 "verify_edits": time_ms(partial(fused_verify, hidden, weight, drafts, params, positions,
                                                 edits=edits), True, 100),
                 "codes_torch": time_ms(partial(state.verify_edits, generated, drafts), True, 100),
-                "codes_triton": time_ms(partial(kernel_codes, state, generated, drafts), True, 100),
+                "copy_floor": time_ms(partial(torch_codes.copy_, torch_codes.clone()), True, 100),
             }
+            for tiles in TILES:
+                ms[f"codes_triton_{tiles['block']}_{tiles['num_warps']}"] = time_ms(
+                    partial(kernel_codes, state, table, generated, drafts, **tiles), True, 100)
+            ms["codes_triton"] = min(v for k, v in ms.items() if k.startswith("codes_triton_"))
             row = {"B": batch, "G": args.drafts, "position_bans": bans, "ms": ms,
                    "x_step_torch": (ms["verify_edits"] + ms["codes_torch"]) / ms["verify"],
                    "x_step_triton": (ms["verify_edits"] + ms["codes_triton"]) / ms["verify"]}
             rows.append(row)
             print(f"B={batch:3d} bans={bans!s:5} verify {ms['verify']:.4f} +edits {ms['verify_edits']:.4f} "
-                  f"codes torch {ms['codes_torch']:.4f} triton {ms['codes_triton']:.4f}  "
+                  f"codes torch {ms['codes_torch']:.4f} triton {ms['codes_triton']:.4f} "
+                  f"(floor {ms['copy_floor']:.4f}; " + " ".join(f"{k[13:]} {v:.4f}" for k, v in ms.items()
+                                                           if k.startswith("codes_triton_")) + ")  "
                   f"step x torch {row['x_step_torch']:.3f} triton {row['x_step_triton']:.3f}", flush=True)
             if batch == max(int(b) for b in args.batch_sizes.split(",")):
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

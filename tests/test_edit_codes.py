@@ -8,7 +8,14 @@ import torch
 from flashspec.generation.edits import NEVER, EditRules, EditState
 from flashspec.kernels.edit_codes import BLOCK_V, verify_codes
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
+def row_of_count(state) -> torch.Tensor:
+    """The ban row (of `state.ban_rows`) of each generated count, as `EditState` picks it."""
+    counts = torch.arange(max(int(state.min_count), int(state.begin_count) + 1) + 1,
+                          device=state.base.device)
+    return (counts < state.min_count).long() + 2 * (counts == state.begin_count).long()
 
 
 def _state(batch, vocab, device, penalty, min_count, begin_count, seed):
@@ -26,20 +33,16 @@ def _state(batch, vocab, device, penalty, min_count, begin_count, seed):
                          [(1.0, 0, NEVER), (1.3, 0, NEVER), (1.3, 2, 1), (1.0, 3, NEVER)])
 @pytest.mark.parametrize("num_drafts", [0, 1, 4])
 def test_verify_codes_equal_torch_ops(device, penalty, min_count, begin_count, num_drafts):
-    batch, vocab = 3, BLOCK_V + 37        # a partial last tile
+    batch, vocab = 3, 2 * BLOCK_V + 37    # a partial last tile
     state, g = _state(batch, vocab, device, penalty, min_count, begin_count, seed=num_drafts)
     drafts = torch.randint(0, vocab, (batch, num_drafts), generator=g).to(device)
     if num_drafts > 1:
         drafts[1, 1] = -1                  # row 1's drafts end there; the next one is ignored
         drafts[2, 0] = drafts[2, 1] = 5    # a draft repeated
+        drafts[0, 0] = 2 * BLOCK_V + 36    # in the last tile
     generated = torch.tensor([0, 1, 2], device=device)
     expected = state.verify_edits(generated, drafts).codes
-    positions = torch.arange(num_drafts + 1, device=device)
-    which = None
-    if state.position_bans:
-        count = generated[:, None] + positions
-        which = (count < state.min_count).long() + 2 * (count == state.begin_count).long()
-    codes = verify_codes(state.base, drafts, state.context_code,
-                         state.ban_rows if state.position_bans else None, which)
+    bans = (state.ban_rows, row_of_count(state), generated) if state.position_bans else ()
+    codes = verify_codes(state.base, drafts, state.context_code, *bans)
     assert codes.dtype == torch.uint8 and codes.shape == (batch, num_drafts + 1, vocab)
     assert torch.equal(codes, expected)
