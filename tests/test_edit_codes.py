@@ -46,3 +46,27 @@ def test_verify_codes_equal_torch_ops(device, penalty, min_count, begin_count, n
     codes = verify_codes(state.base, drafts, state.context_code, *bans)
     assert codes.dtype == torch.uint8 and codes.shape == (batch, num_drafts + 1, vocab)
     assert torch.equal(codes, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_drafts", [0, 3])
+def test_allowed_bitmask_bans_the_rest(device, num_drafts):
+    """With an allowed-token bitmask, every other token is BAN on top of the other codes;
+    the mask's bit 31 (the int32 sign) and a partial last word included."""
+    from flashspec.generation.allowed import pack, unpack
+    from flashspec.params import BAN
+
+    batch, vocab = 2, BLOCK_V + 45
+    state, g = _state(batch, vocab, device, 1.2, 2, NEVER, seed=7)
+    drafts = torch.randint(0, vocab, (batch, num_drafts), generator=g).to(device)
+    generated = torch.tensor([0, 5], device=device)
+    allowed = torch.rand(batch, num_drafts + 1, vocab, generator=g) < 0.3
+    allowed[..., 31::32] = True
+    allowed[0, 0] = False                                     # nothing allowed
+    bitmask = pack(allowed).to(device)
+    assert torch.equal(unpack(bitmask, vocab).cpu(), allowed)
+    codes = verify_codes(state.base, drafts, state.context_code, state.ban_rows,
+                         row_of_count(state), generated, allowed=bitmask)
+    expected = state.verify_edits(generated, drafts).codes
+    expected[~allowed.to(device)] = BAN
+    assert torch.equal(codes, expected)

@@ -81,47 +81,15 @@ class LogitsProcessing:
         token after the row's tokens and its first j drafts, ``drafts`` ``[B, W-1]``, -1
         padded) after the processors, each with its position's context. Positions a row
         does not use, and rows that are finished or pad the slot, keep their logits."""
-        rows, width = self.prompt_ids.shape[0], logits.shape[1]
-        generated = (slot.length - slot.prompt_length)[:rows]
-        finished = slot.finished[:rows].tolist()
-        num_drafts = ([0] * rows if drafts is None or width == 1 else
-                      (drafts[:rows] >= 0).long().cumprod(dim=1).sum(dim=1).tolist())
-        history = self._history(slot, drafts, generated, width)
-        needed: dict[int, list[tuple[int, int]]] = {}       # tokens generated -> (row, position)
-        for row, (count, done) in enumerate(zip(generated.tolist(), finished)):
-            if not done:
-                for j in range(num_drafts[row] + 1):
-                    needed.setdefault(count + j, []).append((row, j))
         scores = logits.clone()
-        prompt_width = self.prompt_ids.shape[1]
+        rows = self.prompt_ids.shape[0]
         every_row = torch.arange(rows, device=logits.device)
-        for count, pairs in sorted(needed.items()):
-            which = torch.tensor([row for row, _ in pairs], device=logits.device)
-            at = torch.tensor([j for _, j in pairs], device=logits.device)
+        for which, at, context in position_contexts(self.prompt_ids, self.pad_token_id, slot,
+                                                    drafts, logits.shape[1]):
             position = torch.zeros(rows, dtype=torch.long, device=logits.device).index_copy(0, which, at)
-            out = self.processors(history[:, : prompt_width + count], logits[every_row, position])
+            out = self.processors(context, logits[every_row, position])
             scores[which, at] = out[which].to(scores.dtype)
         return scores
-
-    def _history(self, slot, drafts, generated: torch.Tensor, width: int) -> torch.Tensor:
-        """``[B, L + most generated + W - 1]``: each row's prompt as stock holds it, its
-        generated tokens, its drafts, then `pad_token_id`."""
-        rows, prompt_width = self.prompt_ids.shape
-        device = self.prompt_ids.device
-        most = int(generated.max()) if rows else 0
-        history = torch.full((rows, prompt_width + most + width - 1), self.pad_token_id,
-                             dtype=torch.long, device=device)
-        history[:, :prompt_width] = self.prompt_ids
-        offsets = torch.arange(most, device=device)[None, :]
-        source = (slot.prompt_length[:rows, None] + offsets).clamp_max(slot.seq.shape[1] - 1)
-        history[:, prompt_width:prompt_width + most] = torch.where(
-            offsets < generated[:, None], slot.seq[:rows].gather(1, source), self.pad_token_id)
-        if drafts is not None and width > 1:
-            drafts = drafts[:rows]
-            index = prompt_width + generated[:, None] + torch.arange(width - 1, device=device)[None, :]
-            is_draft = (drafts >= 0).long().cumprod(dim=1).bool()
-            history.scatter_(1, index, torch.where(is_draft, drafts, history.gather(1, index)))
-        return history
 
     def keep(self, scores: torch.Tensor, logits: torch.Tensor) -> None:
         """The last step's scores and logits, until `record` reads what it emitted."""
@@ -160,6 +128,45 @@ class LogitsProcessing:
             out.append(torch.stack([x if x is not None else like.new_full((vocab,), float("nan"))
                                     for x in column]))
         return tuple(out)
+
+
+def position_contexts(prompt_ids: torch.Tensor, pad_token_id: int, slot, drafts: torch.Tensor | None,
+                      width: int):
+    """The contexts of a step's positions, grouped as stock would see them: for each distinct
+    count c of tokens generated before a position, ``(rows, positions, input_ids)`` with the
+    (row, position) pairs at that count (int64 ``[N]`` each) and ``input_ids`` ``[B, L + c]``:
+    every row's prompt as stock holds it (`prompt_ids` ``[B, L]``, left-padded), its
+    generated tokens, its drafts (`drafts` ``[B, W-1]``, -1 padded, or None), then
+    `pad_token_id`; only the listed rows' contexts are theirs at that count. Rows that are
+    finished, and slot rows past B, have none."""
+    rows, prompt_width = prompt_ids.shape
+    device = prompt_ids.device
+    generated = (slot.length - slot.prompt_length)[:rows]
+    finished = slot.finished[:rows].tolist()
+    num_drafts = ([0] * rows if drafts is None or width == 1 else
+                  (drafts[:rows] >= 0).long().cumprod(dim=1).sum(dim=1).tolist())
+    needed: dict[int, list[tuple[int, int]]] = {}       # tokens generated -> (row, position)
+    for row, (count, done) in enumerate(zip(generated.tolist(), finished)):
+        if not done:
+            for j in range(num_drafts[row] + 1):
+                needed.setdefault(count + j, []).append((row, j))
+    most = int(generated.max()) if rows else 0
+    history = torch.full((rows, prompt_width + most + width - 1), pad_token_id,
+                         dtype=torch.long, device=device)
+    history[:, :prompt_width] = prompt_ids
+    offsets = torch.arange(most, device=device)[None, :]
+    source = (slot.prompt_length[:rows, None] + offsets).clamp_max(slot.seq.shape[1] - 1)
+    history[:, prompt_width:prompt_width + most] = torch.where(
+        offsets < generated[:, None], slot.seq[:rows].gather(1, source), pad_token_id)
+    if drafts is not None and width > 1:
+        drafts = drafts[:rows]
+        index = prompt_width + generated[:, None] + torch.arange(width - 1, device=device)[None, :]
+        is_draft = (drafts >= 0).long().cumprod(dim=1).bool()
+        history.scatter_(1, index, torch.where(is_draft, drafts, history.gather(1, index)))
+    for count, pairs in sorted(needed.items()):
+        yield (torch.tensor([row for row, _ in pairs], device=device),
+               torch.tensor([j for _, j in pairs], device=device),
+               history[:, : prompt_width + count])
 
 
 class ProcessedSampler:

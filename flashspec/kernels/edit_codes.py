@@ -20,13 +20,17 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import params
+
 BLOCK_V = 4096
+_BAN = tl.constexpr(params.BAN)
 
 
 @triton.jit
 def _verify_codes_kernel(out_ptr, base_ptr, ban_rows_ptr, row_of_count_ptr, generated_ptr,
-                         drafts_ptr, context_code_ptr, V, NUM_COUNTS, W: tl.constexpr,
-                         G: tl.constexpr, BAN_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                         drafts_ptr, context_code_ptr, allowed_ptr, V, NUM_COUNTS, NUM_WORDS,
+                         W: tl.constexpr, G: tl.constexpr, BAN_ROWS: tl.constexpr,
+                         ALLOWED: tl.constexpr, BLOCK: tl.constexpr):
     pid_v = tl.program_id(0)
     row = tl.program_id(1)            # b * W + j
     b = row // W
@@ -39,6 +43,10 @@ def _verify_codes_kernel(out_ptr, base_ptr, ban_rows_ptr, row_of_count_ptr, gene
         count = tl.minimum(tl.load(generated_ptr + b) + j, NUM_COUNTS - 1)
         which = tl.load(row_of_count_ptr + count).to(tl.int64)
         code = tl.maximum(code, tl.load(ban_rows_ptr + which * V + tokens, mask=ok, other=0))
+    if ALLOWED:
+        # Bit v % 32 of word v // 32 (xgrammar's token bitmask): 32 neighbours share a load.
+        word = tl.load(allowed_ptr + row.to(tl.int64) * NUM_WORDS + tokens // 32, mask=ok, other=0)
+        code = tl.where(((word >> (tokens % 32)) & 1) == 0, _BAN, code)
     context_code = tl.load(context_code_ptr)
     alive = j >= 0
     for i in tl.static_range(G):
@@ -51,11 +59,12 @@ def _verify_codes_kernel(out_ptr, base_ptr, ban_rows_ptr, row_of_count_ptr, gene
 
 def verify_codes(base: torch.Tensor, drafts: torch.Tensor, context_code: torch.Tensor,
                  ban_rows: torch.Tensor | None = None, row_of_count: torch.Tensor | None = None,
-                 generated: torch.Tensor | None = None, *, block: int = BLOCK_V,
-                 num_warps: int = 8) -> torch.Tensor:
+                 generated: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
+                 *, block: int = BLOCK_V, num_warps: int = 8) -> torch.Tensor:
     """uint8 ``[B, G+1, V]``: position j of row b holds
-    ``max(base[b], ban_rows[row_of_count[min(generated[b] + j, C - 1)]])``, and at least
-    `context_code` on the row's drafts before j.
+    ``max(base[b], ban_rows[row_of_count[min(generated[b] + j, C - 1)]])``, at least
+    `context_code` on the row's drafts before j, and `BAN` on every token that `allowed`
+    leaves out.
 
     Args:
         base: uint8 ``[B, V]``, contiguous.
@@ -65,6 +74,8 @@ def verify_codes(base: torch.Tensor, drafts: torch.Tensor, context_code: torch.T
         ban_rows / row_of_count / generated: uint8 ``[R, V]``, integer ``[C]`` (the ban row
             of each generated count, the last one for every count beyond) and int64 ``[B]``
             (each row's generated tokens), or all None: no position-dependent bans.
+        allowed: int32 ``[B, G+1, ceil(V / 32)]``, each position's allowed tokens (bit
+            ``v % 32`` of word ``v // 32``), or None: every token.
     """
     batch, vocab = base.shape
     num_drafts = drafts.shape[1]
@@ -74,7 +85,8 @@ def verify_codes(base: torch.Tensor, drafts: torch.Tensor, context_code: torch.T
     grid = (triton.cdiv(vocab, block), batch * width)
     _verify_codes_kernel[grid](
         out, base, ban_rows if bans else base, row_of_count if bans else drafts,
-        generated if bans else drafts, drafts.contiguous(), context_code, vocab,
-        row_of_count.numel() if bans else 1, W=width, G=num_drafts, BAN_ROWS=bans, BLOCK=block,
-        num_warps=num_warps)
+        generated if bans else drafts, drafts.contiguous(), context_code,
+        base if allowed is None else allowed.contiguous(), vocab,
+        row_of_count.numel() if bans else 1, triton.cdiv(vocab, 32), W=width, G=num_drafts,
+        BAN_ROWS=bans, ALLOWED=allowed is not None, BLOCK=block, num_warps=num_warps)
     return out
