@@ -250,8 +250,12 @@ def _hf_processors(option, width, eos):
         "multi-token words": [lp.NoBadWordsLogitsProcessor(
             [[12, 13], [20, 21, 22], [30, 31], [31, 32], [12, 14]], eos)],
         "min_new_tokens": [lp.MinNewTokensLengthLogitsProcessor(width - 2, 5, eos)],
-        "all": [lp.RepetitionPenaltyLogitsProcessor(0.7), lp.NoBadWordsLogitsProcessor([[5]], eos),
-                lp.MinLengthLogitsProcessor(width + 2, eos), lp.SuppressTokensLogitsProcessor([6]),
+        "no_repeat_ngram_size 1": [lp.NoRepeatNGramLogitsProcessor(1)],
+        "forced_eos_token_id": [lp.MinLengthLogitsProcessor(width + 3, eos),
+                                lp.ForcedEOSTokenLogitsProcessor(width + 3, 70)],
+        "all": [lp.RepetitionPenaltyLogitsProcessor(0.7), lp.NoRepeatNGramLogitsProcessor(2),
+                lp.NoBadWordsLogitsProcessor([[5]], eos), lp.MinLengthLogitsProcessor(width + 2, eos),
+                lp.ForcedEOSTokenLogitsProcessor(width + 2, 40), lp.SuppressTokensLogitsProcessor([6]),
                 lp.SuppressTokensAtBeginLogitsProcessor([9, 10], width + 1)],
     }[option]
 
@@ -271,13 +275,15 @@ def _hf_warpers(params, row):
 
 
 @pytest.mark.parametrize("option", ["repetition_penalty", "bans", "multi-token words",
-                                    "min_new_tokens", "all"])
+                                    "min_new_tokens", "no_repeat_ngram_size 1",
+                                    "forced_eos_token_id", "all"])
 def test_fused_equals_transformers_processors_in_float64(option):
     """The codes that `EditRules` / `EditState` make from transformers' processors and a
     context, applied by the fused kernels, against those processors on the float64 logits of
     the same context (stock's input_ids: the row's tokens so far; its length decides the
     length rules), then transformers' warpers and the same Philox noise: the same token, or a
-    float64 near-tie. Generated counts 0..3 cross the begin position and the EOS minimum;
+    float64 near-tie. Generated counts 0..3 cross the begin position, the EOS minimum and
+    the forced EOS (one that the minimum length bans before it: the forcing undoes that);
     a bad word equal to an EOS id and an id past the vocabulary are dropped as transformers
     drops them."""
     from flashspec.generation.edits import EditRules, EditState
@@ -285,7 +291,7 @@ def test_fused_equals_transformers_processors_in_float64(option):
     g = torch.Generator().manual_seed(len(option))
     batch, vocab_size, width = 8, 96, 12
     eos = torch.tensor([3, 70])
-    rules = EditRules.from_processors(_hf_processors(option, width, eos), width, vocab_size)
+    rules = EditRules.from_processors(_hf_processors(option, width, eos), width, vocab_size, 3)
     hidden, weight, positions = random_problem(g, batch, vocab_size, 32)
     params = mixed_params(g, batch, seed=7)
     context = torch.randint(0, vocab_size, (batch, width + 3), generator=g)
@@ -306,19 +312,77 @@ def test_fused_equals_transformers_processors_in_float64(option):
                                config=SMALL).tokens.cpu()
         ids = context[:, :width + generated]
         edited = lp.LogitsProcessorList(_hf_processors(option, width, eos))(ids, logits64.clone())
+        if option == "forced_eos_token_id" and generated == 2:
+            assert (ours == 70).all()
         for row in range(batch):
-            scores = lp.LogitsProcessorList(_hf_warpers(params, row))(ids[row:row + 1],
-                                                                     edited[row:row + 1].clone())[0]
-            noise = rng.gumbel(params.seed[row].cpu(), positions[row].cpu(),
-                               torch.arange(vocab_size), dtype=torch.float64)
-            sampled = bool(params.do_sample[row]) and float(params.temperature[row]) != 0.0
-            want = int((scores + noise).argmax() if sampled else scores.argmax())
-            got = int(ours[row])
-            assert got == want or is_near_tie(
-                edited[row], bool(params.do_sample[row]), float(params.temperature[row]),
-                int(params.top_k[row]), float(params.top_p[row]), float(params.min_p[row]),
-                noise, got, want), (option, generated, row, got, want)
-            assert bool(torch.isfinite(edited[row, got])), (option, generated, row)
+            _assert_transformers_draw(int(ours[row]), edited[row], ids[row], params, row,
+                                      positions[row], (option, generated, row))
+
+
+def _assert_transformers_draw(got, edited, ids, params, row, position, what):
+    """Token `got` of `params`' row is transformers' draw from its processed scores
+    `edited` ``[V]`` (float64) for the context `ids` ``[L]``: its warpers, then Gumbel-max
+    with the row's Philox noise at `position` (argmax when greedy), or a near-tie of it."""
+    scores = lp.LogitsProcessorList(_hf_warpers(params, row))(ids[None], edited[None].clone())[0]
+    noise = rng.gumbel(params.seed[row].cpu(), position.cpu(), torch.arange(edited.shape[0]),
+                       dtype=torch.float64)
+    sampled = bool(params.do_sample[row]) and float(params.temperature[row]) != 0.0
+    want = int((scores + noise).argmax() if sampled else scores.argmax())
+    assert got == want or is_near_tie(
+        edited, bool(params.do_sample[row]), float(params.temperature[row]),
+        int(params.top_k[row]), float(params.top_p[row]), float(params.min_p[row]),
+        noise, got, want), (what, got, want)
+    assert bool(torch.isfinite(edited[got])), what
+
+
+@seed(0)
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(batch=st.integers(1, 3), size=st.integers(1, 4), width=st.integers(1, 9),
+       generated=st.integers(0, 4), num_drafts=st.integers(0, 4), alphabet=st.integers(2, 6),
+       setting=st.integers(0, 10_000))
+def test_no_repeat_ngram_codes_equal_transformers(batch, size, width, generated, num_drafts,
+                                                 alphabet, setting):
+    """Contexts over a few ids (so that n-grams repeat), any size, generated count and
+    drafts (as many per row as it has): each verified position's BANs are exactly the -inf
+    of transformers' `NoRepeatNGramLogitsProcessor` on that position's input_ids (the
+    padded prompt, the generated tokens, the drafts before it; shorter than n: none), and
+    the draws with those codes (the torch reference, which the tests above hold the kernels
+    to) are transformers' (its processor, then its warpers, on the float64 logits with the
+    same noise), or a near-tie."""
+    from flashspec.generation.edits import EditRules, EditState
+
+    g = torch.Generator().manual_seed(setting)
+    vocab_size = 64
+    context = torch.randint(0, alphabet, (batch, width + generated), generator=g)
+    lengths = torch.randint(0, num_drafts + 1, (batch,), generator=g)
+    drafts = torch.randint(0, alphabet, (batch, num_drafts), generator=g)
+    drafts = torch.where(torch.arange(num_drafts)[None] < lengths[:, None], drafts, -1)
+    processor = lp.NoRepeatNGramLogitsProcessor(size)
+    rules = EditRules.from_processors([processor], width, vocab_size, generated + num_drafts + 1)
+    state = EditState(batch, vocab_size, torch.device(DEVICE))
+    state.load(rules, context[:, :width].to(DEVICE))
+    state.absorb(context[:, width:].to(DEVICE),
+                 torch.ones(batch, generated, dtype=torch.bool, device=DEVICE))
+    codes = state.verify_edits(torch.full((batch,), generated, device=DEVICE),
+                               drafts.to(DEVICE)).codes
+    rows = batch * (num_drafts + 1)
+    hidden, weight, positions = random_problem(g, rows, vocab_size, 16)
+    params = mixed_params(g, rows, seed=setting)
+    edits = LogitEdits(codes.reshape(rows, vocab_size),
+                       torch.ones(rows, dtype=torch.float64, device=DEVICE))
+    ours = sampling.sample(hidden, weight, params, positions, edits=edits,
+                           backend="reference").tokens.cpu()
+    logits64 = reference.compute_logits(hidden.double().cpu(), weight.double().cpu())
+    codes = codes.cpu()
+    for b in range(batch):
+        for j in range(int(lengths[b]) + 1):
+            row = b * (num_drafts + 1) + j
+            ids = torch.cat([context[b], drafts[b, :j]])
+            edited = processor(ids[None], logits64[row:row + 1].clone())[0]
+            assert torch.equal(codes[b, j] == BAN, edited.isinf()), (b, j, ids.tolist())
+            _assert_transformers_draw(int(ours[row]), edited, ids, params, row, positions[row],
+                                      (b, j))
 
 
 def test_goodness_of_fit_with_edits():

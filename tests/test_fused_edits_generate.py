@@ -10,6 +10,7 @@ float64 reference of transformers' processors, now on the fused path.)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
@@ -39,8 +40,12 @@ FUSED = {
     "multi-token bad_words_ids": dict(bad_words_ids=[[101], [92, 62], [31, 38], [5, 6, 7, 8]]),
     "min_new_tokens": dict(min_new_tokens=8, eos_token_id=EOS),
     "min_length": dict(min_length=18, eos_token_id=EOS),
+    "no_repeat_ngram_size": dict(no_repeat_ngram_size=2),
+    "no_repeat_ngram_size 1": dict(no_repeat_ngram_size=1),
+    "forced_eos_token_id": dict(forced_eos_token_id=[77]),
     "all": dict(repetition_penalty=1.3, suppress_tokens=[53], bad_words_ids=[[62], [38], [9, 10]],
-                begin_suppress_tokens=[7], min_new_tokens=6, eos_token_id=[EOS, 4]),
+                begin_suppress_tokens=[7], min_new_tokens=6, eos_token_id=[EOS, 4],
+                no_repeat_ngram_size=3, forced_eos_token_id=77),
     "qwen2.5-instruct": QWEN25_INSTRUCT,
 }
 
@@ -120,6 +125,46 @@ def test_greedy_with_every_fused_option_equals_stock():
         assert torch.equal(out.sequences, expected), mode
 
 
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_greedy_no_repeat_ngram_equals_stock(size):
+    """Greedy decoding repeats itself, so every n-gram size bites: stock's tokens, plain and
+    with drafts (prompt lookup drafts the repeats that the n-grams ban)."""
+    ids, mask = left_pad(PROMPTS)
+    kwargs = dict(no_repeat_ngram_size=size, max_new_tokens=16, do_sample=False)
+    expected = target().generate(ids, attention_mask=mask, **kwargs)
+    without = target().generate(ids, attention_mask=mask, **dict(kwargs, no_repeat_ngram_size=None))
+    assert not torch.equal(expected, without)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "sampler='flash' runs this call")
+        for mode in ("plain", "self", "lookup"):
+            assert torch.equal(flash(target(), ids, mask, mode, **kwargs).sequences, expected), mode
+
+
+def test_forced_bos_for_one_token_prompts():
+    """Transformers forces the BOS only where its input_ids hold one token (one-token
+    prompts, and begin_suppress_tokens then bites one position later): fused, greedy
+    equals stock, sampled tokens equal the materialized path's and stay the same with
+    drafts."""
+    ids = torch.tensor([[5], [9]])
+    kwargs = dict(forced_bos_token_id=17, begin_suppress_tokens=[26, 92], max_new_tokens=6)
+    greedy = dict(kwargs, do_sample=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "sampler='flash' runs this call")
+        flashed = target().generate(ids, sampler="flash", **greedy)
+        assert torch.equal(flashed, target().generate(ids, **greedy))
+        assert (flashed[:, 1] == 17).all() and not torch.isin(flashed[:, 2], torch.tensor([26, 92])).any()
+        plain = target().generate(ids, sampler="flash", seed=SEED, **SAMPLING, **kwargs)
+        for speculative in (dict(assistant_model=target(), num_assistant_tokens=3),
+                            dict(prompt_lookup_num_tokens=2)):
+            assert torch.equal(target().generate(ids, sampler="flash", seed=SEED, **SAMPLING,
+                                                 **kwargs, **speculative), plain)
+    assert (plain[:, 1] == 17).all()
+    with pytest.warns(UserWarning, match="`logits_processor` \\(Unchanged\\)"):
+        materialized = target().generate(ids, sampler="flash", seed=SEED, **SAMPLING, **kwargs,
+                                         logits_processor=LogitsProcessorList([Unchanged()]))
+    assert torch.equal(plain, materialized)
+
+
 def test_qwen25_instruct_generation_config_runs_fused():
     """The model's own generation_config (Qwen2.5-Instruct's values), no argument: no
     warning, the materialized path's tokens, and the same with speculation."""
@@ -145,7 +190,7 @@ def test_unfused_options_keep_the_materialized_path_and_name_the_fused_ones():
     ids, mask = left_pad(PROMPTS[:1])
     for kwargs, named in ((dict(bad_words_ids=[[92, 62]], sequence_bias=[[[7], 2.0]]),
                            "`bad_words_ids`=\\[\\[92, 62\\]\\]"),
-                          (dict(repetition_penalty=1.2, no_repeat_ngram_size=3),
+                          (dict(repetition_penalty=1.2, forced_eos_token_id=[7, 8]),
                            "`repetition_penalty`=1.2")):
         with pytest.warns(UserWarning, match=named):
             plan = flashspec.generation.plan.plan_generation(
@@ -163,46 +208,91 @@ def test_rules_from_transformers_processors():
                   lp.SuppressTokensLogitsProcessor([9]),
                   lp.SuppressTokensAtBeginLogitsProcessor([3, VOCAB + 5], 10),
                   lp.TemperatureLogitsWarper(0.5), lp.TopKLogitsWarper(4)]
-    rules = EditRules.from_processors(processors, 10, VOCAB)
+    rules = EditRules.from_processors(processors, 10, VOCAB, 6)
     assert rules == EditRules(penalty=1.5, banned=(8, 9), begin_banned=(3,), begin_count=0,
                               eos=(4, EOS), min_count=4)
     assert EditRules.from_processors(processors + [lp.NoRepeatNGramLogitsProcessor(2)], 10,
-                                     VOCAB) is None
+                                     VOCAB, 6) == dataclasses.replace(rules, ngram=2,
+                                                                     context_columns=16)
     assert EditRules.from_processors([lp.NoBadWordsLogitsProcessor([[8, VOCAB]], eos)], 10,
-                                     VOCAB) is None
+                                     VOCAB, 6) is None
     words = EditRules.from_processors([lp.NoBadWordsLogitsProcessor([[8, 9], [4], [7]], eos)], 10,
-                                      VOCAB)
+                                      VOCAB, 6)
     assert words == EditRules(banned=(7,), words=((8, 9),))      # [4] is an EOS: dropped
+    assert EditRules.from_processors([lp.NoRepeatNGramLogitsProcessor(2),
+                                      lp.NoRepeatNGramLogitsProcessor(3)], 10, VOCAB, 6) is None
+
+
+def test_forcing_rules_from_transformers_processors():
+    """A forced BOS only for a one-token prompt, a forced EOS at max_length - 1; a forced
+    token that a later processor bans there is banned too (every token is: stock's row is
+    all -inf), one that an earlier processor bans is not (the forcing undoes it); several
+    forced EOS ids (a uniform draw in transformers), ids outside the vocabulary (an error
+    there) and context-dependent bans after the forcing stay on the materialized path."""
+    def forced(processors, width=10):
+        rules = EditRules.from_processors(processors, width, VOCAB, 6)
+        return None if rules is None else rules.forced
+
+    bos, eos = lp.ForcedBOSTokenLogitsProcessor(7), lp.ForcedEOSTokenLogitsProcessor(16, 9)
+    assert forced([bos], width=1) == ((0, 7, False),)
+    assert forced([bos]) == ()
+    assert forced([eos]) == ((5, 9, False),)
+    assert forced([lp.ForcedEOSTokenLogitsProcessor(16, [9, 9])]) == ((5, 9, False),)
+    assert forced([lp.ForcedEOSTokenLogitsProcessor(16.5, 9)]) == ()
+    assert forced([lp.ForcedEOSTokenLogitsProcessor(9, 9)]) == ()      # before the prompt's end
+    assert forced([lp.NoBadWordsLogitsProcessor([[9]], None), lp.MinLengthLogitsProcessor(18, [9]),
+                   eos]) == ((5, 9, False),)
+    assert forced([eos, lp.SuppressTokensLogitsProcessor([9])]) == ((5, 9, True),)
+    assert forced([eos, lp.SuppressTokensAtBeginLogitsProcessor([9], 15)]) == ((5, 9, True),)
+    assert forced([eos, lp.SuppressTokensAtBeginLogitsProcessor([9], 14)]) == ((5, 9, False),)
+    assert forced([bos, lp.ForcedEOSTokenLogitsProcessor(2, 3)], width=1) == ((0, 7, False),
+                                                                              (0, 3, False))
+    for unfused in ([lp.ForcedEOSTokenLogitsProcessor(16, [9, 4])],
+                    [lp.ForcedEOSTokenLogitsProcessor(16, VOCAB)],
+                    [lp.ForcedBOSTokenLogitsProcessor(-1)],
+                    [eos, lp.NoRepeatNGramLogitsProcessor(2)],
+                    [eos, lp.NoBadWordsLogitsProcessor([[8, 9]], None)],
+                    [bos, bos, eos]):
+        assert forced(unfused, width=1) is None, unfused
 
 
 @seed(0)
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(batch=st.integers(1, 3), num_drafts=st.integers(1, 5), penalized=st.booleans(),
-       positional=st.booleans(), words=st.booleans(), setting=st.integers(0, 10_000))
+       positional=st.booleans(), words=st.booleans(), ngram=st.sampled_from([0, 1, 2, 3]),
+       setting=st.integers(0, 10_000))
 def test_verify_codes_are_plain_decodings(batch, num_drafts, penalized, positional, words,
-                                          setting):
+                                          ngram, setting):
     """Position j of a verification step has the codes a plain step has after the drafts
     before j were emitted: the same state, absorbed one token at a time (with and without
-    position bans and words: without both, a plain step's codes are the base codes)."""
+    position bans, forced tokens, words and n-grams: without all, a plain step's codes are
+    the base codes)."""
     g = torch.Generator().manual_seed(setting)
     vocab = 40
-    begin_count, min_count = (int(torch.randint(0, 4, (1,), generator=g)),
-                              int(torch.randint(0, 6, (1,), generator=g)))
+    begin_count, min_count, forced_count = (int(torch.randint(0, 4, (1,), generator=g)),
+                                            int(torch.randint(0, 6, (1,), generator=g)),
+                                            int(torch.randint(0, 6, (1,), generator=g)))
     rules = EditRules(penalty=1.3 if penalized else 1.0, banned=(3, 5), begin_banned=(7, 8),
                       begin_count=begin_count if positional else NEVER, eos=(1,),
                       min_count=min_count if positional else 0,
-                      words=((2, 4), (6, 2, 9), (1, 1, 1, 30)) if words else ())
-    # Tokens mostly from a few ids, so that the bad words' prefixes come up.
+                      words=((2, 4), (6, 2, 9), (1, 1, 1, 30)) if words else (),
+                      ngram=ngram, context_columns=6 + 5 + num_drafts,
+                      forced=((forced_count, 2, False), (begin_count, 7, True)) if positional
+                      else ())
+    # Tokens mostly from a few ids, so that the bad words' prefixes and n-grams come up.
     prompts = torch.randint(0, 10, (batch, 6), generator=g)
     drafts = torch.randint(0, 10, (batch, num_drafts), generator=g)
     lengths = torch.randint(0, num_drafts + 1, (batch,), generator=g)
     drafts = torch.where(torch.arange(num_drafts)[None] < lengths[:, None], drafts, -1)
     generated = torch.randint(0, 5, (batch,), generator=g)
+    emitted = torch.randint(0, 10, (batch, 4), generator=g)
     state = EditState(batch, vocab, torch.device("cpu"))
     state.load(rules, prompts)
-    codes = state.verify_edits(generated, drafts).codes
     plain = EditState(batch, vocab, torch.device("cpu"))
     plain.load(rules, prompts)
+    for each in (state, plain):     # the generated tokens, not all of them written yet
+        each.absorb(emitted, torch.arange(4)[None] < generated[:, None])
+    codes = state.verify_edits(generated, drafts).codes
     for j in range(num_drafts + 1):
         expected = plain.sample_edits(generated + j).codes.clone()
         used = lengths >= j
@@ -312,44 +402,62 @@ def test_fused_edits_on_cuda_equal_the_cpu_engine_and_survive_switching():
 
 def test_slot_edits_key_and_generation_follow_the_edits():
     """The slot's `edits_key` (for the engine's graph key) follows what the steps run: edits
-    on or off, position bans, the bad words' buffer shapes. Its buffers' generation moves
-    only when the bad words need other buffers: graphs with and without edits, with and
-    without position bans, live side by side (a server alternating calls with and without
-    a repetition penalty captures each step once)."""
+    on or off, position bans, the n-gram size, the bad words' and the n-gram context's
+    buffer shapes. Its buffers' generation moves only when the bad words or the n-grams
+    need other buffers: graphs with and without edits, with and without position bans,
+    live side by side (a server alternating calls with and without a repetition penalty
+    captures each step once)."""
     from flashspec.generation.engine import cached_engine
 
     ids, mask = left_pad(PROMPTS)
-    calls = [(dict(repetition_penalty=1.2), (False, (0, 1))),
-             (dict(repetition_penalty=1.5, bad_words_ids=[[7]]), (False, (0, 1))),
-             (dict(min_new_tokens=3, eos_token_id=EOS), (True, (0, 1))),
-             (dict(bad_words_ids=[[7, 8], [9, 10, 11]]), (False, (2, 3))),
+    rows = len(PROMPTS)
+    words = [[7, 8], [9, 10, 11]]
+    calls = [(dict(repetition_penalty=1.2), (False, 0, (0, 1), (rows, 1))),
+             (dict(repetition_penalty=1.5, bad_words_ids=[[7]]), (False, 0, (0, 1), (rows, 1))),
+             (dict(min_new_tokens=3, eos_token_id=EOS), (True, 0, (0, 1), (rows, 1))),
+             (dict(forced_eos_token_id=7), (True, 0, (0, 1), (rows, 1))),
+             (dict(no_repeat_ngram_size=1), (False, 0, (0, 1), (rows, 1))),
+             (dict(bad_words_ids=words), (False, 0, (2, 3), (rows, 1))),
+             (dict(bad_words_ids=words, no_repeat_ngram_size=2), (False, 2, (2, 3), (rows, 256))),
+             (dict(bad_words_ids=words, no_repeat_ngram_size=4), (False, 4, (2, 3), (rows, 256))),
              ({}, None)]
     generations = []
     for kwargs, key in calls:
         flash(target(), ids, mask, seed=SEED, max_new_tokens=2, **SAMPLING, **kwargs)
         slot, = [s for s in cached_engine(target().get_decoder()).slots.values()
-                 if s.batch_size == len(PROMPTS)]
+                 if s.batch_size == rows]
         assert slot.edits_key() == key, kwargs
         generations.append(slot.generation)
     first = generations[0]
-    assert generations == [first, first, first, first + 1, first + 1]
+    assert generations == [first] * 5 + [first + 1, first + 2, first + 2, first + 2]
 
 
 def test_rows_whose_edits_ban_every_token_are_refused_when_sampled():
-    """Every token an EOS id and a minimum length: a sampled row has nothing left to draw.
-    Stock's sampling fails (torch.multinomial); flashspec raises a ValueError saying so, with
-    and without drafts, rather than drawing a banned token. A greedy row takes token 0, as
-    stock's argmax of a row of -inf does."""
+    """Every token an EOS id and a minimum length; every token completing a repeated n-gram
+    (n = 1: each token in the prompt) or suppressed (n = 2: the prompt's last token 9 came
+    before each of tokens 0-7 and the others are suppressed); a forced EOS that
+    begin_suppress_tokens bans: a sampled row has nothing left to draw. Stock's sampling
+    fails (torch.multinomial); flashspec raises a ValueError saying so, with and without
+    drafts, rather than drawing a banned token. A greedy row takes token 0, as stock's
+    argmax of a row of -inf does."""
     model = tiny_model("llama")
-    ids = torch.tensor([[5, 6, 7]])
-    kwargs = dict(max_new_tokens=4, min_new_tokens=2, eos_token_id=list(range(VOCAB)),
-                  pad_token_id=0)
-    for drafts in ({}, dict(prompt_lookup_num_tokens=2)):
-        with pytest.raises(ValueError, match="leave no token to sample for row 0"):
-            model.generate(ids, sampler="flash", do_sample=True, seed=0, **drafts, **kwargs)
-    greedy = dict(kwargs, do_sample=False)
-    assert torch.equal(model.generate(ids, sampler="flash", **greedy),
-                       model.generate(ids, **greedy))
+    every = list(range(VOCAB))
+    after_nine = [9] + [token for pair in zip(range(8), [9] * 8) for token in pair]
+    cases = [([5, 6, 7], dict(min_new_tokens=2, eos_token_id=every)),
+             (every, dict(no_repeat_ngram_size=1)),
+             (after_nine, dict(no_repeat_ngram_size=2, suppress_tokens=every[8:])),
+             ([5, 6, 7], dict(forced_eos_token_id=7, begin_suppress_tokens=[7], max_new_tokens=1))]
+    for prompt, edits in cases:
+        ids = torch.tensor([prompt])
+        kwargs = dict(max_new_tokens=4, pad_token_id=0) | edits
+        with pytest.raises(RuntimeError):
+            model.generate(ids, do_sample=True, **kwargs)
+        for drafts in ({}, dict(prompt_lookup_num_tokens=2)):
+            with pytest.raises(ValueError, match="leave no token to sample for row 0"):
+                model.generate(ids, sampler="flash", do_sample=True, seed=0, **drafts, **kwargs)
+        greedy = dict(kwargs, do_sample=False)
+        assert torch.equal(model.generate(ids, sampler="flash", **greedy),
+                           model.generate(ids, **greedy)), edits
 
 
 def test_a_temperature_past_what_a_finite_ban_holds_is_refused():

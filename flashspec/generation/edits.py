@@ -12,7 +12,17 @@ device with torch ops only (no host read: the steps stay capturable in CUDA grap
   rest of the word (transformers' `NoBadWordsLogitsProcessor`, matched on the device against
   each row's last tokens, which the slot keeps);
 * ``begin_suppress_tokens``: BAN at the first generated position;
-* ``min_length`` / ``min_new_tokens``: the EOS ids BAN while the row's length is short.
+* ``min_length`` / ``min_new_tokens``: the EOS ids BAN while the row's length is short;
+* ``no_repeat_ngram_size`` n: BAN each token that would complete an n-gram of the context
+  (transformers' `NoRepeatNGramLogitsProcessor`: each window of n tokens of stock's
+  ``input_ids`` whose first n - 1 are its last n - 1 bans its last token; the slot keeps each
+  row's whole context for that, in `EditState`); n = 1 bans the context's tokens;
+* ``forced_bos_token_id`` / ``forced_eos_token_id`` (one id): every other token BAN where
+  transformers' length is 1 / ``max_length - 1``. Transformers sets every score to -inf and
+  the forced token's to 0, which undoes the processors before it (the token keeps its code
+  from those after it: ``suppress_tokens``, ``begin_suppress_tokens``); with a single token
+  left, its score does not matter. Several forced EOS ids draw uniformly among them in
+  transformers, which codes cannot say: those calls stay on the materialized path.
 
 Transformers counts lengths as ``input_ids.shape[-1]``: the padded prompt's width plus the
 tokens generated, the same for every row of a stock batch. Here each row counts its own
@@ -25,8 +35,8 @@ position's bans; a verification step's position j adds the drafts before j (its 
 and the bans at t + j, so every position is edited as plain decoding would edit it, and
 seeded tokens stay the same with and without speculation.
 
-Still on the materialized path (`processing`): ``no_repeat_ngram_size``, ``sequence_bias``
-and every other processor (`plan`).
+Still on the materialized path (`processing`): ``sequence_bias`` (additive) and every other
+processor (`plan`).
 """
 
 from __future__ import annotations
@@ -43,7 +53,12 @@ _FUSED_WARPERS = (lp.TemperatureLogitsWarper, lp.TopKLogitsWarper, lp.TopPLogits
                   lp.MinPLogitsWarper)
 # The options whose processors `EditRules` takes, when their values are fusable.
 FUSED_OPTIONS = ("repetition_penalty", "bad_words_ids", "suppress_tokens",
-                 "begin_suppress_tokens", "min_length", "min_new_tokens")
+                 "begin_suppress_tokens", "min_length", "min_new_tokens", "no_repeat_ngram_size",
+                 "forced_bos_token_id", "forced_eos_token_id")
+_FORCING = (lp.ForcedBOSTokenLogitsProcessor, lp.ForcedEOSTokenLogitsProcessor)
+MAX_FORCED = 2    # forced tokens a call holds (transformers makes one BOS and one EOS rule)
+FORCED_ROW = 4    # `EditState.ban_rows`' row that bans every token
+MIN_CONTEXT = 256  # columns of the smallest n-gram context buffer
 NEVER = -1    # a generated count no position has
 NO_TOKEN = -1     # a context position before the padded prompt (or past the drafts)
 ANY_TOKEN = -2    # a word's unused leading slot: matches anything
@@ -56,7 +71,12 @@ class EditRules:
     """A call's fused edits (host values, from transformers' processors): `penalty` (1.0:
     none), `banned` (every position), `begin_banned` (the position after `begin_count`
     generated tokens, or none: `NEVER`), `eos` (banned while fewer than `min_count` tokens
-    are generated), `words` (multi-token bad words: the last token banned after the others).
+    are generated), `words` (multi-token bad words: the last token banned after the others),
+    `ngram` (no_repeat_ngram_size, 0: none) with `context_columns` (the most tokens a row's
+    context holds: the padded prompt and the new tokens), `forced` ((generated count, token,
+    banned) in the order transformers applies them: every other token banned at that count,
+    the token itself too where `banned`, because a processor after the forcing one bans it;
+    at the same count the later one wins).
     Token ids outside the vocabulary are dropped, as ``torch.isin`` in transformers'
     processors ignores them."""
 
@@ -67,36 +87,48 @@ class EditRules:
     eos: tuple[int, ...] = ()
     min_count: int = 0
     words: tuple[tuple[int, ...], ...] = ()
+    ngram: int = 0
+    context_columns: int = 0
+    forced: tuple[tuple[int, int, bool], ...] = ()
 
     def bans_tokens(self) -> bool:
         """Whether some position bans some token (not only a repetition penalty)."""
-        return bool(self.banned or self.begin_banned or self.eos or self.words)
+        return bool(self.banned or self.begin_banned or self.eos or self.words or self.ngram
+                    or self.forced)
 
     @classmethod
-    def from_processors(cls, processors, prompt_width: int, vocab_size: int) -> "EditRules | None":
+    def from_processors(cls, processors, prompt_width: int, vocab_size: int,
+                        max_new_tokens: int) -> "EditRules | None":
         """The rules of `processors` (transformers' list for the call, whose inputs are
-        ``prompt_width`` wide), or None if one of them is not fused (a bad word with an id
-        outside the vocabulary, a repetition penalty that ignores the prompt, any other
-        processor)."""
+        ``prompt_width`` wide, which generates at most `max_new_tokens`), or None if one of
+        them is not fused (a bad word with an id outside the vocabulary, a repetition penalty
+        that ignores the prompt, several forced EOS ids, a forced token that a later processor
+        bans depending on the context, any other processor)."""
         rules = cls()
-        for processor in processors:
+        processors = list(processors)
+        for index, processor in enumerate(processors):
             if isinstance(processor, _FUSED_WARPERS):
                 continue
-            rule = _rule_of(processor, prompt_width, vocab_size)
-            if rule is None:
-                return None
+            if type(processor) in _FORCING:
+                rule = _forced_rule(processor, processors[index + 1:], prompt_width, vocab_size)
+            else:
+                rule = _rule_of(processor, prompt_width, vocab_size, max_new_tokens)
+            if rule is None or rules.ngram not in (0, rule.get("ngram", rules.ngram)):
+                return None     # (two n-gram sizes: one buffer of windows holds one size)
             rules = rules._merged(**rule)
-        return rules
+        return rules if len(rules.forced) <= MAX_FORCED else None
 
     def _merged(self, penalty=None, banned=(), begin_banned=(), begin_count=NEVER, eos=(),
-                min_count=0, words=()) -> "EditRules":
+                min_count=0, words=(), ngram=0, context_columns=0, forced=()) -> "EditRules":
         return EditRules(
             penalty=self.penalty if penalty is None else penalty,
             banned=tuple(sorted({*self.banned, *banned})),
             begin_banned=tuple(sorted({*self.begin_banned, *begin_banned})),
             begin_count=begin_count if begin_banned else self.begin_count,
             eos=tuple(sorted({*self.eos, *eos})), min_count=max(self.min_count, min_count),
-            words=tuple(sorted({*self.words, *words})))
+            words=tuple(sorted({*self.words, *words})), ngram=ngram or self.ngram,
+            context_columns=max(self.context_columns, context_columns),
+            forced=self.forced + tuple(forced))
 
 
 def _ids(values, vocab_size: int) -> tuple[int, ...]:
@@ -104,7 +136,7 @@ def _ids(values, vocab_size: int) -> tuple[int, ...]:
     return tuple(int(i) for i in ids if 0 <= int(i) < vocab_size)
 
 
-def _rule_of(processor, prompt_width: int, vocab_size: int) -> dict | None:
+def _rule_of(processor, prompt_width: int, vocab_size: int, max_new_tokens: int) -> dict | None:
     """`EditRules._merged`'s keywords for one of transformers' processors (each rule as its
     ``__call__`` reads it, in transformers 5.x), or None if it is not fused."""
     if type(processor) is lp.RepetitionPenaltyLogitsProcessor:
@@ -133,7 +165,43 @@ def _rule_of(processor, prompt_width: int, vocab_size: int) -> dict | None:
             return None       # transformers raises on them: its processor's path says so
         return dict(banned=tuple(word[0] for word in words if len(word) == 1),
                     words=tuple(word for word in words if len(word) > 1))
+    if type(processor) is lp.NoRepeatNGramLogitsProcessor:
+        return dict(ngram=processor.ngram_size,
+                    context_columns=prompt_width + max_new_tokens)
     return None
+
+
+def _forced_rule(processor, later, prompt_width: int, vocab_size: int) -> dict | None:
+    """`EditRules._merged`'s keywords for a forcing processor followed by the processors
+    `later`, or None if it is not fused. Transformers forces where input_ids.shape[-1] is 1
+    (BOS: a one-token prompt) or ``max_length - 1`` (EOS), indexes the scores with the ids
+    (an id outside the vocabulary fails there) and sets them to 0: with several ids it draws
+    uniformly among them."""
+    if type(processor) is lp.ForcedBOSTokenLogitsProcessor:
+        ids, length = processor.bos_token_id, 1
+    else:
+        ids, length = processor.eos_token_id, processor.max_length - 1
+    try:
+        ids = {*torch.as_tensor(ids).reshape(-1).tolist()}
+    except (TypeError, ValueError, RuntimeError):
+        return None                     # transformers fails on them too
+    if len(ids) != 1 or type(min(ids)) is not int or not 0 <= min(ids) < vocab_size:
+        return None
+    token = min(ids)
+    count = length - prompt_width
+    if count < 0 or not float(count).is_integer():
+        return {}                       # a length no row has
+    count, banned = int(count), False
+    for processor in later:
+        if isinstance(processor, _FUSED_WARPERS) or type(processor) in _FORCING:
+            continue
+        rule = _rule_of(processor, prompt_width, vocab_size, 0)
+        if rule is None or rule.get("words") or rule.get("ngram"):
+            return None
+        banned |= (token in rule.get("banned", ())
+                   or (token in rule.get("begin_banned", ()) and count == rule["begin_count"])
+                   or (token in rule.get("eos", ()) and count < rule["min_count"]))
+    return dict(forced=((count, token, banned),))
 
 
 class EditState:
@@ -143,56 +211,82 @@ class EditState:
     Attributes:
         base: uint8 ``[B, V]``: each row's codes at every position (bans, context).
         penalty: float64 ``[B]``: the call's repetition penalty (1.0 without one).
-        context_code: uint8 ``[1]``: PENALIZE with a penalty, else KEEP (what a context
-            token's code becomes).
-        ban_rows: uint8 ``[4, V]``: the position-dependent bans, row 1 * (EOS banned) +
-            2 * (the begin position): nothing, EOS ids, begin-suppressed ids, both. One
-            gather and one max per step then make them, with no [B, V] pass per kind.
+        context_code: uint8 ``[1]``: what a context token's code becomes: BAN with
+            ``no_repeat_ngram_size`` 1, else PENALIZE with a penalty, else KEEP.
+        ban_rows: uint8 ``[5, V]``: the position-dependent bans, row 1 * (EOS banned) +
+            2 * (the begin position): nothing, EOS ids, begin-suppressed ids, both; and row
+            `FORCED_ROW`, every token (a forced position). One gather and one max per step
+            then make them, with no [B, V] pass per kind.
         begin_count / min_count: int64 ``[1]``: the generated count of the begin position
             (`NEVER`: none); EOS is banned below `min_count`.
-        position_bans: bool (host): some ban depends on the position. Without one and
-            without words, a sampling step's codes are `base` itself (no pass over
-            ``[B, V]``: Qwen2.5-Instruct's repetition penalty costs no step of its own).
+        forced_count / forced_token / forced_code: int64, int64, uint8 ``[MAX_FORCED]``: the
+            forced positions (`NEVER`: none), their token and its code there, in
+            transformers' order (the later one wins at the same count).
+        position_bans: bool (host): some ban depends on the position. Without one, without
+            words and without n-grams, a sampling step's codes are `base` itself (no pass
+            over ``[B, V]``: Qwen2.5-Instruct's repetition penalty costs no step of its own).
         words / word_ends: int64 ``[K, M+1]`` / ``[K]``: the multi-token bad words, each
             one's tokens but the last right-aligned after `SOME_TOKEN` and `ANY_TOKEN`s, and
             the last tokens (M: the longest such prefix; K = 0 without words).
         tail: int64 ``[B, M+1]``: each row's last M+1 context tokens (`NO_TOKEN` before its
             padded prompt), which the words are matched against.
+        ngram: int (host): ``no_repeat_ngram_size`` where it needs matching (n >= 2), else 0.
+        context / context_length: int64 ``[B, C]`` / ``[B]``: with `ngram`, each row's
+            context as transformers' input_ids hold it (the padded prompt, pad tokens
+            included, then the emitted tokens; `NO_TOKEN` after), C the power of two (at
+            least `MIN_CONTEXT`) that holds the call's prompt and new tokens; else ``[B, 1]``.
     """
 
     def __init__(self, batch_size: int, vocab_size: int, device: torch.device):
         uint8 = dict(dtype=torch.uint8, device=device)
+        long = dict(dtype=torch.long, device=device)
         self.base = torch.zeros(batch_size, vocab_size, **uint8)
         self.penalty = torch.ones(batch_size, dtype=torch.float64, device=device)
         self.context_code = torch.zeros(1, **uint8)
-        self.ban_rows = torch.zeros(4, vocab_size, **uint8)
-        self.begin_count = torch.full((1,), NEVER, dtype=torch.long, device=device)
-        self.min_count = torch.zeros(1, dtype=torch.long, device=device)
+        self.ban_rows = torch.zeros(FORCED_ROW + 1, vocab_size, **uint8)
+        self.begin_count = torch.full((1,), NEVER, **long)
+        self.min_count = torch.zeros(1, **long)
+        self.forced_count = torch.full((MAX_FORCED,), NEVER, **long)
+        self.forced_token = torch.zeros(MAX_FORCED, **long)
+        self.forced_code = torch.zeros(MAX_FORCED, **uint8)
         self.position_bans = False
-        self.words = torch.zeros(0, 1, dtype=torch.long, device=device)
-        self.word_ends = torch.zeros(0, dtype=torch.long, device=device)
-        self.tail = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+        self.words = torch.zeros(0, 1, **long)
+        self.word_ends = torch.zeros(0, **long)
+        self.tail = torch.zeros(batch_size, 1, **long)
+        self.ngram = 0
+        self.context = torch.full((batch_size, 1), NO_TOKEN, **long)
+        self.context_length = torch.zeros(batch_size, **long)
 
     def load(self, rules: EditRules, input_ids: torch.Tensor) -> bool:
         """The call's `rules` for rows whose left-padded prompts are `input_ids` ``[B, L]``
         (padding tokens are context too, as in stock's ``input_ids``). Returns whether the
-        steps' buffers changed: other buffers for the words (steps captured before do not
-        read them)."""
+        steps' buffers changed: other buffers for the words or the n-gram context (steps
+        captured before do not read them)."""
         device = self.base.device
-        position_bans = rules.min_count > 0 or rules.begin_count != NEVER
+        position_bans = rules.min_count > 0 or rules.begin_count != NEVER or bool(rules.forced)
         replaced = self._load_words(rules.words)
+        replaced = self._load_context(rules, input_ids.shape[1]) or replaced
         self.position_bans = position_bans
         self.penalty.fill_(rules.penalty)
-        self.context_code.fill_(KEEP if rules.penalty == 1.0 else PENALIZE)
+        self.context_code.fill_(BAN if rules.ngram == 1 else
+                                KEEP if rules.penalty == 1.0 else PENALIZE)
         self.ban_rows.zero_()
         for rows, ids in (([1, 3], rules.eos), ([2, 3], rules.begin_banned)):
             index = torch.tensor(ids, dtype=torch.long, device=device)
             self.ban_rows[torch.tensor(rows, device=device)[:, None], index[None, :]] = BAN
+        self.ban_rows[FORCED_ROW] = BAN
         self.begin_count.fill_(rules.begin_count)
         self.min_count.fill_(rules.min_count)
+        forced = list(rules.forced) + [(NEVER, 0, False)] * (MAX_FORCED - len(rules.forced))
+        counts, tokens, banned = zip(*forced)
+        self.forced_count.copy_(torch.tensor(counts))
+        self.forced_token.copy_(torch.tensor(tokens))
+        self.forced_code.copy_(torch.tensor(banned, dtype=torch.uint8) * BAN)
         self.base.zero_()
         self.base[:, torch.tensor(rules.banned, dtype=torch.long, device=device)] = BAN
         self.tail.fill_(NO_TOKEN)
+        self.context.fill_(NO_TOKEN)
+        self.context_length.zero_()
         self.absorb(input_ids, torch.ones_like(input_ids, dtype=torch.bool))
         return replaced
 
@@ -211,6 +305,23 @@ class EditState:
         self.tail = self.tail.new_empty(self.tail.shape[0], longest + 1)
         return True
 
+    def _load_context(self, rules: EditRules, prompt_width: int) -> bool:
+        self.ngram = rules.ngram if rules.ngram > 1 else 0
+        columns = 1
+        if self.ngram:
+            needed = max(rules.context_columns, prompt_width)
+            columns = max(MIN_CONTEXT, 1 << (needed - 1).bit_length())
+        if self.context.shape[1] == columns:
+            return False
+        self.context = self.context.new_empty(self.context.shape[0], columns)
+        return True
+
+    def key(self) -> tuple:
+        """What the steps' captured work depends on beyond the buffers' values (for the
+        engine's graph key): position bans, the n-gram size, the words' and the context's
+        buffer shapes."""
+        return self.position_bans, self.ngram, tuple(self.words.shape), tuple(self.context.shape)
+
     def absorb(self, tokens: torch.Tensor, written: torch.Tensor) -> None:
         """Tokens ``[B, W]`` where `written` (the first few of each row) joined the rows'
         contexts."""
@@ -221,13 +332,23 @@ class EditState:
             kept = written.sum(dim=1, keepdim=True) + torch.arange(self.tail.shape[1],
                                                                     device=tokens.device)
             self.tail.copy_(joined.gather(1, kept))
+        if self.ngram:
+            # Columns past the context hold NO_TOKEN, which every token id exceeds.
+            columns = torch.arange(tokens.shape[1], device=tokens.device)
+            index = (self.context_length[:, None] + columns).clamp_max(self.context.shape[1] - 1)
+            self.context.scatter_reduce_(1, index, torch.where(written, tokens, NO_TOKEN),
+                                         reduce="amax")
+            self.context_length += written.sum(dim=1)
 
     def sample_edits(self, generated: torch.Tensor) -> LogitEdits:
         """The edits of each row's next token, after `generated` ``[B]`` tokens."""
-        if not (self.position_bans or self.word_ends.numel()):
+        if not (self.position_bans or self.word_ends.numel() or self.ngram):
             return LogitEdits(self.base, self.penalty)
         codes = self._with_position_bans(self.base, generated)
-        return LogitEdits(self._with_word_bans(codes, self.tail), self.penalty)
+        codes = self._with_word_bans(codes, self.tail)
+        no_drafts = generated.new_empty(generated.shape[0], 0)
+        codes = self._with_ngram_bans(codes[:, None], no_drafts)[:, 0]
+        return LogitEdits(self._with_forced_tokens(codes, generated), self.penalty)
 
     def verify_edits(self, generated: torch.Tensor, drafts: torch.Tensor) -> LogitEdits:
         """The edits ``[B, G+1, V]`` of the positions that verify `drafts` ``[B, G]`` (-1
@@ -238,13 +359,15 @@ class EditState:
         is_draft = (drafts >= 0).long().cumprod(dim=1).bool()
         before = positions[:, None] > positions[None, :num_drafts]          # [G+1, G]: i < j
         in_context = (before[None] & is_draft[:, None, :]).to(torch.uint8) * self.context_code
-        codes = self._with_position_bans(self.base[:, None, :], generated[:, None] + positions)
+        counts = generated[:, None] + positions
+        codes = self._with_position_bans(self.base[:, None, :], counts)
         index = drafts.clamp_min(0)[:, None, :].expand(batch, num_drafts + 1, num_drafts)
         codes.scatter_reduce_(2, index, in_context, reduce="amax")
         # Position j's last context tokens: the row's, then its first j drafts.
         contexts = torch.cat([self.tail, torch.where(is_draft, drafts, NO_TOKEN)], dim=1)
         windows = contexts.unfold(1, self.tail.shape[1], 1)                  # [B, G+1, M+1]
-        return LogitEdits(self._with_word_bans(codes, windows), self.penalty)
+        codes = self._with_ngram_bans(self._with_word_bans(codes, windows), drafts)
+        return LogitEdits(self._with_forced_tokens(codes, counts), self.penalty)
 
     def _with_word_bans(self, codes: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
         """`codes` ``[..., V]`` with each multi-token bad word's last token banned where the
@@ -257,22 +380,75 @@ class EditState:
         ends = self.word_ends.expand(match.shape)
         return codes.scatter_reduce_(-1, ends, match.to(torch.uint8) * BAN, reduce="amax")
 
+    def _with_ngram_bans(self, codes: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        """`codes` ``[B, G+1, V]`` with the tokens banned that would complete an n-gram of
+        position j's context (the row's, then its first j of `drafts` ``[B, G]``, -1 padded):
+        each window of n tokens whose first n - 1 are the context's last n - 1 bans its last.
+        The windows in the row's context are matched against every position's last tokens
+        (``[B, G+1, C]`` comparisons per token of the n - 1); those that end on a draft
+        before j share their first n - 1 tokens with that draft's position."""
+        if not self.ngram:
+            return codes
+        n, context = self.ngram, self.context
+        batch, num_drafts = drafts.shape
+        device = drafts.device
+        positions = torch.arange(num_drafts + 1, device=device)
+        is_draft = (drafts >= 0).long().cumprod(dim=1).bool()
+        back = self.context_length[:, None] - (n - 1) + torch.arange(n - 1, device=device)
+        tail = torch.where(back >= 0, context.gather(1, back.clamp_min(0)), NO_TOKEN)
+        joined = torch.cat([tail, torch.where(is_draft, drafts, NO_TOKEN)], dim=1)
+        prefixes = joined.unfold(1, n - 1, 1)                                   # [B, G+1, n-1]
+        count = context.shape[1] - n + 1
+        last = context[:, n - 1:]                   # window p's last token; NO_TOKEN: unwritten
+        in_context = (last >= 0)[:, None, :]
+        for k in range(n - 1):
+            in_context = in_context & (context[:, None, k:k + count] == prefixes[:, :, k, None])
+        before = positions[:, None] > positions[None, :num_drafts]          # [G+1, G]: i < j
+        on_drafts = ((prefixes[:, :, None, :] == prefixes[:, None, :num_drafts, :]).all(dim=-1)
+                     & before & is_draft[:, None, :])
+        # Transformers bans nothing while its input_ids hold fewer than n tokens: then the
+        # last n - 1 begin with NO_TOKEN, which a window of the context holds only at its
+        # end, and a draft's position before j with more of them.
+        match = torch.cat([in_context, on_drafts], dim=2)                   # [B, G+1, C-n+1+G]
+        last = torch.cat([last, drafts], dim=1).clamp_min(0)[:, None, :].expand(match.shape)
+        return codes.scatter_reduce_(-1, last, match.to(torch.uint8) * BAN, reduce="amax")
+
     def _with_position_bans(self, codes: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
         """A new tensor: `codes` ``[..., V]`` (broadcast to ``[*generated.shape, V]``) with
-        EOS banned where `generated` is below the minimum and the begin-suppressed tokens
-        where it is the begin position."""
+        EOS banned where `generated` is below the minimum, the begin-suppressed tokens where
+        it is the begin position, and every token where it is a forced position."""
         if not self.position_bans:
             return codes.expand(*generated.shape, codes.shape[-1]).clone()
         which = (generated < self.min_count).long() + 2 * (generated == self.begin_count).long()
-        return torch.maximum(codes, self.ban_rows[which])
+        forced = (generated[..., None] == self.forced_count).any(dim=-1)
+        return torch.maximum(codes, self.ban_rows[torch.where(forced, FORCED_ROW, which)])
+
+    def _with_forced_tokens(self, codes: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
+        """`codes` ``[..., V]`` with the forced token's code at a forced position (after
+        `generated` ``[...]`` tokens), whatever the bans before made of it: transformers'
+        forcing processor undoes them."""
+        if not self.position_bans:
+            return codes
+        token = torch.zeros_like(generated)
+        code = torch.zeros_like(generated, dtype=torch.uint8)
+        forced = torch.zeros_like(generated, dtype=torch.bool)
+        for k in range(MAX_FORCED):                 # in transformers' order: the later wins
+            here = generated == self.forced_count[k]
+            token = torch.where(here, self.forced_token[k], token)
+            code = torch.where(here, self.forced_code[k], code)
+            forced |= here
+        index = token[..., None]
+        return codes.scatter_(-1, index, torch.where(forced[..., None], code[..., None],
+                                                     codes.gather(-1, index)))
 
     def tensors(self) -> list[torch.Tensor]:
         """What a step writes (a graph capture's warm-up must restore it)."""
-        return [self.base, self.tail]
+        return [self.base, self.tail, self.context, self.context_length]
 
     def nbytes(self) -> int:
         return (self.base.numel() + self.ban_rows.numel()
-                + 8 * (self.tail.numel() + self.words.numel() + self.word_ends.numel()))
+                + 8 * (self.tail.numel() + self.words.numel() + self.word_ends.numel()
+                       + self.context.numel()))
 
 
 def bans_every_token(edits: LogitEdits, tokens: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:

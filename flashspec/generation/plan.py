@@ -8,8 +8,9 @@ from exactly what stock `generate` would.
 Every option stock `generate` accepts in greedy or sampling mode runs on flashspec's
 engine: temperature, top-k, top-p and min-p in the fused kernels, and with them the logit
 edits of `edits.FUSED_OPTIONS` (repetition_penalty, suppress_tokens, begin_suppress_tokens,
-bad_words_ids, min_length, min_new_tokens: `edits.EditRules`, made from
-transformers' own processors for the call) while nothing else needs the materialized path;
+bad_words_ids, min_length, min_new_tokens, no_repeat_ngram_size, forced_bos_token_id,
+forced_eos_token_id: `edits.EditRules`, made from transformers' own processors for the call)
+while nothing else needs the materialized path;
 everything else that edits the logits (transformers' processors, the unfused warpers, a
 user's `logits_processor` or `prefix_allowed_tokens_fn`, watermarking, a head's softcap or
 bias, `output_scores` / `output_logits`) on the engine's exact materialized path
@@ -248,7 +249,8 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
             logits_processor=logits_processor if logits_processor is not None else LogitsProcessorList(),
             device=device, model_kwargs=model_kwargs)
         if all(name in FUSED_OPTIONS for name, _ in reasons):
-            edits = EditRules.from_processors(processors, input_length, head.vocab_size)
+            edits = EditRules.from_processors(processors, input_length, head.vocab_size,
+                                              max_new_tokens)
             if edits is not None:
                 reasons = []
                 edits = None if edits == EditRules() else edits   # e.g. min_length without EOS

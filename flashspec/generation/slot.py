@@ -286,7 +286,7 @@ class Slot:
         for the engine's graph key."""
         if self.edits is None:
             return None
-        return self.edits.position_bans, tuple(self.edits.words.shape)
+        return self.edits.key()
 
     def step_edits(self, drafts: torch.Tensor | None = None):
         """The fused edits (`LogitEdits`, or None without) of the rows' next token, or with
