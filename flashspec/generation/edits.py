@@ -364,9 +364,9 @@ class EditState:
         index = drafts.clamp_min(0)[:, None, :].expand(batch, num_drafts + 1, num_drafts)
         codes.scatter_reduce_(2, index, in_context, reduce="amax")
         # Position j's last context tokens: the row's, then its first j drafts.
-        contexts = torch.cat([self.tail, torch.where(is_draft, drafts, NO_TOKEN)], dim=1)
-        windows = contexts.unfold(1, self.tail.shape[1], 1)                  # [B, G+1, M+1]
-        codes = self._with_ngram_bans(self._with_word_bans(codes, windows), drafts)
+        drafted = torch.where(is_draft, drafts, NO_TOKEN)
+        windows = torch.cat([self.tail, drafted], dim=1).unfold(1, self.tail.shape[1], 1)
+        codes = self._with_ngram_bans(self._with_word_bans(codes, windows), drafted)
         return LogitEdits(self._with_forced_tokens(codes, counts), self.penalty)
 
     def _with_word_bans(self, codes: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
@@ -382,36 +382,35 @@ class EditState:
 
     def _with_ngram_bans(self, codes: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
         """`codes` ``[B, G+1, V]`` with the tokens banned that would complete an n-gram of
-        position j's context (the row's, then its first j of `drafts` ``[B, G]``, -1 padded):
-        each window of n tokens whose first n - 1 are the context's last n - 1 bans its last.
-        The windows in the row's context are matched against every position's last tokens
-        (``[B, G+1, C]`` comparisons per token of the n - 1); those that end on a draft
-        before j share their first n - 1 tokens with that draft's position."""
+        position j's context (the row's, then its first j of `drafts` ``[B, G]``, `NO_TOKEN`
+        after a row's last): each window of n tokens whose first n - 1 are the context's
+        last n - 1 bans its last. The windows in the row's context are matched against every
+        position's last tokens (n - 1 comparisons of ``[B, G+1, C]``); those that end on a
+        draft before j share their first n - 1 tokens with that draft's position."""
         if not self.ngram:
             return codes
         n, context = self.ngram, self.context
-        batch, num_drafts = drafts.shape
-        device = drafts.device
-        positions = torch.arange(num_drafts + 1, device=device)
-        is_draft = (drafts >= 0).long().cumprod(dim=1).bool()
-        back = self.context_length[:, None] - (n - 1) + torch.arange(n - 1, device=device)
+        num_drafts = drafts.shape[1]
+        back = self.context_length[:, None] - (n - 1) + torch.arange(n - 1, device=drafts.device)
         tail = torch.where(back >= 0, context.gather(1, back.clamp_min(0)), NO_TOKEN)
-        joined = torch.cat([tail, torch.where(is_draft, drafts, NO_TOKEN)], dim=1)
-        prefixes = joined.unfold(1, n - 1, 1)                                   # [B, G+1, n-1]
-        count = context.shape[1] - n + 1
-        last = context[:, n - 1:]                   # window p's last token; NO_TOKEN: unwritten
-        in_context = (last >= 0)[:, None, :]
-        for k in range(n - 1):
-            in_context = in_context & (context[:, None, k:k + count] == prefixes[:, :, k, None])
-        before = positions[:, None] > positions[None, :num_drafts]          # [G+1, G]: i < j
-        on_drafts = ((prefixes[:, :, None, :] == prefixes[:, None, :num_drafts, :]).all(dim=-1)
-                     & before & is_draft[:, None, :])
+        prefixes = torch.cat([tail, drafts], dim=1).unfold(1, n - 1, 1)       # [B, G+1, n-1]
         # Transformers bans nothing while its input_ids hold fewer than n tokens: then the
         # last n - 1 begin with NO_TOKEN, which a window of the context holds only at its
         # end, and a draft's position before j with more of them.
-        match = torch.cat([in_context, on_drafts], dim=2)                   # [B, G+1, C-n+1+G]
-        last = torch.cat([last, drafts], dim=1).clamp_min(0)[:, None, :].expand(match.shape)
-        return codes.scatter_reduce_(-1, last, match.to(torch.uint8) * BAN, reduce="amax")
+        count = context.shape[1] - n + 1
+        last = context[:, n - 1:]                   # window p's last token; NO_TOKEN: unwritten
+        match = (last >= 0)[:, None, :]
+        for k in range(n - 1):
+            match = match & (context[:, None, k:k + count] == prefixes[:, :, k, None])
+        if num_drafts:
+            positions = torch.arange(num_drafts + 1, device=drafts.device)
+            before = positions[:, None] > positions[None, :num_drafts]      # [G+1, G]: i < j
+            on_drafts = ((prefixes[:, :, None, :] == prefixes[:, None, :num_drafts, :]).all(dim=-1)
+                         & before & (drafts >= 0)[:, None, :])
+            match = torch.cat([match, on_drafts], dim=2)                     # [B, G+1, C-n+1+G]
+            last = torch.cat([last, drafts], dim=1)
+        index = last.clamp_min(0)[:, None, :].expand(match.shape)
+        return codes.scatter_reduce_(-1, index, match.to(torch.uint8) * BAN, reduce="amax")
 
     def _with_position_bans(self, codes: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
         """A new tensor: `codes` ``[..., V]`` (broadcast to ``[*generated.shape, V]``) with

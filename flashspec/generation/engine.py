@@ -526,9 +526,10 @@ class Engine:
         if excluded:
             raise ValueError(f"the call's logit edits leave no token to sample for row "
                              f"{excluded[0]}: `suppress_tokens`, `begin_suppress_tokens`, "
-                             "`bad_words_ids` and `min_new_tokens` / `min_length` (which ban "
-                             "every `eos_token_id`) ban every token there; transformers' "
-                             "sampling fails there too")
+                             "`bad_words_ids`, `no_repeat_ngram_size`, `forced_bos_token_id` / "
+                             "`forced_eos_token_id` (which ban every other token) and "
+                             "`min_new_tokens` / `min_length` (which ban every `eos_token_id`) "
+                             "ban every token there; transformers' sampling fails there too")
         flagged = [b for b, s in enumerate(report.status) if s == samplers.NEEDS_COMPLETION]
         if flagged:
             report = self._complete(slot, hidden, drafts, flagged, report)
