@@ -8,7 +8,9 @@ samples by Gumbel-max with the counter-based noise of `flashspec.rng`:
     token = argmax_v ( transformed_logits[v] + gumbel(seed, position, v) )
 
 which draws exactly from softmax(transformed_logits). Greedy rows take the argmax of the
-raw logits (lowest id on ties). Logits are float32 (float64 when the inputs are float64).
+raw logits (lowest id on ties). Logits are float32 (float64 when the inputs are float64);
+`compute_logits` makes them the model's own where its head transforms them (an LM-head
+bias, Gemma-2's softcap), as the fused kernels' epilogue does.
 
 On the CPU, where this is the engine's path and a host read costs nothing, the noise is drawn
 only for the tokens that can win: those whose score lies within the span of the noise
@@ -36,9 +38,11 @@ from .params import BAN, BANNED_LOGIT, PENALIZE, LogitEdits, SamplingParams
 INVALID_TOKEN = -1
 
 
-def compute_logits(hidden: torch.Tensor, weight: torch.Tensor,
-                   chunk_rows: int = 32768) -> torch.Tensor:
-    """``hidden[..., D] @ weight[V, D].T`` in float32 (float64 for float64 inputs).
+def compute_logits(hidden: torch.Tensor, weight: torch.Tensor, chunk_rows: int = 32768, *,
+                   bias: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+    """``hidden[..., D] @ weight[V, D].T`` in float32 (float64 for float64 inputs), then the
+    model's head transforms in the models' order: ``+ bias`` (``[V]``, the LM-head bias),
+    then Gemma-2's ``softcap * tanh(logits / softcap)``, in the same dtype.
 
     The weight is upcast `chunk_rows` vocabulary rows at a time, so a large bf16 head never
     needs a full float32 copy.
@@ -46,9 +50,21 @@ def compute_logits(hidden: torch.Tensor, weight: torch.Tensor,
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     hidden = hidden.to(dtype)
     if weight.dtype == dtype:
-        return hidden @ weight.T
-    return torch.cat([hidden @ weight[v:v + chunk_rows].to(dtype).T
-                      for v in range(0, weight.shape[0], chunk_rows)], dim=-1)
+        logits = hidden @ weight.T
+    else:
+        logits = torch.cat([hidden @ weight[v:v + chunk_rows].to(dtype).T
+                            for v in range(0, weight.shape[0], chunk_rows)], dim=-1)
+    if bias is not None:
+        logits = logits + bias.to(dtype)
+    return softcapped(logits, softcap)
+
+
+def softcapped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma-2's ``softcap * tanh(logits / softcap)`` in the logits' dtype, as transformers
+    computes it (`logits` itself without a softcap)."""
+    if softcap is None:
+        return logits
+    return torch.tanh(logits / softcap) * softcap
 
 
 def edit_logits(logits: torch.Tensor, edits: LogitEdits) -> torch.Tensor:
@@ -218,10 +234,15 @@ def _choose(logits: torch.Tensor, scores: torch.Tensor, params: SamplingParams,
     return torch.where(params.is_greedy, greedy, sampled)
 
 
-def model_dtype_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def model_dtype_logits(hidden: torch.Tensor, weight: torch.Tensor, *,
+                       bias: torch.Tensor | None = None,
+                       softcap: float | None = None) -> torch.Tensor:
     """Logits the way transformers computes them: a matmul in the weight's dtype (rounded
-    to it), then float32. The materialized baseline of the benchmarks samples these."""
-    return torch.nn.functional.linear(hidden, weight).float()
+    to it), with the LM-head `bias` and then the `softcap` in that dtype too (as
+    `compute_logits`), then float32. The materialized baseline of the benchmarks samples
+    these."""
+    bias = None if bias is None else bias.to(weight.dtype)
+    return softcapped(torch.nn.functional.linear(hidden, weight, bias), softcap).float()
 
 
 def argmax_logits(logits: torch.Tensor) -> ArgmaxOutput:

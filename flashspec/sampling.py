@@ -3,9 +3,15 @@ speculative `verify`, with Hugging Face's sampling semantics and never the ``[B,
 on the fused path.
 
 Each returns a typed result of `flashspec.outputs` whose fields are the same whatever the
-arguments. Three keywords are shared:
+arguments. These keywords are shared:
 
-* ``edits``: `flashspec.params.LogitEdits`, per-(row, token) edits of the raw logits
+* ``bias`` and ``softcap``: the model's head transforms, which make ``hidden @ weight.T`` the
+  model's own logits: an LM-head bias ``[V]`` added, then Gemma-2's
+  ``final_logit_softcapping`` c, ``c * tanh(logits / c)``, in the models' order. Every
+  backend applies them first (the fused one in its kernels' epilogue), so logit edits,
+  temperature and truncation, greedy rows included, see the model's logits as transformers'
+  processors do.
+* ``edits``: `flashspec.params.LogitEdits`, per-(row, token) edits of the model's logits
   (transformers' repetition penalty, banned tokens) applied before temperature and
   truncation, as transformers applies its logits processors before its warpers; the fused
   backend applies them in its kernels' epilogue, the others to their materialized logits.
@@ -39,6 +45,7 @@ This module is the one place that chooses the implementation and acts on the sta
 
 from __future__ import annotations
 
+import numbers
 from typing import TYPE_CHECKING
 
 import torch
@@ -59,9 +66,11 @@ _LOGITS = {"reference": reference.compute_logits, "materialized": reference.mode
 
 
 def argmax(hidden: torch.Tensor, weight: torch.Tensor, *, edits: LogitEdits | None = None,
+           bias: torch.Tensor | None = None, softcap: float | None = None,
            check: bool = True, backend: str = "auto",
            config: TileConfig | None = None) -> ArgmaxOutput:
-    """Greedy token of each row of ``hidden @ weight.T``.
+    """Greedy token of each row of ``hidden @ weight.T`` (with `bias` and `softcap`, of the
+    model's logits they make).
 
     Args:
         hidden: ``[B, D]`` final hidden states (after the model's last norm), float16,
@@ -69,6 +78,9 @@ def argmax(hidden: torch.Tensor, weight: torch.Tensor, *, edits: LogitEdits | No
         weight: ``[V, D]`` LM-head weight (``model.get_output_embeddings().weight``),
             contiguous, same dtype and device as `hidden`.
         edits: `LogitEdits` with codes uint8 ``[B, V]`` and penalty ``[B]``, or None.
+        bias: the LM-head bias, ``[V]`` of a float dtype on `weight`'s device, or None.
+        softcap: a positive finite float c (logits become ``c * tanh(logits / c)`` after the
+            bias), or None.
         check: raise `NonFiniteLogitsError` for rows with NaN or infinite logits (a device
             read); False returns them with token -1 and status `NON_FINITE`.
         backend: one of `BACKENDS` (module docstring).
@@ -87,18 +99,21 @@ def argmax(hidden: torch.Tensor, weight: torch.Tensor, *, edits: LogitEdits | No
     """
     check_lm_head(hidden, weight, hidden_dims=2)
     _check_edits(edits, hidden, weight.shape[0])
+    head = _checked_head(bias, softcap, weight)
     implementation = _implementation(backend, hidden, config)
     if implementation == "fused":
-        out = _fused().fused_argmax(hidden, weight, edits=edits, config=config)
+        out = _fused().fused_argmax(hidden, weight, edits=edits, config=config, **head)
     else:
-        out = reference.argmax_logits(_edited(_LOGITS[implementation](hidden, weight), edits))
+        out = reference.argmax_logits(_edited(_LOGITS[implementation](hidden, weight, **head),
+                                              edits))
     if check:
         _rows_to_complete(out.status)  # raises for non-finite rows; none needs completion
     return out
 
 
 def sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
-           positions: torch.Tensor, *, edits: LogitEdits | None = None, check: bool = True,
+           positions: torch.Tensor, *, edits: LogitEdits | None = None,
+           bias: torch.Tensor | None = None, softcap: float | None = None, check: bool = True,
            backend: str = "auto", config: TileConfig | None = None) -> SampleOutput:
     """One token per row from softmax of the transformed logits ``hidden @ weight.T``
     (temperature, top-k, top-p, min-p in Hugging Face's order; greedy rows take the argmax),
@@ -111,6 +126,7 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
         positions: int64 ``[B]``, the sequence index of each row's token; it keys the noise,
             so the same (seed, position) gives the same token wherever it is computed.
         edits: `LogitEdits` with codes uint8 ``[B, V]`` and penalty ``[B]``, or None.
+        bias, softcap: the model's head transforms, as in `argmax`.
         check: validate the positions, raise `NonFiniteLogitsError` for rows with NaN or
             infinite logits (or logits / temperature) and complete flagged rows exactly
             (module docstring); False leaves both to the caller, without device reads.
@@ -133,19 +149,21 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
     check_lm_head(hidden, weight, hidden_dims=2)
     check_sampling_inputs(hidden, params, positions, check_values=check)
     _check_edits(edits, hidden, weight.shape[0])
+    head = _checked_head(bias, softcap, weight)
     implementation = _implementation(backend, hidden, config)
     if implementation != "fused":
-        out = reference.sample_logits(_edited(_LOGITS[implementation](hidden, weight), edits),
-                                      params, positions)
+        out = reference.sample_logits(
+            _edited(_LOGITS[implementation](hidden, weight, **head), edits), params, positions)
         if check:
             _rows_to_complete(out.status)  # raises for non-finite rows; none needs completion
         return out
-    out = _fused().fused_sample(hidden, weight, params, positions, edits=edits, config=config)
+    out = _fused().fused_sample(hidden, weight, params, positions, edits=edits, config=config,
+                                **head)
     if not check:
         return out
     rows = _rows_to_complete(out.status)
     if rows.numel():
-        logits = _edited(reference.compute_logits(hidden[rows], weight),
+        logits = _edited(reference.compute_logits(hidden[rows], weight, **head),
                          None if edits is None else edits.select(rows))
         exact = reference.sample_logits(logits, params.select(rows), positions[rows])
         out = SampleOutput(*(field.index_copy(0, rows, part) for field, part in zip(out, exact)))
@@ -155,7 +173,8 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
 
 def verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tensor,
            params: SamplingParams, positions: torch.Tensor, *, acceptance: str = "strict",
-           edits: LogitEdits | None = None, check: bool = True, backend: str = "auto",
+           edits: LogitEdits | None = None, bias: torch.Tensor | None = None,
+           softcap: float | None = None, check: bool = True, backend: str = "auto",
            config: TileConfig | None = None) -> VerifyOutput:
     """Verify G drafted tokens per row in one pass over the LM head, emitting the accepted
     drafts and one recovered or bonus token.
@@ -177,6 +196,7 @@ def verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tenso
             speculative sampling for greedy (one-hot) drafts.
         edits: `LogitEdits` with codes uint8 ``[B, G+1, V]`` (position j's edits, made with
             the drafts before j in its context) and penalty ``[B]``, or None.
+        bias, softcap: the model's head transforms, as in `argmax`.
         check: as in `sample` (validates the draft ids too). Only the positions a row can
             emit count: its drafts and the one after them.
         backend: one of `BACKENDS`.
@@ -202,40 +222,65 @@ def verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tenso
     check_draft_tokens(draft_tokens, hidden, weight.shape[0], check_values=check)
     check_sampling_inputs(hidden, params, positions, hidden.shape[1], check_values=check)
     _check_edits(edits, hidden, weight.shape[0])
+    head = _checked_head(bias, softcap, weight)
     if acceptance not in ACCEPTANCE_MODES:
         raise ValueError(f"`acceptance`={acceptance!r} is not allowed: use one of "
                          f"{ACCEPTANCE_MODES}")
     implementation = _implementation(backend, hidden, config)
     if implementation != "fused":
         out = _verify_logits(_LOGITS[implementation], hidden, weight, draft_tokens, params,
-                             positions, acceptance, edits)
+                             positions, acceptance, edits, head)
         if check:
             _rows_to_complete(out.status)  # raises for non-finite rows; none needs completion
         return out
     out = _fused().fused_verify(hidden, weight, draft_tokens, params, positions,
-                                acceptance=acceptance, edits=edits, config=config)
+                                acceptance=acceptance, edits=edits, config=config, **head)
     if not check:
         return out
     rows = _rows_to_complete(out.status)
     if rows.numel():
         exact = _verify_logits(reference.compute_logits, hidden[rows], weight, draft_tokens[rows],
                                params.select(rows), positions[rows], acceptance,
-                               None if edits is None else edits.select(rows))
+                               None if edits is None else edits.select(rows), head)
         out = VerifyOutput(*(field.index_copy(0, rows, part) for field, part in zip(out, exact)))
     _fused().count_checked_rows(hidden.shape[0], rows.numel())
     return out
 
 
 def _verify_logits(logits, hidden, weight, draft_tokens, params, positions, acceptance,
-                   edits) -> VerifyOutput:
-    """`reference.verify_logits` of the logits `logits(hidden rows, weight)` after `edits`."""
-    flat = logits(hidden.reshape(-1, hidden.shape[-1]), weight)
+                   edits, head) -> VerifyOutput:
+    """`reference.verify_logits` of the logits `logits(hidden rows, weight, **head)` after
+    `edits`."""
+    flat = logits(hidden.reshape(-1, hidden.shape[-1]), weight, **head)
     flat = _edited(flat, None if edits is None else edits.flat())
     return reference.verify_logits(flat, draft_tokens, params, positions, acceptance=acceptance)
 
 
 def _edited(logits: torch.Tensor, edits: LogitEdits | None) -> torch.Tensor:
     return logits if edits is None else reference.edit_logits(logits, edits)
+
+
+def _checked_head(bias: torch.Tensor | None, softcap, weight: torch.Tensor) -> dict:
+    """The head transforms as keywords of the logits' functions: `bias` None or a float
+    tensor ``[V]`` on `weight`'s device, `softcap` None or a positive real (as a float; no
+    device read)."""
+    if bias is not None:
+        if not torch.is_tensor(bias) or not bias.is_floating_point() \
+                or bias.shape != weight.shape[:1]:
+            got = (bias.dtype, tuple(bias.shape)) if torch.is_tensor(bias) else type(bias).__name__
+            raise ValueError(f"`bias` must be a float tensor of shape [{weight.shape[0]}] (the "
+                             f"LM-head bias), got {got}")
+        if bias.device != weight.device:
+            raise ValueError(f"`bias` is on {bias.device} but `weight` is on {weight.device}")
+    if softcap is not None:
+        # The kernels take it in float32, where it must stay a positive normal number.
+        float32 = torch.finfo(torch.float32)
+        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) \
+                or not float32.tiny <= float(softcap) <= float32.max:
+            raise ValueError(f"`softcap` must be a positive float within float32's normal "
+                             f"range, got {softcap!r}")
+        softcap = float(softcap)
+    return dict(bias=bias, softcap=softcap)
 
 
 def _check_edits(edits: LogitEdits | None, hidden: torch.Tensor, vocab_size: int) -> None:

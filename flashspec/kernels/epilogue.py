@@ -1,8 +1,10 @@
 """Stage 1's epilogue: the per-(row, vocab tile) summaries of one logits tile.
 
-From the fp32 logits tile ``acc`` ``[rows, columns]``, first edited where the call has logit
-edits (`_edited_logits`: repetition penalty, banned tokens, before temperature as in
-transformers), ``s`` = logits / temperature (`_scaled_logits`), then per row
+From the fp32 logits tile ``acc`` ``[rows, columns]``, first made the model's own logits where
+its head transforms them (`_head_logits`: an LM-head bias, then Gemma-2's softcap), then
+edited where the call has logit edits (`_edited_logits`: repetition penalty, banned tokens,
+after the model and before temperature, as in transformers), ``s`` = logits / temperature
+(`_scaled_logits`), then per row
 
 * the best score and its id: argmax of ``s + g`` for sampled rows (``g`` = Gumbel noise of
   `flashspec.rng`), of the raw logits for greedy rows (`_exact_best`); with
@@ -13,7 +15,11 @@ transformers), ``s`` = logits / temperature (`_scaled_logits`), then per row
 * with drafts (verification), the best with each row's drafted token left out, and the
   draft's ``s`` (`_leave_out_draft`);
 * the sum of ``s``, whose non-finite value reports NaN/inf (never sampled);
-* optionally the tile's top ``CAND`` raw logits as candidate keys (`_store_candidates`).
+* optionally the tile's top ``CAND`` logits (before temperature) as candidate keys
+  (`_store_candidates`).
+
+Every summary, and stage 2's candidates, thus sees the transformed logits: nothing after
+this point recomputes a logit from the weight.
 
 Both stage-1 kernels run this code: the Triton one (`lm_head.py`) and the warp-specialized
 Gluon one (`lm_head_ws.py`), which is why nothing here creates an index tensor of its own
@@ -50,6 +56,45 @@ def _row_argmax(score, columns):
     computed per column would (verification's epilogue on 128x64 tiles: 128 -> 167
     registers, one program per SM instead of two)."""
     return tl.reduce((score, tl.broadcast_to(columns[None, :], score.shape)), 1, _argmax_combine)
+
+
+@triton.jit
+def _tanh(x):
+    """fp32 tanh within 2 ulp of the exact value with an exact exp and division, as the
+    interpreter's (measured against float64 over [-12, 12] and magnitudes from 10**-40 to
+    50, tests/test_fused_head.py), and within 5 ulp with the GPU's approximate ones (Triton's
+    fp32 `tl.exp` and `/`: ex2.approx, div.full; 4.2 in a simulation at their error bounds);
+    tanh(+-inf) = +-1, NaN stays NaN. libdevice's tanh does not run in Triton's interpreter,
+    so both run this.
+    Below |x| = 0.625, ``x + x**3 P(x**2)`` with P the degree-4 minimax fit of
+    (tanh(x) - x) / x**3 (relative error 4e-9: no cancellation near 0); above,
+    ``1 - 2 / (exp(2|x|) + 1)``, whose result is at least 0.55 there (the subtraction loses
+    under a bit) and 1 once exp overflows."""
+    a = tl.abs(x)
+    y = a * a
+    p = -0.3333328068256378 + y * (0.13331441581249237 + y * (
+        -0.05373970791697502 + y * (0.02063906379044056 + y * -0.005704963579773903)))
+    near_zero = a + a * y * p
+    far = 1.0 - 2.0 / (tl.exp(2.0 * a) + 1.0)
+    t = tl.where(a < 0.625, near_zero, far)
+    return tl.where(x < 0.0, -t, t)
+
+
+@triton.jit
+def _head_logits(acc, bias_ptr, softcap, tokens, v_ok, BIAS: tl.constexpr,
+                 SOFTCAP: tl.constexpr):
+    """The model's logits from `acc` = hidden @ weight.T ``[rows, tokens]``, in the model's
+    order: with BIAS ``+ bias[token]`` (``[V]``, any float dtype, added in fp32), then with SOFTCAP Gemma-2's
+    ``softcap * tanh(logits / softcap)`` (`_tanh`; the division as a product by the inverse,
+    one ulp from transformers' at most, which only matters at near-ties). Columns past V
+    stay 0. Logit edits come after this (transformers' processors run on the model's
+    output), and so does every summary: the screen and the race only compare the s they
+    are given, so their margins hold for softcapped scores as for any other."""
+    if BIAS:
+        acc = acc + tl.load(bias_ptr + tokens, mask=v_ok, other=0.0).to(tl.float32)[None, :]
+    if SOFTCAP:
+        acc = _tanh(acc * (1.0 / softcap)) * softcap
+    return acc
 
 
 @triton.jit
@@ -251,8 +296,8 @@ def _store_summary(summary, offs_r, r_ok, draft, pid_v, NUM_VT,
 
 @triton.jit
 def _store_candidates(acc, tokens, V, cand_row, r_ok, CAND: tl.constexpr, EVEN_V: tl.constexpr):
-    """The tile's top CAND raw logits of each row as packed keys, in descending order, at
-    ``cand_row[r] + [0, CAND)``."""
+    """The tile's top CAND logits of each row (the model's, edited, before temperature) as
+    packed keys, in descending order, at ``cand_row[r] + [0, CAND)``."""
     logits = acc
     if not EVEN_V:
         logits = tl.where((tokens < V)[None, :], acc, float("-inf"))

@@ -2,22 +2,24 @@
 
 `lm_head_tiles_kernel`, one program per (vocab tile, row tile): the logits tile
 ``hidden[r0:r0+BR] @ weight[tile's tokens].T`` in fp32 (a tile holds BV consecutive tokens,
-or, when truncating, BV / 16 interleaved groups of 16: `rows._column_tokens`), with EDITS
-edited by the rows' codes (`epilogue._edited_logits`), summarised per (row, tile) by the
-epilogue (`epilogue.py`; with ``TileConfig.race``, `race.py`) into
-``[R, NUM_VT]`` arrays that stage 2 (`merge.py`) reduces per row.
+or, when truncating, BV / 16 interleaved groups of 16: `rows._column_tokens`), made the
+model's logits with BIAS / SOFTCAP (`epilogue._head_logits`: its LM-head bias, Gemma-2's
+softcap), with EDITS edited by the rows' codes (`epilogue._edited_logits`), summarised per
+(row, tile) by the epilogue (`epilogue.py`; with ``TileConfig.race``, `race.py`) into
+``[R, NUM_VT]`` arrays that stage 2 (`merge.py`) reduces per row. Without BIAS, SOFTCAP and
+EDITS the kernel compiles to what it is without those features.
 
 Above 64 rows on Hopper (32 when truncating), stage 1 is
 `lm_head_ws.lm_head_tiles_ws_kernel` instead, a warp-specialized Gluon kernel running the
-same epilogue, edits included.
+same epilogue, head transforms and edits included.
 """
 
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .epilogue import (_edited_logits, _exact_best, _noise_summary, _scaled_logits,
-                       _store_candidates, _store_summary, _tile_summary)
+from .epilogue import (_edited_logits, _exact_best, _head_logits, _noise_summary,
+                       _scaled_logits, _store_candidates, _store_summary, _tile_summary)
 from .noise import philox_blocks, philox_tile_bits
 from .race import (_beaten_summary, _leader_summary, _publish_bounds, _race_beaten,
                    _race_leaders, _racing_rows, _row_bounds)
@@ -103,10 +105,10 @@ def _merge_summaries(a, b, LSE: tl.constexpr):
 def lm_head_tiles_kernel(
     hidden_ptr, weight_ptr, hidden_desc, weight_desc, do_sample_ptr, temperature_ptr, seed_ptr, position_ptr,
     best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, cand_ptr,
-    draft_ptr, draft_s_ptr, bound_ptr, codes_ptr, penalty_ptr,
+    draft_ptr, draft_s_ptr, bound_ptr, codes_ptr, penalty_ptr, bias_ptr, softcap,
     R, V, D, stride_hidden, stride_weight, NUM_VT, ROWS_PER_PARAM,
     SAMPLE: tl.constexpr, LSE: tl.constexpr, CAND: tl.constexpr, DRAFT: tl.constexpr,
-    EDITS: tl.constexpr,
+    EDITS: tl.constexpr, BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
     IEEE_DOT: tl.constexpr, INTERLEAVE: tl.constexpr,
     EVEN_V: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr, PARTS: tl.constexpr,
     SCREEN: tl.constexpr, RACE: tl.constexpr,
@@ -155,6 +157,8 @@ def lm_head_tiles_kernel(
             acc = tl.dot(h, tl.trans(w), acc)
 
     safe_rows = tl.where(r_ok, offs_r, 0)
+    if BIAS or SOFTCAP:  # the model's own logits: what transformers' processors receive
+        acc = _head_logits(acc, bias_ptr, softcap, offs_v, v_ok, BIAS, SOFTCAP)
     if EDITS:  # transformers' processors, before temperature and truncation
         acc = _edited_logits(acc, codes_ptr, penalty_ptr, safe_rows, offs_v, r_ok, v_ok, V,
                              ROWS_PER_PARAM)

@@ -26,8 +26,9 @@ addresses) is checked there against the Triton kernel, output by output
 (tests/test_kernels_ws.py).
 
 Covers every launch (argmax, sampling, verification, with or without truncation: candidates
-from interleaved tiles, loaded as one 16-row box per group; with or without logit edits,
-`epilogue._edited_logits`) of bf16/fp16 inputs whose rows are TMA-aligned, on Hopper GPUs;
+from interleaved tiles, loaded as one 16-row box per group; with or without the head's bias
+and softcap, `epilogue._head_logits`, and logit edits, `epilogue._edited_logits`) of bf16/fp16
+inputs whose rows are TMA-aligned, on Hopper GPUs;
 `supported` says where.
 """
 
@@ -38,8 +39,9 @@ import functools
 import torch
 import triton
 
-from .epilogue import (_drafts_in_tile, _edited_logits, _exact_best, _scaled_logits, _screen,
-                       _screened_best, _store_candidates, _store_summary, _tile_summary)
+from .epilogue import (_drafts_in_tile, _edited_logits, _exact_best, _head_logits,
+                       _scaled_logits, _screen, _screened_best, _store_candidates,
+                       _store_summary, _tile_summary)
 from .race import (_beaten_summary, _leader_summary, _publish_bounds, _race_beaten,
                    _race_leaders, _racing_rows, _row_bounds)
 from .rows import _column_tokens, _row_drafts, _row_noise_keys, _row_params
@@ -238,19 +240,25 @@ if gluon is not None:
     @gluon.jit
     def _summarise_chunk(acc, rows, pid_v, V, NUM_VT, ROWS_PER_PARAM, best_ptr, best_id_ptr,
                          best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, draft_s_ptr, cand_ptr,
-                         bound_ptr, codes_ptr, penalty_ptr, SAMPLE: gl.constexpr,
-                         LSE: gl.constexpr, DRAFT: gl.constexpr, CAND: gl.constexpr,
-                         EDITS: gl.constexpr, INTERLEAVE: gl.constexpr, EVEN_V: gl.constexpr,
-                         SCREEN: gl.constexpr, RACE: gl.constexpr, layout: gl.constexpr):
+                         bound_ptr, codes_ptr, penalty_ptr, bias_ptr, softcap,
+                         SAMPLE: gl.constexpr, LSE: gl.constexpr, DRAFT: gl.constexpr,
+                         CAND: gl.constexpr, EDITS: gl.constexpr, BIAS: gl.constexpr,
+                         SOFTCAP: gl.constexpr, INTERLEAVE: gl.constexpr,
+                         EVEN_V: gl.constexpr, SCREEN: gl.constexpr, RACE: gl.constexpr,
+                         layout: gl.constexpr):
         """The summaries (and candidates) of a chunk `acc` ``[CR, BV]`` of rows `rows`
-        (`_chunk_rows`) and vocab tile pid_v; with EDITS, of its edited logits."""
+        (`_chunk_rows`) and vocab tile pid_v; with BIAS / SOFTCAP of the model's logits,
+        with EDITS of its edited logits."""
         CR: gl.constexpr = acc.shape[0]
         BV: gl.constexpr = acc.shape[1]
         offs_r, r_ok, sampled, temperature, seed, position, draft, bound = rows
         inv_t = 1.0 / temperature
         columns = gl.arange(0, BV, layout=gl.SliceLayout(0, layout))
-        if EDITS:  # as the Triton kernel: transformers' processors come first
+        if BIAS or SOFTCAP or EDITS:
             tokens = _column_tokens(columns, pid_v, NUM_VT, BV, INTERLEAVE)
+        if BIAS or SOFTCAP:  # as the Triton kernel: the model's own logits first
+            acc = _head_logits(acc, bias_ptr, softcap, tokens, tokens < V, BIAS, SOFTCAP)
+        if EDITS:  # then transformers' processors
             acc = _edited_logits(acc, codes_ptr, penalty_ptr, gl.where(r_ok, offs_r, 0), tokens,
                                  r_ok, tokens < V, V, ROWS_PER_PARAM)
         s, row_sum, offs_v = _scaled_logits(acc, columns, pid_v, NUM_VT, V, inv_t, BV,
@@ -309,10 +317,10 @@ if gluon is not None:
                             do_sample_ptr, temperature_ptr, seed_ptr, position_ptr,
                             best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr,
                             draft_ptr, draft_s_ptr, cand_ptr, bound_ptr, codes_ptr, penalty_ptr,
-                            R, V, NUM_VT, ROWS_PER_PARAM, num_tiles, num_rt,
+                            bias_ptr, softcap, R, V, NUM_VT, ROWS_PER_PARAM, num_tiles, num_rt,
                             SAMPLE: gl.constexpr, LSE: gl.constexpr, DRAFT: gl.constexpr,
-                            CAND: gl.constexpr, EDITS: gl.constexpr,
-                            INTERLEAVE: gl.constexpr, EVEN_V: gl.constexpr,
+                            CAND: gl.constexpr, EDITS: gl.constexpr, BIAS: gl.constexpr,
+                            SOFTCAP: gl.constexpr, INTERLEAVE: gl.constexpr, EVEN_V: gl.constexpr,
                             SCREEN: gl.constexpr, RACE: gl.constexpr, CR: gl.constexpr):
         """The default partition: each handed-over tile, CR rows at a time, through the
         Triton kernel's epilogue."""
@@ -347,17 +355,18 @@ if gluon is not None:
                 _summarise_chunk(acc, rows, pid_v, V, NUM_VT, ROWS_PER_PARAM, best_ptr,
                                  best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr,
                                  draft_s_ptr, cand_ptr, bound_ptr, codes_ptr, penalty_ptr,
-                                 SAMPLE, LSE, DRAFT, CAND, EDITS, INTERLEAVE, EVEN_V, SCREEN,
-                                 RACE, layout)
+                                 bias_ptr, softcap, SAMPLE, LSE, DRAFT, CAND, EDITS, BIAS,
+                                 SOFTCAP, INTERLEAVE, EVEN_V, SCREEN, RACE, layout)
             rows = next_rows
 
     @gluon.jit
     def lm_head_tiles_ws_kernel(
         h_desc, w_desc, do_sample_ptr, temperature_ptr, seed_ptr, position_ptr,
         best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, draft_ptr, draft_s_ptr,
-        cand_ptr, bound_ptr, codes_ptr, penalty_ptr, R, V, D, NUM_VT, ROWS_PER_PARAM,
-        SAMPLE: gl.constexpr, LSE: gl.constexpr, DRAFT: gl.constexpr, CAND: gl.constexpr,
-        EDITS: gl.constexpr, INTERLEAVE: gl.constexpr, EVEN_V: gl.constexpr, SCREEN: gl.constexpr, RACE: gl.constexpr,
+        cand_ptr, bound_ptr, codes_ptr, penalty_ptr, bias_ptr, softcap, R, V, D, NUM_VT,
+        ROWS_PER_PARAM, SAMPLE: gl.constexpr, LSE: gl.constexpr, DRAFT: gl.constexpr,
+        CAND: gl.constexpr, EDITS: gl.constexpr, BIAS: gl.constexpr, SOFTCAP: gl.constexpr,
+        INTERLEAVE: gl.constexpr, EVEN_V: gl.constexpr, SCREEN: gl.constexpr, RACE: gl.constexpr,
         BLOCK_V: gl.constexpr, NUM_STAGES: gl.constexpr, CHUNK_R: gl.constexpr,
     ):
         BR: gl.constexpr = h_desc.block_type.shape[0]
@@ -386,9 +395,10 @@ if gluon is not None:
             (_epilogue_partition, (acc_smem, acc_ready, acc_empty, do_sample_ptr, temperature_ptr,
                                    seed_ptr, position_ptr, best_ptr, best_id_ptr, best_s_ptr,
                                    max_ptr, sumexp_ptr, bad_ptr, draft_ptr, draft_s_ptr, cand_ptr,
-                                   bound_ptr, codes_ptr, penalty_ptr, R, V, NUM_VT,
-                                   ROWS_PER_PARAM, num_tiles, num_rt, SAMPLE, LSE, DRAFT, CAND,
-                                   EDITS, INTERLEAVE, EVEN_V, SCREEN, RACE, CHUNK_R)),
+                                   bound_ptr, codes_ptr, penalty_ptr, bias_ptr, softcap, R, V,
+                                   NUM_VT, ROWS_PER_PARAM, num_tiles, num_rt, SAMPLE, LSE, DRAFT,
+                                   CAND, EDITS, BIAS, SOFTCAP, INTERLEAVE, EVEN_V, SCREEN, RACE,
+                                   CHUNK_R)),
             (_load_partition, worker_args),
             (_mma_partition, worker_args),
         ], [1, 4], [LOAD_REGISTERS, MMA_REGISTERS])
@@ -409,13 +419,14 @@ def descriptors(hidden: torch.Tensor, weight: torch.Tensor, block_r: int, block_
 
 def launch(hidden, weight, row, summaries, candidates, drafts, draft_s, bounds, num_vt,
            rows_per_param, config, noise, need_lse, cand, leave_out_drafts, race,
-           edits=None) -> None:
+           edits=None, bias=None, softcap=None) -> None:
     """Stage 1 through the warp-specialized kernel, writing what `ops._launch_tiles` writes:
     `summaries` (best, best_id, best_s, tile_max, tile_sum, bad; with `noise` the best is the
     Gumbel-max of sampled rows, -inf with `race` where `bounds` beat it), with `cand` > 0
-    the `candidates` of interleaved tiles, and, with `leave_out_drafts`, `draft_s`. With
-    `edits` (`flashspec.params.LogitEdits`, codes of the launch's rows) the logits are edited
-    first."""
+    the `candidates` of interleaved tiles, and, with `leave_out_drafts`, `draft_s`. The
+    logits are first the model's with its LM-head `bias` (``[V]``, contiguous) and `softcap`
+    (`epilogue._head_logits`), then edited with `edits` (`flashspec.params.LogitEdits`,
+    codes of the launch's rows)."""
     num_rows, dim = hidden.shape
     vocab_size = weight.shape[0]
     interleave = cand > 0
@@ -436,9 +447,10 @@ def launch(hidden, weight, row, summaries, candidates, drafts, draft_s, bounds, 
     lm_head_tiles_ws_kernel[grid](
         h_desc, w_desc, row["do_sample"], row["temperature"], row["seed"], row["position"],
         *summaries, drafts, draft_s, candidates, bounds, codes, penalty,
+        draft_s if bias is None else bias, 1.0 if softcap is None else softcap,
         num_rows, vocab_size, dim, num_vt, rows_per_param,
         SAMPLE=noise, LSE=need_lse, DRAFT=leave_out_drafts, CAND=cand, EDITS=edits is not None,
-        INTERLEAVE=interleave,
+        BIAS=bias is not None, SOFTCAP=softcap is not None, INTERLEAVE=interleave,
         EVEN_V=vocab_size % config.block_v == 0, SCREEN=config.screen, RACE=race,
         BLOCK_V=config.block_v,
         NUM_STAGES=config.num_stages, CHUNK_R=8 * config.num_warps,  # rows its layout covers

@@ -65,46 +65,53 @@ def check_device(hidden: torch.Tensor) -> None:
 
 
 def fused_argmax(hidden: torch.Tensor, weight: torch.Tensor, *, edits: LogitEdits | None = None,
+                 bias: torch.Tensor | None = None, softcap: float | None = None,
                  config: TileConfig | None = None) -> ArgmaxOutput:
     """Greedy tokens of ``hidden [B, D] @ weight [V, D].T`` (see `flashspec.sampling.argmax`),
-    unchecked; `edits`: the logits' `LogitEdits` (codes ``[B, V]``); `config`: tiles of
-    stage 1 (None: `default_config`)."""
+    unchecked; `bias` (``[V]``) and `softcap`: the model's head transforms, applied before
+    `edits` (the logits' `LogitEdits`, codes ``[B, V]``) in stage 1's epilogue; `config`:
+    tiles of stage 1 (None: `default_config`)."""
     check_device(hidden)
+    head = dict(bias=bias, softcap=softcap)
     if edits is None:
-        out = _launch(hidden, weight, None, None, 1, config)
+        out = _launch(hidden, weight, None, None, 1, config, **head)
     else:  # one greedy parameter row per row: each reads its own penalty
         num_rows = hidden.shape[0]
         positions = torch.zeros(num_rows, dtype=torch.int64, device=hidden.device)
         greedy = SamplingParams.create(num_rows, do_sample=False, seed=0, device=hidden.device)
-        out = _launch(hidden, weight, greedy, positions, 1, config, edits=edits)
+        out = _launch(hidden, weight, greedy, positions, 1, config, edits=edits, **head)
     return ArgmaxOutput(out.tokens, out.status)
 
 
 def fused_sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
                  positions: torch.Tensor, *, edits: LogitEdits | None = None,
+                 bias: torch.Tensor | None = None, softcap: float | None = None,
                  config: TileConfig | None = None) -> SampleOutput:
     """One token per row of ``hidden [B, D]`` (see `flashspec.sampling.sample`), unchecked,
     with its logprob and the log-sum-exp, which every caller wants (the engine reports
     logprobs): stage 1 computes the log-sum-exp unless every row has a top-k below V.
-    `edits`: the logits' `LogitEdits` (codes ``[B, V]``), applied in stage 1's epilogue."""
+    `bias`, `softcap` and `edits` (codes ``[B, V]``) as in `fused_argmax`."""
     check_device(hidden)
-    out = _launch(hidden, weight, params, positions, 1, config, edits=edits)
+    out = _launch(hidden, weight, params, positions, 1, config, edits=edits, bias=bias,
+                  softcap=softcap)
     return SampleOutput(out.tokens, out.logprobs, out.lse, out.status)
 
 
 def fused_verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tensor,
                  params: SamplingParams, positions: torch.Tensor, *, acceptance: str = "strict",
-                 edits: LogitEdits | None = None,
+                 edits: LogitEdits | None = None, bias: torch.Tensor | None = None,
+                 softcap: float | None = None,
                  config: TileConfig | None = None) -> VerifyOutput:
     """Verification of ``draft_tokens [B, G]`` against ``hidden [B, G+1, D]`` (see
     `flashspec.sampling.verify`), unchecked; `edits`: `LogitEdits` with codes
-    ``[B, G+1, V]``, one row per position."""
+    ``[B, G+1, V]``, one row per position; `bias` and `softcap` as in `fused_argmax`."""
     check_device(hidden)
     batch_size, num_positions, dim = hidden.shape
     num_drafts = num_positions - 1
     draft_tokens = draft_tokens.contiguous()
     rows = _launch(hidden.reshape(batch_size * num_positions, dim), weight, params, positions,
-                   num_positions, config, drafts=draft_tokens, edits=edits)
+                   num_positions, config, drafts=draft_tokens, edits=edits, bias=bias,
+                   softcap=softcap)
     device = hidden.device
     pdl = programmatic_launch_ready(device)
     out = VerifyOutput(
@@ -188,13 +195,15 @@ def kernel_variant(params: SamplingParams | None, vocab_size: int, verify: bool)
 
 def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams | None,
             positions: torch.Tensor | None, rows_per_param: int, config: TileConfig | None,
-            drafts: torch.Tensor | None = None, edits: LogitEdits | None = None) -> _Rows:
+            drafts: torch.Tensor | None = None, edits: LogitEdits | None = None,
+            bias: torch.Tensor | None = None, softcap: float | None = None) -> _Rows:
     """Stage 1 + stage 2 over rows of `hidden` ``[R, D]``; row r uses parameter row
     r // rows_per_param and noise position positions[r // rows_per_param] + r % rows_per_param.
     With `drafts` (``[R // rows_per_param, rows_per_param - 1]``, -1 padded), row r also
     verifies draft ``drafts[r // rows_per_param, r % rows_per_param]`` (none on the last).
-    With `edits`, row r's logits are edited by codes row r (codes ``[..., V]`` holding R rows)
-    and penalty ``edits.penalty[r // rows_per_param]``."""
+    With `bias` (``[V]``) and `softcap` every row's logits are the model's (``+ bias``, then
+    ``softcap * tanh(logits / softcap)``); then, with `edits`, row r's are edited by codes
+    row r (codes ``[..., V]`` holding R rows) and penalty ``edits.penalty[r // rows_per_param]``."""
     num_rows, dim = hidden.shape
     vocab_size = weight.shape[0]
     verify = drafts is not None
@@ -237,13 +246,15 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
     bounds = (torch.full((num_rows,), NO_BOUND, dtype=torch.int32, device=device)
               if race else best_id)
     summaries = (best, best_id, best_s, tile_max, tile_sum, bad)
+    head = dict(bias=None if bias is None else bias.contiguous(), softcap=softcap)
     if config.warp_specialized:
         lm_head_ws.launch(hidden, weight, row, summaries, candidates, drafts, draft_s, bounds,
                           num_vt, rows_per_param, config, tile_noise, need_lse, cand, tile_drafts,
-                          race, edits)
+                          race, edits, **head)
     else:
         _launch_tiles(hidden, weight, row, summaries, candidates, drafts, draft_s, bounds, num_vt,
-                      rows_per_param, config, tile_noise, need_lse, cand, tile_drafts, race, edits)
+                      rows_per_param, config, tile_noise, need_lse, cand, tile_drafts, race, edits,
+                      **head)
     out = _Rows(torch.empty(num_rows, dtype=torch.int64, device=device), torch.empty(num_rows, **f32),
                 torch.empty(num_rows, **f32), torch.empty(num_rows, dtype=torch.int32, device=device),
                 *((torch.empty(num_rows, dtype=torch.int64, device=device),
@@ -271,15 +282,17 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
 
 def _launch_tiles(hidden, weight, row, summaries, candidates, drafts, draft_s, bounds, num_vt,
                   rows_per_param, config, noise, need_lse, cand, leave_out_drafts, race,
-                  edits=None):
+                  edits=None, bias=None, softcap=None):
     """Stage 1 through the Triton kernel (`lm_head.lm_head_tiles_kernel`): the per-(row, vocab
     tile) `summaries` (best, best_id, best_s, tile_max, tile_sum, bad) and `candidates`; with
     `noise` the best is the Gumbel-max of sampled rows, with `leave_out_drafts` it leaves each
     row's draft out and writes the draft's logit to `draft_s`. With `race` (and `noise`),
     `bounds` holds each row's race bound (int32 order keys, `race.NO_BOUND` at first), and
     a tile's best is -inf where the bound already beats it (or only a lower score, also
-    below the bound, where one column of the row escapes it: `race._race_leaders`). With
-    `edits` (`LogitEdits`, codes of the launch's rows) the logits are edited first."""
+    below the bound, where one column of the row escapes it: `race._race_leaders`). The
+    logits are first the model's with its LM-head `bias` (``[V]``, contiguous) and `softcap`
+    (`epilogue._head_logits`), then edited with `edits` (`LogitEdits`, codes of the
+    launch's rows)."""
     num_rows, dim = hidden.shape
     vocab_size = weight.shape[0]
     grid = (num_vt * triton.cdiv(num_rows, config.block_r),)
@@ -294,8 +307,10 @@ def _launch_tiles(hidden, weight, row, summaries, candidates, drafts, draft_s, b
     lm_head.lm_head_tiles_kernel[grid](
         hidden, weight, hidden_desc, weight_desc, row["do_sample"], row["temperature"], row["seed"], row["position"],
         *summaries, candidates, drafts, draft_s, bounds, codes, penalty,
+        draft_s if bias is None else bias, 1.0 if softcap is None else softcap,
         num_rows, vocab_size, dim, hidden.stride(0), weight.stride(0), num_vt, rows_per_param,
         SAMPLE=noise, LSE=need_lse, CAND=cand, DRAFT=leave_out_drafts, EDITS=edits is not None,
+        BIAS=bias is not None, SOFTCAP=softcap is not None,
         IEEE_DOT=hidden.dtype == torch.float32, INTERLEAVE=interleave,
         EVEN_V=vocab_size % config.block_v == 0, EVEN_D=dim % config.block_d == 0, TMA=tma,
         PARTS=config.epilogue_parts, SCREEN=config.screen, RACE=race,
