@@ -139,7 +139,8 @@ class Engine:
             self.memory_budget = int(0.5 * torch.cuda.mem_get_info(self.device)[0])
 
     def serves(self, head) -> bool:
-        """Same weights where the engine's graphs and samplers read them."""
+        """Same weights where the engine's graphs and samplers read them, and the same head
+        transforms (which its captured steps' kernels apply)."""
         return _weight_storage(head) == self.weight_storage
 
     def release(self) -> None:
@@ -160,25 +161,31 @@ class Engine:
     def dtype_of(self, decoder: torch.nn.Module) -> torch.dtype:
         return next(decoder.parameters()).dtype
 
-    def sampler(self, weight: torch.Tensor, slot: Slot):
-        """The LM-head operations on `weight`: the fused kernels on CUDA, except in an
-        uncompiled call, which takes the materialized backend (torch ops, nothing to compile;
-        exact for logits rounded to the model's dtype, as stock's are)."""
+    def sampler(self, weight: torch.Tensor, slot: Slot, bias: torch.Tensor | None = None,
+                softcap: float | None = None):
+        """The LM-head operations on `weight` (with the head transforms `bias` and `softcap`):
+        the fused kernels on CUDA, except in an uncompiled call, which takes the materialized
+        backend (torch ops, nothing to compile; exact for logits rounded to the model's
+        dtype, as stock's are)."""
         params = slot.call_params
+        head = dict(bias=bias, softcap=softcap)
         cuda = self.device.type == "cuda"
         fused = self.sampler_kind == "fused" and cuda and weight.dtype != torch.float64
         if fused and not self.uncompiled:
-            return samplers.FusedSampler(weight, params)
+            return samplers.FusedSampler(weight, params, **head)
         if fused or (self.sampler_kind == "materialized" and cuda):
-            return samplers.MaterializedSampler(weight, params, samplers.model_dtype_logits)
-        return samplers.MaterializedSampler(weight, params)
+            return samplers.MaterializedSampler(weight, params, samplers.model_dtype_logits,
+                                                **head)
+        return samplers.MaterializedSampler(weight, params, **head)
 
     def target_sampler(self, slot: Slot):
         """The target's LM-head operations: the call's materialized path when its logits are
-        edited (`processing`), else this engine's sampler."""
+        edited (`processing`), else this engine's sampler with the target's head transforms
+        (its LM-head bias and softcap: the model's own logits)."""
         if slot.processing is not None:
             return slot.processing.sampler(slot)
-        return self.sampler(self.head.weight, slot)
+        return self.sampler(self.head.weight, slot, bias=self.head.bias,
+                            softcap=self.head.softcap)
 
     def memory(self) -> dict:
         """What the engine holds on the device: per slot its rows, KV columns and bytes, and
@@ -382,7 +389,8 @@ class Engine:
         key = self._kernel_key(slot)
         for width in sorted(widths - self.compiled_kernels.get(key, set())):
             started = time.perf_counter()
-            samplers.compile_variants(self.head.weight, slot.batch_size, width, edits=key[1])
+            samplers.compile_variants(self.head.weight, slot.batch_size, width, edits=key[1],
+                                      bias=self.head.bias, softcap=self.head.softcap)
             self.compiled_kernels.setdefault(key, set()).add(width)
             settings = ", ".join(samplers.kernel_settings(self.head.vocab_size))
             edited = " with logit edits" if key[1] else ""
@@ -646,10 +654,11 @@ def _kv_bytes_per_column(decoder: torch.nn.Module, dtype: torch.dtype) -> int:
 
 
 def _weight_storage(head) -> tuple:
-    """Address and dtype of every tensor an engine reads from the target: the LM-head
-    weight and the decoder's parameters."""
-    return tuple((tensor.data_ptr(), tensor.dtype)
-                 for tensor in (head.weight, *head.decoder.parameters()))
+    """Address and dtype of every tensor an engine reads from the target (the LM-head
+    weight and bias, the decoder's parameters), and the head's softcap."""
+    tensors = (head.weight, *(() if head.bias is None else (head.bias,)),
+               *head.decoder.parameters())
+    return (head.softcap, *((tensor.data_ptr(), tensor.dtype) for tensor in tensors))
 
 
 def _stats(steps: list[Report], num_rows: int) -> SpeculationStats:

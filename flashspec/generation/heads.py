@@ -2,19 +2,26 @@
 LM-head weight and the transforms the model applies to its logits), or a refusal naming
 what it cannot reproduce.
 
-The fused kernels compute ``hidden @ weight.T`` and nothing else, so a transform after the
-LM head is either folded into the sampling parameters exactly or makes the call run on the
-exact materialized path (`processing`), which forms the model's own logits
+The fused kernels compute ``hidden @ weight.T`` and apply, in their epilogue, the transforms
+a model makes after it (`flashspec.sampling`'s ``bias`` and ``softcap``); a transform is
+either applied there, folded into the sampling parameters exactly, or makes the call run on
+the exact materialized path (`processing`), which forms the model's own logits
 (`head_logits`):
 
+* An LM-head bias (``+ bias``) and Gemma-2/3/4's ``final_logit_softcapping``
+  (``c * tanh(logits / c)``), in that order, are applied in the fused kernels' epilogue
+  (`OutputHead.bias`, `OutputHead.softcap`), before the logit edits and temperature, for
+  every row, greedy rows included (a softcap can tie logits that fp32 tanh rounds to
+  the same value, and the model's argmax sees those ties).
 * Cohere's ``logits * logit_scale`` and Granite's ``logits / logits_scaling`` are a positive
   scale s of the logits: greedy rows are unaffected and a sampled row's ``logits * s / T``
-  is ``logits / (T / s)``, so the scale folds into the row temperature (fused).
-* Gemma-2/3/4's ``final_logit_softcapping`` (``c * tanh(logits / c)``) changes the
-  distribution nonlinearly, and an LM-head bias shifts it: the target's logits are formed
-  with them (materialized path). An assistant only drafts greedily: its softcap (tanh is
-  increasing) changes nothing there, and its bias is left out of its drafts, which decide
-  the speed only (verification makes the output exact whatever the drafts).
+  is ``logits / (T / s)``, so the scale folds into the row temperature (fused), after a
+  bias as in the model. Under a softcap it does not fold (``softcap(s l)`` is not
+  ``s softcap(l)``): a head with both runs on the materialized path
+  (`OutputHead.unfused_transforms` names it).
+* An assistant only drafts greedily: its softcap (tanh is increasing) changes nothing there,
+  and its bias is left out of its drafts, which decide the speed only (verification makes
+  the output exact whatever the drafts).
 
 Forward hooks and pre-hooks on the LM-head module run where the model runs them: the
 materialized path then forms the logits by calling the module (`OutputHead.module`). Hooks
@@ -45,10 +52,10 @@ _CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 @dataclasses.dataclass(frozen=True)
 class OutputHead:
     """What the engine needs from a model: its decoder (base model), the LM-head weight
-    ``[V, D]``, the positive factor s the model multiplies its logits by, and the
-    transforms only the materialized path reproduces: an LM-head bias ``[V]``, a softcap c
-    (``c * tanh(logits / c)``) and the LM-head module when hooks on it must run (`hooks`
-    names them)."""
+    ``[V, D]``, the positive factor s the model multiplies its logits by, its LM-head bias
+    ``[V]`` and softcap c (``c * tanh(logits / c)``), which the fused kernels apply, and the
+    LM-head module when hooks on it must run (`hooks` names them; only the materialized
+    path runs them)."""
 
     decoder: torch.nn.Module
     weight: torch.Tensor
@@ -61,6 +68,16 @@ class OutputHead:
     @property
     def vocab_size(self) -> int:
         return self.weight.shape[0]
+
+    def unfused_transforms(self) -> tuple[str, ...]:
+        """The head's transforms that only the materialized path reproduces, as reasons for
+        its warning: a softcap after a logit scale other than 1, which does not fold into
+        the temperature through the tanh. (Hooks on the LM head are named by `hooks`.)"""
+        if self.softcap is not None and self.logit_scale != 1.0:
+            return (f"the model's final_logit_softcapping={self.softcap} after its logit "
+                    f"scale {self.logit_scale:g} (a scale folds into the temperature only "
+                    "without a softcap)",)
+        return ()
 
 
 def output_head(model, role: str, greedy_only: bool = False) -> OutputHead:
@@ -147,14 +164,10 @@ def head_logits(head: OutputHead, hidden: torch.Tensor) -> torch.Tensor:
         logits = head.module(hidden)
         logits = logits if logits.dtype == torch.float64 else logits.float()
     else:
-        logits = reference.compute_logits(hidden, head.weight)
-        if head.bias is not None:
-            logits = logits + head.bias.to(logits.dtype)
+        logits = reference.compute_logits(hidden, head.weight, bias=head.bias)
     if head.logit_scale != 1.0:
         logits = logits * head.logit_scale
-    if head.softcap is not None:
-        logits = torch.tanh(logits / head.softcap) * head.softcap
-    return logits
+    return reference.softcapped(logits, head.softcap)
 
 
 def check_logits(model, head: OutputHead, token_ids: torch.Tensor, role: str = "model") -> None:

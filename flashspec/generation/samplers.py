@@ -9,8 +9,10 @@ that a step can be captured in a CUDA graph:
 * ``verify(hidden [B, G+1, D], drafts [B, G], positions [B]) -> (num_accepted [B],
   tokens [B, G+1], logprobs [B, G+1], accept_probs [B, G], status [B])``.
 
-`sample` and `verify` take the step's fused logit edits as ``edits`` (`LogitEdits`, made
-by `edits.EditState`), applied before temperature and truncation.
+A sampler of the target holds its head transforms (`OutputHead.bias`, `OutputHead.softcap`),
+which every operation applies first, so that it samples the model's own logits; `sample` and
+`verify` take the step's fused logit edits as ``edits`` (`LogitEdits`, made by
+`edits.EditState`), applied after them and before temperature and truncation.
 
 status is int32 ``[B]`` (`flashspec.outputs`): 0 ok, `NEEDS_COMPLETION` (a truncated support
 did not fit the fused kernels' candidate budget: redo the row with `complete_sample` /
@@ -39,52 +41,49 @@ from ..reference import model_dtype_logits
 _BACKEND_OF_LOGITS = {reference.compute_logits: "reference", model_dtype_logits: "materialized"}
 
 
-class MaterializedSampler:
+class _Sampler:
+    """The three operations through `flashspec.sampling`'s `backend`, on `weight` with the
+    head transforms `bias` (``[V]``) and `softcap` (None: none)."""
+
+    backend: str
+
+    def __init__(self, weight: torch.Tensor, params: SamplingParams, *,
+                 bias: torch.Tensor | None = None, softcap: float | None = None):
+        self.weight = weight
+        self.params = params
+        self.head = dict(bias=bias, softcap=softcap)
+
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        return sampling.argmax(hidden, self.weight, check=False, backend=self.backend,
+                               **self.head).tokens
+
+    def sample(self, hidden: torch.Tensor, positions: torch.Tensor,
+               edits: LogitEdits | None = None):
+        out = sampling.sample(hidden, self.weight, self.params, positions, edits=edits,
+                              check=False, backend=self.backend, **self.head)
+        return out.tokens, out.logprobs, out.status
+
+    def verify(self, hidden: torch.Tensor, drafts: torch.Tensor, positions: torch.Tensor,
+               edits: LogitEdits | None = None):
+        out = sampling.verify(hidden, self.weight, drafts, self.params, positions, edits=edits,
+                              check=False, backend=self.backend, **self.head)
+        return out.num_accepted, out.tokens, out.logprobs, out.accept_probs, out.status
+
+
+class MaterializedSampler(_Sampler):
     def __init__(self, weight: torch.Tensor, params: SamplingParams,
-                 logits: Callable = reference.compute_logits):
+                 logits: Callable = reference.compute_logits, *,
+                 bias: torch.Tensor | None = None, softcap: float | None = None):
         if logits not in _BACKEND_OF_LOGITS:
             raise ValueError(f"`logits` must be flashspec.reference.compute_logits or "
                              f"model_dtype_logits, got {logits!r}")
-        self.weight = weight
-        self.params = params
+        super().__init__(weight, params, bias=bias, softcap=softcap)
         self.logits = logits
-        self._backend = _BACKEND_OF_LOGITS[logits]
-
-    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        return sampling.argmax(hidden, self.weight, check=False, backend=self._backend).tokens
-
-    def sample(self, hidden: torch.Tensor, positions: torch.Tensor,
-               edits: LogitEdits | None = None):
-        out = sampling.sample(hidden, self.weight, self.params, positions, edits=edits,
-                              check=False, backend=self._backend)
-        return out.tokens, out.logprobs, out.status
-
-    def verify(self, hidden: torch.Tensor, drafts: torch.Tensor, positions: torch.Tensor,
-               edits: LogitEdits | None = None):
-        out = sampling.verify(hidden, self.weight, drafts, self.params, positions, edits=edits,
-                              check=False, backend=self._backend)
-        return out.num_accepted, out.tokens, out.logprobs, out.accept_probs, out.status
+        self.backend = _BACKEND_OF_LOGITS[logits]
 
 
-class FusedSampler:
-    def __init__(self, weight: torch.Tensor, params: SamplingParams):
-        self.weight = weight
-        self.params = params
-
-    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        return sampling.argmax(hidden, self.weight, check=False, backend="fused").tokens
-
-    def sample(self, hidden: torch.Tensor, positions: torch.Tensor,
-               edits: LogitEdits | None = None):
-        out = sampling.sample(hidden, self.weight, self.params, positions, edits=edits,
-                              check=False, backend="fused")
-        return out.tokens, out.logprobs, out.status
-
-    def verify(self, hidden: torch.Tensor, drafts: torch.Tensor, positions: torch.Tensor,
-               edits: LogitEdits | None = None):
-        out = sampling.verify(hidden, self.weight, drafts, self.params, positions, edits=edits,
-                              check=False, backend="fused")
-        return out.num_accepted, out.tokens, out.logprobs, out.accept_probs, out.status
+class FusedSampler(_Sampler):
+    backend = "fused"
 
 
 def complete_sample(sampler, hidden: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
@@ -95,7 +94,7 @@ def complete_sample(sampler, hidden: torch.Tensor, rows: torch.Tensor, positions
     row (`Slot.step_edits`)."""
     out = sampling.sample(hidden[rows], sampler.weight, sampler.params.select(rows, validate=False),
                           positions[rows], edits=None if edits is None else edits.select(rows),
-                          check=False, backend="reference")
+                          check=False, backend="reference", **sampler.head)
     return out.tokens, out.logprobs.float()
 
 
@@ -105,7 +104,7 @@ def complete_verify(sampler, hidden: torch.Tensor, drafts: torch.Tensor, rows: t
     out = sampling.verify(hidden[rows], sampler.weight, drafts[rows],
                           sampler.params.select(rows, validate=False), positions[rows],
                           edits=None if edits is None else edits.select(rows),
-                          check=False, backend="reference")
+                          check=False, backend="reference", **sampler.head)
     return out.num_accepted, out.tokens, out.logprobs.float(), out.accept_probs
 
 
@@ -119,12 +118,14 @@ def kernel_settings(vocab_size: int) -> dict[str, dict]:
             "top-k of V": dict(top_k=vocab_size)}
 
 
-def compile_variants(weight: torch.Tensor, rows: int, width: int, edits: bool = False) -> None:
+def compile_variants(weight: torch.Tensor, rows: int, width: int, edits: bool = False, *,
+                     bias: torch.Tensor | None = None, softcap: float | None = None) -> None:
     """Run the fused `sample` (``width == 0``) or `verify` of `width` drafts for `rows` rows
     with every setting of `kernel_settings` on zeros, so that Triton compiles (or loads from
     its disk cache) each variant now: a later call that only changes its sampling setting
     then compiles nothing. With `edits`, the variants that apply logit edits (codes that
-    change nothing). Eager, outside any graph."""
+    change nothing); with `bias` / `softcap`, those that apply the head's transforms.
+    Eager, outside any graph."""
     hidden = weight.new_zeros(rows, width + 1, weight.shape[1]) if width else \
         weight.new_zeros(rows, weight.shape[1])
     positions = torch.zeros(rows, dtype=torch.long, device=weight.device)
@@ -134,7 +135,8 @@ def compile_variants(weight: torch.Tensor, rows: int, width: int, edits: bool = 
                             device=weight.device)
         no_edits = LogitEdits(codes, torch.ones(rows, dtype=torch.float64, device=weight.device))
     for setting in kernel_settings(weight.shape[0]).values():
-        sampler = FusedSampler(weight, SamplingParams.create(rows, device=weight.device, **setting))
+        sampler = FusedSampler(weight, SamplingParams.create(rows, device=weight.device, **setting),
+                               bias=bias, softcap=softcap)
         if width:
             sampler.verify(hidden, positions.new_zeros(rows, width), positions, edits=no_edits)
         else:
