@@ -54,12 +54,14 @@ SOFTCAP = 4.0   # logits of `random_problem` have a standard deviation of 3: the
 
 def head_of(g, vocab_size, kind, dtype=torch.float32, softcap=SOFTCAP) -> dict:
     """`sample`'s ``bias`` / ``softcap`` keywords of `kind` (one of HEADS)."""
-    bias = (2.0 * torch.randn(vocab_size, generator=g)).to(DEVICE, dtype) if "bias" in kind else None
-    return dict(bias=bias, softcap=softcap if "softcap" in kind else None)
+    bias = 2.0 * torch.randn(vocab_size, generator=g)
+    return dict(bias=bias.to(DEVICE, dtype) if "bias" in kind else None,
+                softcap=softcap if "softcap" in kind else None)
 
 
 def float64(head: dict) -> dict:
-    return {name: value.double() if torch.is_tensor(value) else value for name, value in head.items()}
+    return {name: value.double() if torch.is_tensor(value) else value
+            for name, value in head.items()}
 
 
 def model_logits64(hidden, weight, bias=None, softcap=None, edits=None) -> torch.Tensor:
@@ -73,6 +75,11 @@ def model_logits64(hidden, weight, bias=None, softcap=None, edits=None) -> torch
     if edits is not None:
         logits = reference.edit_logits(logits, LogitEdits(*(t.cpu() for t in edits.flat())))
     return logits
+
+
+def position_edits(edits: LogitEdits | None, j: int) -> LogitEdits | None:
+    """Verification's edits ``[B, G+1, V]`` of position j, as `sample` takes them."""
+    return None if edits is None else LogitEdits(edits.codes[:, j], edits.penalty)
 
 
 def reference64(op, hidden, weight, *args, head, **kwargs):
@@ -117,7 +124,8 @@ def test_tanh_is_accurate_to_two_ulp():
 # --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind,config", [("bias", "small"), ("softcap", "parts"),
-                                         ("bias+softcap", "small"), ("bias+softcap", "screen+race")])
+                                         ("bias+softcap", "small"),
+                                         ("bias+softcap", "screen+race")])
 def test_sample_with_head_equals_the_reference(kind, config):
     """Every truncation mode and greedy rows (`mixed_params`), 301 tokens (the last tile
     partly past V): the float64 reference's tokens, logprobs and log-sum-exp, and the head
@@ -168,8 +176,8 @@ def test_head_comes_before_the_edits(config):
                            config=CONFIGS[config], **head)
     theirs = reference64(sampling.sample, hidden, weight, params, positions, head=head,
                          edits=edits)
-    assert_near_ties(ours.tokens, theirs.tokens, model_logits64(hidden, weight, **head, edits=edits),
-                     params, positions, config)
+    logits64 = model_logits64(hidden, weight, **head, edits=edits)
+    assert_near_ties(ours.tokens, theirs.tokens, logits64, params, positions, config)
     assert torch.allclose(ours.lse.double(), theirs.lse, atol=2e-4, rtol=1e-5)
 
 
@@ -194,7 +202,8 @@ def test_argmax_with_head_and_the_softcaps_ties():
     capped = sampling.argmax(hidden, weight, backend="fused", config=SMALL, softcap=30.0).tokens
     model = torch.tanh(reference.compute_logits(hidden, weight) / 30.0) * 30.0
     assert capped.tolist() == model.argmax(dim=-1).tolist() == [20, 20]
-    assert sampling.argmax(hidden, weight, backend="fused", config=SMALL).tokens.tolist() == [250, 250]
+    uncapped = sampling.argmax(hidden, weight, backend="fused", config=SMALL).tokens
+    assert uncapped.tolist() == [250, 250]
 
 
 @pytest.mark.parametrize("acceptance,config,edited", [("strict", "parts", False),
@@ -213,7 +222,7 @@ def test_verify_with_head_equals_the_reference(acceptance, config, edited):
     edits = random_edits(g, (batch, num_drafts + 1), vocab_size, batch) if edited else None
     plain = torch.stack([
         reference64(sampling.sample, hidden[:, j], weight, params, positions + j, head=head,
-                    edits=None if edits is None else LogitEdits(edits.codes[:, j], edits.penalty)).tokens
+                    edits=position_edits(edits, j)).tokens
         for j in range(num_drafts + 1)], dim=1)
     logits64 = model_logits64(hidden, weight, **head, edits=edits).view(batch, num_drafts + 1, -1)
     for drafts in (plain[:, :-1], random_drafts(g, plain.cpu(), vocab_size).to(DEVICE)):
@@ -233,7 +242,8 @@ def test_verify_with_head_equals_the_reference(acceptance, config, edited):
                                int(ours.tokens[b, j]), int(theirs.tokens[b, j])), (b, j)
         assert int(differing.sum()) <= 1
         same = ~differing.to(DEVICE)
-        assert torch.allclose(ours.accept_probs[same].double(), theirs.accept_probs[same], atol=2e-5)
+        assert torch.allclose(ours.accept_probs[same].double(), theirs.accept_probs[same],
+                              atol=2e-5)
         if acceptance == "strict":   # emitted tokens are the plain samples, whatever the drafts
             emitted = (ours.tokens >= 0) & same[:, None]
             assert torch.equal(ours.tokens[emitted], plain[emitted])
@@ -563,7 +573,8 @@ def test_gpu_bf16_sample_with_head(rows, vocab_size, dim, truncation):
                      model_logits64(hidden, weight, **head),
                      SamplingParams.create(rows, do_sample=False, seed=0, device=DEVICE),
                      torch.zeros_like(positions), "argmax")
-    triton_out = kernels.fused_sample(hidden, weight, params, positions, config=TRITON_TILES, **head)
+    triton_out = kernels.fused_sample(hidden, weight, params, positions, config=TRITON_TILES,
+                                      **head)
     for config in _ws_configs(truncation):
         ws = kernels.fused_sample(hidden, weight, params, positions, config=config, **head)
         assert torch.equal(ws.status, triton_out.status)
@@ -586,17 +597,19 @@ def test_gpu_bf16_verify_with_head(batch, vocab_size, dim, edited):
     edits = random_edits(g, (batch, num_drafts + 1), vocab_size, batch) if edited else None
     plain = torch.stack([
         sampling.sample(hidden[:, j], weight, params, positions + j, backend="fused", **head,
-                        edits=None if edits is None else LogitEdits(edits.codes[:, j], edits.penalty)).tokens
+                        edits=position_edits(edits, j)).tokens
         for j in range(num_drafts + 1)], dim=1)
     drafts = random_drafts(g, plain.cpu(), vocab_size).to(DEVICE)
     ours = sampling.verify(hidden, weight, drafts, params, positions, edits=edits,
                            backend="fused", **head)
     theirs = reference64(sampling.verify, hidden, weight, drafts, params, positions, head=head,
                          edits=edits)
-    differing = (ours.tokens != theirs.tokens).any(dim=1) | (ours.num_accepted != theirs.num_accepted)
+    differing = ((ours.tokens != theirs.tokens).any(dim=1)
+                 | (ours.num_accepted != theirs.num_accepted))
     assert int(differing.sum()) <= max(1, batch // 20)
     emitted = (ours.tokens >= 0) & ~differing[:, None]
-    assert torch.equal(ours.tokens[emitted], plain[emitted])   # the plain samples, whatever the drafts
+    # The emitted tokens are the plain samples, whatever the drafts.
+    assert torch.equal(ours.tokens[emitted], plain[emitted])
     triton_out = kernels.fused_verify(hidden, weight, drafts, params, positions, edits=edits,
                                       config=TRITON_TILES, **head)
     for config in _ws_configs(truncation=params.any_truncation):

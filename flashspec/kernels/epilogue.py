@@ -84,9 +84,10 @@ def _tanh(x):
 def _head_logits(acc, bias_ptr, softcap, tokens, v_ok, BIAS: tl.constexpr,
                  SOFTCAP: tl.constexpr):
     """The model's logits from `acc` = hidden @ weight.T ``[rows, tokens]``, in the model's
-    order: with BIAS ``+ bias[token]`` (``[V]``, any float dtype, added in fp32), then with SOFTCAP Gemma-2's
-    ``softcap * tanh(logits / softcap)`` (`_tanh`; the division as a product by the inverse,
-    one ulp from transformers' at most, which only matters at near-ties). Columns past V
+    order: with BIAS ``+ bias[token]`` (``[V]``, any float dtype, added in fp32), then with
+    SOFTCAP Gemma-2's ``softcap * tanh(logits / softcap)`` (`_tanh`; the division as a
+    product by the inverse, one ulp from transformers' at most, which only matters at
+    near-ties). Columns past V
     stay 0. Logit edits come after this (transformers' processors run on the model's
     output), and so does every summary: the screen and the race only compare the s they
     are given, so their margins hold for softcapped scores as for any other."""
