@@ -402,8 +402,8 @@ def test_fused_edits_on_cuda_equal_the_cpu_engine_and_survive_switching():
 
 def test_slot_edits_key_and_generation_follow_the_edits():
     """The slot's `edits_key` (for the engine's graph key) follows what the steps run: edits
-    on or off, position bans, the n-gram size, the bad words' and the n-gram context's
-    buffer shapes. Its buffers' generation moves only when the bad words or the n-grams
+    on or off, position bans, forced positions, the n-gram size, the bad words' and the
+    n-gram context's buffer shapes. Its buffers' generation moves only when the bad words or the n-grams
     need other buffers: graphs with and without edits, with and without position bans,
     live side by side (a server alternating calls with and without a repetition penalty
     captures each step once)."""
@@ -412,14 +412,16 @@ def test_slot_edits_key_and_generation_follow_the_edits():
     ids, mask = left_pad(PROMPTS)
     rows = len(PROMPTS)
     words = [[7, 8], [9, 10, 11]]
-    calls = [(dict(repetition_penalty=1.2), (False, 0, (0, 1), (rows, 1))),
-             (dict(repetition_penalty=1.5, bad_words_ids=[[7]]), (False, 0, (0, 1), (rows, 1))),
-             (dict(min_new_tokens=3, eos_token_id=EOS), (True, 0, (0, 1), (rows, 1))),
-             (dict(forced_eos_token_id=7), (True, 0, (0, 1), (rows, 1))),
-             (dict(no_repeat_ngram_size=1), (False, 0, (0, 1), (rows, 1))),
-             (dict(bad_words_ids=words), (False, 0, (2, 3), (rows, 1))),
-             (dict(bad_words_ids=words, no_repeat_ngram_size=2), (False, 2, (2, 3), (rows, 256))),
-             (dict(bad_words_ids=words, no_repeat_ngram_size=4), (False, 4, (2, 3), (rows, 256))),
+    calls = [(dict(repetition_penalty=1.2), (False, False, 0, (0, 1), (rows, 1))),
+             (dict(repetition_penalty=1.5, bad_words_ids=[[7]]), (False, False, 0, (0, 1), (rows, 1))),
+             (dict(min_new_tokens=3, eos_token_id=EOS), (True, False, 0, (0, 1), (rows, 1))),
+             (dict(forced_eos_token_id=7), (True, True, 0, (0, 1), (rows, 1))),
+             (dict(no_repeat_ngram_size=1), (False, False, 0, (0, 1), (rows, 1))),
+             (dict(bad_words_ids=words), (False, False, 0, (2, 3), (rows, 1))),
+             (dict(bad_words_ids=words, no_repeat_ngram_size=2),
+              (False, False, 2, (2, 3), (rows, 256))),
+             (dict(bad_words_ids=words, no_repeat_ngram_size=4),
+              (False, False, 4, (2, 3), (rows, 256))),
              ({}, None)]
     generations = []
     for kwargs, key in calls:

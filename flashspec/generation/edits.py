@@ -222,6 +222,7 @@ class EditState:
         forced_count / forced_token / forced_code: int64, int64, uint8 ``[MAX_FORCED]``: the
             forced positions (`NEVER`: none), their token and its code there, in
             transformers' order (the later one wins at the same count).
+        forces: bool (host): some position is forced (the steps then look for it).
         position_bans: bool (host): some ban depends on the position. Without one, without
             words and without n-grams, a sampling step's codes are `base` itself (no pass
             over ``[B, V]``: Qwen2.5-Instruct's repetition penalty costs no step of its own).
@@ -250,6 +251,7 @@ class EditState:
         self.forced_token = torch.zeros(MAX_FORCED, **long)
         self.forced_code = torch.zeros(MAX_FORCED, **uint8)
         self.position_bans = False
+        self.forces = False
         self.words = torch.zeros(0, 1, **long)
         self.word_ends = torch.zeros(0, **long)
         self.tail = torch.zeros(batch_size, 1, **long)
@@ -267,6 +269,7 @@ class EditState:
         replaced = self._load_words(rules.words)
         replaced = self._load_context(rules, input_ids.shape[1]) or replaced
         self.position_bans = position_bans
+        self.forces = bool(rules.forced)
         self.penalty.fill_(rules.penalty)
         self.context_code.fill_(BAN if rules.ngram == 1 else
                                 KEEP if rules.penalty == 1.0 else PENALIZE)
@@ -318,9 +321,10 @@ class EditState:
 
     def key(self) -> tuple:
         """What the steps' captured work depends on beyond the buffers' values (for the
-        engine's graph key): position bans, the n-gram size, the words' and the context's
-        buffer shapes."""
-        return self.position_bans, self.ngram, tuple(self.words.shape), tuple(self.context.shape)
+        engine's graph key): position bans, forced positions, the n-gram size, the words' and
+        the context's buffer shapes."""
+        return (self.position_bans, self.forces, self.ngram, tuple(self.words.shape),
+                tuple(self.context.shape))
 
     def absorb(self, tokens: torch.Tensor, written: torch.Tensor) -> None:
         """Tokens ``[B, W]`` where `written` (the first few of each row) joined the rows'
@@ -419,14 +423,16 @@ class EditState:
         if not self.position_bans:
             return codes.expand(*generated.shape, codes.shape[-1]).clone()
         which = (generated < self.min_count).long() + 2 * (generated == self.begin_count).long()
-        forced = (generated[..., None] == self.forced_count).any(dim=-1)
-        return torch.maximum(codes, self.ban_rows[torch.where(forced, FORCED_ROW, which)])
+        if self.forces:
+            forced = (generated[..., None] == self.forced_count).any(dim=-1)
+            which = torch.where(forced, FORCED_ROW, which)
+        return torch.maximum(codes, self.ban_rows[which])
 
     def _with_forced_tokens(self, codes: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
         """`codes` ``[..., V]`` with the forced token's code at a forced position (after
         `generated` ``[...]`` tokens), whatever the bans before made of it: transformers'
         forcing processor undoes them."""
-        if not self.position_bans:
+        if not self.forces:
             return codes
         token = torch.zeros_like(generated)
         code = torch.zeros_like(generated, dtype=torch.uint8)
