@@ -5,45 +5,53 @@ compiled on a GPU."""
 import pytest
 import torch
 
-from flashspec.generation.edits import NEVER, EditRules, EditState
+from flashspec.generation.edits import FORCED_ROW, NEVER, EditRules, EditState
 from flashspec.kernels.edit_codes import BLOCK_V, verify_codes
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 
 
-def row_of_count(state) -> torch.Tensor:
-    """The ban row (of `state.ban_rows`) of each generated count, as `EditState` picks it."""
-    counts = torch.arange(max(int(state.min_count), int(state.begin_count) + 1) + 1,
-                          device=state.base.device)
-    return (counts < state.min_count).long() + 2 * (counts == state.begin_count).long()
-
-
-def _state(batch, vocab, device, penalty, min_count, begin_count, seed):
+def _state(batch, vocab, device, penalty, min_count, begin_count, seed, forced=()):
     g = torch.Generator().manual_seed(seed)
     banned = tuple(sorted(torch.randperm(vocab, generator=g)[:5].tolist()))
     rules = EditRules(penalty=penalty, banned=banned, begin_banned=(3, 4), begin_count=begin_count,
-                      eos=(1,), min_count=min_count)
+                      eos=(1,), min_count=min_count, forced=forced)
     state = EditState(batch, vocab, torch.device(device))
     state.load(rules, torch.randint(0, vocab, (batch, 6), generator=g).to(device))
     return state, g
 
 
+def kernel_codes(state, generated, drafts, allowed=None):
+    """The codes kernel with `state`'s buffers, as `EditState.verify_edits` calls it on CUDA."""
+    bans = None
+    if state.position_bans:
+        bans = (state.ban_rows, generated, state.min_count, state.begin_count,
+                state.forced_count if state.forces else None)
+    return verify_codes(state.base, drafts, state.context_code, bans=bans, forced_row=FORCED_ROW,
+                        allowed=allowed)
+
+
+def torch_codes(state, generated, drafts, allowed=None):
+    counts = generated[:, None] + torch.arange(drafts.shape[1] + 1, device=drafts.device)
+    return state._context_codes(drafts, counts, allowed)
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("penalty, min_count, begin_count",
-                         [(1.0, 0, NEVER), (1.3, 0, NEVER), (1.3, 2, 1), (1.0, 3, NEVER)])
+@pytest.mark.parametrize("penalty, min_count, begin_count, forced",
+                         [(1.0, 0, NEVER, ()), (1.3, 0, NEVER, ()), (1.3, 2, 1, ()),
+                          (1.0, 3, NEVER, ()), (1.3, 2, 1, ((1, 9, False), (3, 4, True)))])
 @pytest.mark.parametrize("num_drafts", [0, 1, 4])
-def test_verify_codes_equal_torch_ops(device, penalty, min_count, begin_count, num_drafts):
+def test_verify_codes_equal_torch_ops(device, penalty, min_count, begin_count, forced, num_drafts):
     batch, vocab = 3, 2 * BLOCK_V + 37    # a partial last tile
-    state, g = _state(batch, vocab, device, penalty, min_count, begin_count, seed=num_drafts)
+    state, g = _state(batch, vocab, device, penalty, min_count, begin_count, num_drafts, forced)
     drafts = torch.randint(0, vocab, (batch, num_drafts), generator=g).to(device)
     if num_drafts > 1:
         drafts[1, 1] = -1                  # row 1's drafts end there; the next one is ignored
         drafts[2, 0] = drafts[2, 1] = 5    # a draft repeated
         drafts[0, 0] = 2 * BLOCK_V + 36    # in the last tile
     generated = torch.tensor([0, 1, 2], device=device)
-    expected = state.verify_edits(generated, drafts).codes
-    bans = (state.ban_rows, row_of_count(state), generated) if state.position_bans else ()
-    codes = verify_codes(state.base, drafts, state.context_code, *bans)
+    expected = torch_codes(state, generated, drafts)
+    codes = kernel_codes(state, generated, drafts)
     assert codes.dtype == torch.uint8 and codes.shape == (batch, num_drafts + 1, vocab)
     assert torch.equal(codes, expected)
 
@@ -65,8 +73,8 @@ def test_allowed_bitmask_bans_the_rest(device, num_drafts):
     allowed[0, 0] = False                                     # nothing allowed
     bitmask = pack(allowed).to(device)
     assert torch.equal(unpack(bitmask, vocab).cpu(), allowed)
-    codes = verify_codes(state.base, drafts, state.context_code, state.ban_rows,
-                         row_of_count(state), generated, allowed=bitmask)
-    expected = state.verify_edits(generated, drafts).codes
+    codes = kernel_codes(state, generated, drafts, bitmask)
+    expected = torch_codes(state, generated, drafts)
     expected[~allowed.to(device)] = BAN
     assert torch.equal(codes, expected)
+    assert torch.equal(torch_codes(state, generated, drafts, bitmask), expected)

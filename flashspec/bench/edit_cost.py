@@ -12,6 +12,9 @@ batch size B this times, as CUDA-graph replays (the engine's steps are replays),
   codes ``[B, G+1, V]``;
 * ``codes_sample`` / ``codes_verify``: making those codes on the device from the slot's
   state (`generation.edits.EditState`), which an engine step adds to the kernels;
+* ``sample_mask`` / ``verify_mask`` and ``codes_sample_mask`` / ``codes_verify_mask``: the
+  same edits with an allowed-token bitmask per position (`generation.allowed`, a random half
+  of the vocabulary), and the making of their codes;
 * ``sample_triton`` / ``verify_triton``: without codes, on the Triton stage 1 (on Hopper the
   default table gives every call, with codes or not, the warp-specialized Gluon stage 1 above
   32 truncated rows): the codes' cost in the Triton kernel.
@@ -49,7 +52,8 @@ from flashspec.bench.cli import package_version, positive_int, positive_ints
 QWEN25_INSTRUCT = dict(temperature=0.7, top_k=20, top_p=0.8)
 PENALTY = 1.05
 TIMINGS = ("sample", "sample_triton", "sample_edits", "codes_sample", "verify", "verify_triton",
-           "verify_edits", "codes_verify")
+           "verify_edits", "codes_verify", "sample_mask", "codes_sample_mask", "verify_mask",
+           "codes_verify_mask")
 
 
 def edit_state(batch: int, vocab: int, context: int, bad_words: int, device,
@@ -69,6 +73,7 @@ def calls(dim: int, vocab: int, batch: int, num_drafts: int, context: int, bad_w
           device: str) -> dict[str, Callable]:
     """The timed calls of one batch size (`TIMINGS`), on bf16 operands."""
     from flashspec import SamplingParams
+    from flashspec.generation.allowed import pack
     from flashspec.kernels import default_config, fused_sample, fused_verify
 
     g = torch.Generator().manual_seed(batch)
@@ -80,6 +85,11 @@ def calls(dim: int, vocab: int, batch: int, num_drafts: int, context: int, bad_w
     state = edit_state(batch, vocab, context, bad_words, device, g)
     generated = torch.ones(batch, dtype=torch.long, device=device)
     sample_edits, verify_edits = state.sample_edits(generated), state.verify_edits(generated, drafts)
+    allowed = torch.rand(batch, num_drafts + 1, vocab, generator=g) < 0.5
+    sample_mask = pack(allowed[:, :1]).to(device)
+    verify_mask = pack(allowed).to(device)
+    mask_sample_edits = state.sample_edits(generated, sample_mask)
+    mask_verify_edits = state.verify_edits(generated, drafts, verify_mask)
     last = hidden[:, -1].contiguous()
     sample_triton = default_config(batch, 2, truncation=True)
     verify_triton = default_config(batch * (num_drafts + 1), 2, truncation=True, verification=True)
@@ -95,6 +105,12 @@ def calls(dim: int, vocab: int, batch: int, num_drafts: int, context: int, bad_w
         "verify_edits": partial(fused_verify, hidden, weight, drafts, params, positions,
                                 edits=verify_edits),
         "codes_verify": partial(state.verify_edits, generated, drafts),
+        "sample_mask": partial(fused_sample, last, weight, params, positions,
+                               edits=mask_sample_edits),
+        "codes_sample_mask": partial(state.sample_edits, generated, sample_mask),
+        "verify_mask": partial(fused_verify, hidden, weight, drafts, params, positions,
+                               edits=mask_verify_edits),
+        "codes_verify_mask": partial(state.verify_edits, generated, drafts, verify_mask),
     }
 
 
@@ -140,20 +156,24 @@ def run(dim: int, vocab: int, batch_sizes: list[int], num_drafts: int, context: 
             "x_verify": ms["verify_edits"] / ms["verify"],
             "x_verify_triton": ms["verify_edits"] / ms["verify_triton"],
             "x_verify_step": (ms["verify_edits"] + ms["codes_verify"]) / ms["verify"],
+            "x_sample_mask_step": (ms["sample_mask"] + ms["codes_sample_mask"]) / ms["sample"],
+            "x_verify_mask_step": (ms["verify_mask"] + ms["codes_verify_mask"]) / ms["verify"],
         })
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
     print(f"{'B':>4} {'G':>2} {'sample':>8} {'+edits':>8} {'x':>6} {'x tt':>6} {'x step':>7} "
-          f"{'verify':>8} {'+edits':>8} {'x':>6} {'x tt':>6} {'x step':>7}   (ms; x tt: against "
-          "the Triton stage 1 without codes)")
+          f"{'x mask':>7} {'verify':>8} {'+edits':>8} {'x':>6} {'x tt':>6} {'x step':>7} "
+          f"{'x mask':>7}   (ms; x tt: against the Triton stage 1 without codes; x step: with "
+          "the making of the codes; x mask: the step with an allowed-token bitmask too)")
     for row in rows:
         ms = row["ms"]
         print(f"{row['B']:>4} {row['G']:>2} {ms['sample']:8.4f} {ms['sample_edits']:8.4f} "
               f"{row['x_sample']:6.3f} {row['x_sample_triton']:6.3f} {row['x_sample_step']:7.3f} "
-              f"{ms['verify']:8.4f} {ms['verify_edits']:8.4f} {row['x_verify']:6.3f} "
-              f"{row['x_verify_triton']:6.3f} {row['x_verify_step']:7.3f}")
+              f"{row['x_sample_mask_step']:7.3f} {ms['verify']:8.4f} {ms['verify_edits']:8.4f} "
+              f"{row['x_verify']:6.3f} {row['x_verify_triton']:6.3f} {row['x_verify_step']:7.3f} "
+              f"{row['x_verify_mask_step']:7.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:

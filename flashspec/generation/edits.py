@@ -47,6 +47,7 @@ import torch
 from transformers.generation import logits_process as lp
 
 from ..params import BAN, KEEP, PENALIZE, LogitEdits
+from .allowed import unpack
 
 # The warpers that `SamplingParams` makes (the kernels' temperature and truncation).
 _FUSED_WARPERS = (lp.TemperatureLogitsWarper, lp.TopKLogitsWarper, lp.TopPLogitsWarper,
@@ -344,34 +345,59 @@ class EditState:
                                          reduce="amax")
             self.context_length += written.sum(dim=1)
 
-    def sample_edits(self, generated: torch.Tensor) -> LogitEdits:
-        """The edits of each row's next token, after `generated` ``[B]`` tokens."""
-        if not (self.position_bans or self.word_ends.numel() or self.ngram):
+    def sample_edits(self, generated: torch.Tensor, allowed: torch.Tensor | None = None) -> LogitEdits:
+        """The edits of each row's next token, after `generated` ``[B]`` tokens; `allowed`:
+        int32 ``[B, 1, ceil(V / 32)]``, each row's allowed tokens (`allowed.py`), or None."""
+        if allowed is None and not (self.position_bans or self.word_ends.numel() or self.ngram):
             return LogitEdits(self.base, self.penalty)
-        codes = self._with_position_bans(self.base, generated)
-        codes = self._with_word_bans(codes, self.tail)
         no_drafts = generated.new_empty(generated.shape[0], 0)
-        codes = self._with_ngram_bans(codes[:, None], no_drafts)[:, 0]
-        return LogitEdits(self._with_forced_tokens(codes, generated), self.penalty)
+        return LogitEdits(self.verify_edits(generated, no_drafts, allowed).codes[:, 0], self.penalty)
 
-    def verify_edits(self, generated: torch.Tensor, drafts: torch.Tensor) -> LogitEdits:
+    def verify_edits(self, generated: torch.Tensor, drafts: torch.Tensor,
+                     allowed: torch.Tensor | None = None) -> LogitEdits:
         """The edits ``[B, G+1, V]`` of the positions that verify `drafts` ``[B, G]`` (-1
         padded; drafts end at a row's first -1): position j's context holds the drafts
-        before it, and its bans are those after ``generated + j`` tokens."""
+        before it, and its bans are those after ``generated + j`` tokens; `allowed`: int32
+        ``[B, G+1, ceil(V / 32)]``, each position's allowed tokens, or None. On CUDA one
+        Triton pass writes the codes (`kernels.edit_codes`: the torch ops take several
+        passes over ``[B, G+1, V]`` bytes, up to a quarter of a verification step); the
+        context-dependent bans are then scattered in."""
+        num_drafts = drafts.shape[1]
+        counts = generated[:, None] + torch.arange(num_drafts + 1, device=drafts.device)
+        if self.base.is_cuda:
+            from ..kernels.edit_codes import verify_codes
+            bans = None
+            if self.position_bans:
+                bans = (self.ban_rows, generated, self.min_count, self.begin_count,
+                        self.forced_count if self.forces else None)
+            codes = verify_codes(self.base, drafts, self.context_code, bans=bans,
+                                 forced_row=FORCED_ROW, allowed=allowed)
+        else:
+            codes = self._context_codes(drafts, counts, allowed)
+        if self.word_ends.numel() or self.ngram:
+            # Position j's last context tokens: the row's, then its first j drafts.
+            is_draft = (drafts >= 0).long().cumprod(dim=1).bool()
+            drafted = torch.where(is_draft, drafts, NO_TOKEN)
+            windows = torch.cat([self.tail, drafted], dim=1).unfold(1, self.tail.shape[1], 1)
+            codes = self._with_ngram_bans(self._with_word_bans(codes, windows), drafted)
+        return LogitEdits(self._with_forced_tokens(codes, counts), self.penalty)
+
+    def _context_codes(self, drafts: torch.Tensor, counts: torch.Tensor,
+                       allowed: torch.Tensor | None) -> torch.Tensor:
+        """`kernels.edit_codes.verify_codes` by torch ops (the CPU path and its reference):
+        the base codes with each position's ban row, its drafts before it as context and
+        `BAN` where `allowed` leaves a token out."""
         batch, num_drafts = drafts.shape
         positions = torch.arange(num_drafts + 1, device=drafts.device)
         is_draft = (drafts >= 0).long().cumprod(dim=1).bool()
         before = positions[:, None] > positions[None, :num_drafts]          # [G+1, G]: i < j
         in_context = (before[None] & is_draft[:, None, :]).to(torch.uint8) * self.context_code
-        counts = generated[:, None] + positions
         codes = self._with_position_bans(self.base[:, None, :], counts)
         index = drafts.clamp_min(0)[:, None, :].expand(batch, num_drafts + 1, num_drafts)
         codes.scatter_reduce_(2, index, in_context, reduce="amax")
-        # Position j's last context tokens: the row's, then its first j drafts.
-        drafted = torch.where(is_draft, drafts, NO_TOKEN)
-        windows = torch.cat([self.tail, drafted], dim=1).unfold(1, self.tail.shape[1], 1)
-        codes = self._with_ngram_bans(self._with_word_bans(codes, windows), drafted)
-        return LogitEdits(self._with_forced_tokens(codes, counts), self.penalty)
+        if allowed is not None:
+            codes.masked_fill_(~unpack(allowed, codes.shape[-1]), BAN)
+        return codes
 
     def _with_word_bans(self, codes: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
         """`codes` ``[..., V]`` with each multi-token bad word's last token banned where the

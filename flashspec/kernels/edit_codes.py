@@ -27,10 +27,11 @@ _BAN = tl.constexpr(params.BAN)
 
 
 @triton.jit
-def _verify_codes_kernel(out_ptr, base_ptr, ban_rows_ptr, row_of_count_ptr, generated_ptr,
-                         drafts_ptr, context_code_ptr, allowed_ptr, V, NUM_COUNTS, NUM_WORDS,
-                         W: tl.constexpr, G: tl.constexpr, BAN_ROWS: tl.constexpr,
-                         ALLOWED: tl.constexpr, BLOCK: tl.constexpr):
+def _verify_codes_kernel(out_ptr, base_ptr, drafts_ptr, context_code_ptr, ban_rows_ptr,
+                         generated_ptr, min_count_ptr, begin_count_ptr, forced_count_ptr,
+                         allowed_ptr, V, NUM_WORDS, W: tl.constexpr, G: tl.constexpr,
+                         BAN_ROWS: tl.constexpr, NUM_FORCED: tl.constexpr,
+                         FORCED_ROW: tl.constexpr, ALLOWED: tl.constexpr, BLOCK: tl.constexpr):
     pid_v = tl.program_id(0)
     row = tl.program_id(1)            # b * W + j
     b = row // W
@@ -40,8 +41,13 @@ def _verify_codes_kernel(out_ptr, base_ptr, ban_rows_ptr, row_of_count_ptr, gene
     ok = tokens < V
     code = tl.load(base_ptr + b.to(tl.int64) * V + tokens, mask=ok, other=0)
     if BAN_ROWS:
-        count = tl.minimum(tl.load(generated_ptr + b) + j, NUM_COUNTS - 1)
-        which = tl.load(row_of_count_ptr + count).to(tl.int64)
+        # `generation.edits.EditState`'s rule: row 1 below the minimum count (EOS), + 2 at
+        # the begin position, `FORCED_ROW` (every token) at a forced position.
+        count = tl.load(generated_ptr + b) + j
+        which = ((count < tl.load(min_count_ptr)).to(tl.int64)
+                 + 2 * (count == tl.load(begin_count_ptr)).to(tl.int64))
+        for k in tl.static_range(NUM_FORCED):
+            which = tl.where(count == tl.load(forced_count_ptr + k), FORCED_ROW, which)
         code = tl.maximum(code, tl.load(ban_rows_ptr + which * V + tokens, mask=ok, other=0))
     if ALLOWED:
         # Bit v % 32 of word v // 32 (xgrammar's token bitmask): 32 neighbours share a load.
@@ -57,23 +63,23 @@ def _verify_codes_kernel(out_ptr, base_ptr, ban_rows_ptr, row_of_count_ptr, gene
     tl.store(out_ptr + row.to(tl.int64) * V + tokens, code, mask=ok)
 
 
-def verify_codes(base: torch.Tensor, drafts: torch.Tensor, context_code: torch.Tensor,
-                 ban_rows: torch.Tensor | None = None, row_of_count: torch.Tensor | None = None,
-                 generated: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
-                 *, block: int = BLOCK_V, num_warps: int = 8) -> torch.Tensor:
-    """uint8 ``[B, G+1, V]``: position j of row b holds
-    ``max(base[b], ban_rows[row_of_count[min(generated[b] + j, C - 1)]])``, at least
-    `context_code` on the row's drafts before j, and `BAN` on every token that `allowed`
-    leaves out.
+def verify_codes(base: torch.Tensor, drafts: torch.Tensor, context_code: torch.Tensor, *,
+                 bans: tuple | None = None, forced_row: int = 0,
+                 allowed: torch.Tensor | None = None, block: int = BLOCK_V,
+                 num_warps: int = 8) -> torch.Tensor:
+    """uint8 ``[B, G+1, V]``: position j of row b holds the maximum of ``base[b]``, its ban
+    row and, on the row's drafts before j, `context_code`; and `BAN` on every token that
+    `allowed` leaves out.
 
     Args:
         base: uint8 ``[B, V]``, contiguous.
         drafts: int64 ``[B, G]``, -1 padded (a row's drafts end at its first -1).
         context_code: uint8 ``[1]`` on the device (a tensor, so that graphs replay the
             current call's value).
-        ban_rows / row_of_count / generated: uint8 ``[R, V]``, integer ``[C]`` (the ban row
-            of each generated count, the last one for every count beyond) and int64 ``[B]``
-            (each row's generated tokens), or all None: no position-dependent bans.
+        bans: None (no position-dependent bans) or ``(ban_rows, generated, min_count,
+            begin_count, forced_count)``: uint8 ``[R, V]``, int64 ``[B]`` (each row's
+            generated tokens), int64 ``[1]``, ``[1]`` and ``[F]`` or None, picked as
+            `generation.edits.EditState` picks its ban rows (`forced_row`: every token).
         allowed: int32 ``[B, G+1, ceil(V / 32)]``, each position's allowed tokens (bit
             ``v % 32`` of word ``v // 32``), or None: every token.
     """
@@ -81,12 +87,13 @@ def verify_codes(base: torch.Tensor, drafts: torch.Tensor, context_code: torch.T
     num_drafts = drafts.shape[1]
     width = num_drafts + 1
     out = torch.empty(batch, width, vocab, dtype=torch.uint8, device=base.device)
-    bans = ban_rows is not None
+    ban_rows, generated, min_count, begin_count, forced_count = bans or (base,) + (drafts,) * 4
     grid = (triton.cdiv(vocab, block), batch * width)
     _verify_codes_kernel[grid](
-        out, base, ban_rows if bans else base, row_of_count if bans else drafts,
-        generated if bans else drafts, drafts.contiguous(), context_code,
-        base if allowed is None else allowed.contiguous(), vocab,
-        row_of_count.numel() if bans else 1, triton.cdiv(vocab, 32), W=width, G=num_drafts,
-        BAN_ROWS=bans, ALLOWED=allowed is not None, BLOCK=block, num_warps=num_warps)
+        out, base, drafts.contiguous(), context_code, ban_rows, generated, min_count,
+        begin_count, drafts if forced_count is None else forced_count,
+        base if allowed is None else allowed.contiguous(), vocab, triton.cdiv(vocab, 32),
+        W=width, G=num_drafts, BAN_ROWS=bans is not None,
+        NUM_FORCED=0 if bans is None or forced_count is None else forced_count.numel(),
+        FORCED_ROW=forced_row, ALLOWED=allowed is not None, BLOCK=block, num_warps=num_warps)
     return out
