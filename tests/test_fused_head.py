@@ -361,24 +361,6 @@ SEED = 13
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9], [53, 53, 20, 21, 53]]
 SAMPLINGS = {"T 0.9": dict(do_sample=True, temperature=0.9, top_k=0),
              "top-k top-p": dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.8)}
-_REASONS = ("the model's final_logit_softcapping", "the model's LM-head bias")
-
-
-@pytest.fixture
-def fused_heads(monkeypatch):
-    """The plan sends a head with a bias or a softcap to the fused path, the materialized
-    one only for what `OutputHead.unfused_transforms` names (a no-op once
-    `plan._materialized_reasons` does so itself)."""
-    from flashspec.generation import plan
-
-    reasons = plan._materialized_reasons
-
-    def fused(config, head, *args):
-        kept = [(name, why) for name, why in reasons(config, head, *args)
-                if not why.startswith(_REASONS)]
-        return kept + [(None, why) for why in head.unfused_transforms()]
-
-    monkeypatch.setattr(plan, "_materialized_reasons", fused)
 
 
 @pytest.fixture
@@ -453,7 +435,7 @@ def generate(model, ids, mask, **kwargs) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_generate_without_arguments_is_stock_greedy(name, fused_heads):
+def test_generate_without_arguments_is_stock_greedy(name):
     """The models' default (greedy) with no argument, on the fused path (no warning), plain
     and speculative: stock's tokens."""
     model = model_of(name)
@@ -475,7 +457,7 @@ def materialized(model, ids, mask, **kwargs) -> torch.Tensor:
 
 @pytest.mark.parametrize("sampling_kwargs", list(SAMPLINGS))
 @pytest.mark.parametrize("name", list(MODELS))
-def test_seeded_sampling_is_exact_and_speculation_invariant(name, sampling_kwargs, fused_heads):
+def test_seeded_sampling_is_exact_and_speculation_invariant(name, sampling_kwargs):
     """Seeded sampling on the fused path: the materialized path's tokens (the model's own
     logits, transformers' warpers), the same with every drafter, for one row the float64
     draw from the model's logits with the same noise, and not the tokens of the model
@@ -500,7 +482,7 @@ def test_seeded_sampling_is_exact_and_speculation_invariant(name, sampling_kwarg
     assert not torch.equal(generate(plain_head, ids, mask, **options), fused)
 
 
-def test_the_engine_runs_the_kernels_with_the_head(fused_heads, interpreted_engine, monkeypatch):
+def test_the_engine_runs_the_kernels_with_the_head(interpreted_engine, monkeypatch):
     """The engine's steps through the fused kernels themselves (Triton's interpreter on
     CPU) with a biased, softcapped head: every launch gets the head, and the tokens are the
     materialized path's, plain and speculative."""
@@ -621,7 +603,7 @@ def test_gpu_bf16_verify_with_head(batch, vocab_size, dim, edited):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["gemma2", "gemma2 with a bias"])
-def test_gpu_generate_fused_head(name, fused_heads):
+def test_gpu_generate_fused_head(name):
     """On CUDA (fp32 model: its forward is invariant to the step's width), the engine's fused
     kernels and graphs: greedy equals stock, seeded tokens equal the materialized path's and
     are the same with every drafter."""

@@ -4,7 +4,7 @@ Each example draws one `generate` call and runs it twice on the same tiny float3
 stock transformers (`torch.manual_seed(0)`) and `sampler="flash"`. What it draws:
 
 * a model family: Llama, Qwen3, Mistral (sliding window), GPT-2, Cohere (logit scale),
-  Gemma-2 (softcap: the materialized path);
+  Gemma-2 (softcap);
 * prompts: batch 1-3, lengths 1-6, left padding, and now and then a right-padded or holed
   mask, no mask, int32 ids, an empty prompt, ids outside the vocabulary;
 * sampling: `do_sample` (bools, and now and then 1 or a string), `temperature`, `top_k`,
@@ -17,8 +17,8 @@ stock transformers (`torch.manual_seed(0)`) and `sampler="flash"`. What it draws
 * `num_return_sequences` (ints, 0, -1, a float);
 * drafts: none, an assistant (`num_assistant_tokens` in or out of range), prompt lookup
   (`prompt_lookup_num_tokens`, `max_matching_ngram_size`);
-* logit edits run on the materialized path: `repetition_penalty`, `no_repeat_ngram_size`,
-  `min_new_tokens`, `suppress_tokens`, `remove_invalid_values`;
+* logit edits: `repetition_penalty`, `no_repeat_ngram_size`, `min_new_tokens`,
+  `suppress_tokens` (fused), `remove_invalid_values` (the materialized path);
 * outputs: `return_dict_in_generate` with `output_logprobs`, a streamer (batch 1).
 
 What it asserts, per example (`outcome`):

@@ -54,41 +54,58 @@ class AllowedTokens:
     """A call's allowed tokens, asked per step for the positions it decides.
 
     Args:
-        masks_of: ``(rows [N], input_ids [N, L]) -> bool [N, V] or int32 [N, ceil(V/32)]``.
-        name: the argument it came from, named in errors.
+        sources: ``(masks_of, name)`` pairs, a token allowed where all allow it: `masks_of`
+            ``(rows [N], input_ids [N, L]) -> bool [N, V] or int32 [N, ceil(V/32)]``,
+            `name` the argument it came from (named in errors).
         prompt_ids: ``[B, L]`` the call's rows as stock's ``input_ids`` start.
         pad_token_id: what stock feeds a row past its end (never a listed row's context).
         vocab_size: V.
     """
 
-    def __init__(self, masks_of: Callable, name: str, prompt_ids: torch.Tensor,
+    def __init__(self, sources: list[tuple[Callable, str]], prompt_ids: torch.Tensor,
                  pad_token_id: int, vocab_size: int):
-        self.masks_of = masks_of
-        self.name = name
+        self.sources = sources
         self.prompt_ids = prompt_ids
         self.pad_token_id = pad_token_id
         self.vocab_size = vocab_size
 
     @classmethod
-    def from_prefix_fn(cls, fn: Callable, prompt_ids: torch.Tensor, pad_token_id: int,
-                       vocab_size: int) -> "AllowedTokens":
-        """transformers' ``prefix_allowed_tokens_fn``, one call per row and position."""
-        def masks_of(rows: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-            allowed = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
-            for i, (row, sent) in enumerate(zip(rows.tolist(), input_ids)):
-                ids = fn(row, sent)
-                if len(ids) == 0:
-                    raise ValueError(f"`prefix_allowed_tokens_fn` returned an empty list for "
-                                     f"batch ID {row}: the constraint is unsatisfiable there "
-                                     "(transformers refuses it too)")
-                index = torch.as_tensor(ids, dtype=torch.long).flatten()
-                if bool(((index < -vocab_size) | (index >= vocab_size)).any()):
-                    raise ValueError(f"`prefix_allowed_tokens_fn` returned token ids outside "
-                                     f"the vocabulary [0, {vocab_size}) for batch ID {row}: "
-                                     f"{sorted(set(index.tolist()))[:8]}")
-                allowed[i, index] = True      # negative ids count from the end, as in stock
-            return allowed
-        return cls(masks_of, "prefix_allowed_tokens_fn", prompt_ids, pad_token_id, vocab_size)
+    def of_call(cls, prefix_allowed_tokens_fn, allowed_tokens_fn, prompt_ids: torch.Tensor,
+                pad_token_id: int, vocab_size: int) -> "AllowedTokens | None":
+        """The masks of a call's ``prefix_allowed_tokens_fn`` and ``allowed_tokens_fn``
+        (either may be None), or None without either."""
+        sources = []
+        if prefix_allowed_tokens_fn is not None:
+            sources.append((_masks_of_prefix_fn(prefix_allowed_tokens_fn, vocab_size),
+                            "prefix_allowed_tokens_fn"))
+        if allowed_tokens_fn is not None:
+            sources.append((allowed_tokens_fn, "allowed_tokens_fn"))
+        return cls(sources, prompt_ids, pad_token_id, vocab_size) if sources else None
+
+    def masks(self, rows: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """int32 ``[N, ceil(V / 32)]``: the tokens every source allows after the contexts
+        `input_ids` ``[N, L]`` of the call's rows `rows` ``[N]``; a ValueError where none."""
+        out = None
+        for masks_of, name in self.sources:
+            masks = self._checked(masks_of(rows, input_ids), len(rows), name)
+            out = masks if out is None else out & masks
+        words = torch.arange(out.shape[1], device=out.device)
+        # Bits past V in the last word allow nothing.
+        last = torch.where(words == out.shape[1] - 1, _low_bits(self.vocab_size % 32), -1)
+        empty = ((out & last.to(torch.int32)) == 0).all(dim=1)
+        if bool(empty.any()):
+            row = int(rows[int(empty.nonzero()[0, 0])])
+            names = " and ".join(f"`{name}`" for _, name in self.sources)
+            raise ValueError(f"{names} allow{'s' if len(self.sources) == 1 else ''} no token "
+                             f"for row {row} after its {input_ids.shape[1]}-token context: the "
+                             "constraint is unsatisfiable there")
+        return out
+
+    def prefix_fn(self, batch_id: int, sent: torch.Tensor) -> list[int]:
+        """transformers' ``prefix_allowed_tokens_fn`` of these masks: the materialized path
+        hands it to transformers' own processor, which applies it in its place."""
+        masks = self.masks(torch.tensor([batch_id]), sent[None])
+        return unpack(masks, self.vocab_size)[0].nonzero().flatten().tolist()
 
     def bitmask(self, slot, drafts: torch.Tensor | None, width: int) -> torch.Tensor:
         """int32 ``[S, W, ceil(V / 32)]`` (S: the slot's rows): each position's allowed
@@ -99,11 +116,10 @@ class AllowedTokens:
         out = torch.full((slot.seq.shape[0], width, words), -1, dtype=torch.int32, device=device)
         for rows, positions, input_ids in position_contexts(self.prompt_ids, self.pad_token_id,
                                                             slot, drafts, width):
-            masks = self.masks_of(rows, input_ids[rows])
-            out[rows, positions] = self._checked(masks, len(rows)).to(device)
+            out[rows, positions] = self.masks(rows, input_ids[rows]).to(device)
         return out
 
-    def _checked(self, masks, count: int) -> torch.Tensor:
+    def _checked(self, masks, count: int, name: str) -> torch.Tensor:
         words = -(-self.vocab_size // 32)
         if isinstance(masks, torch.Tensor) and masks.dim() == 2 and masks.shape[0] == count:
             if masks.dtype == torch.bool and masks.shape[1] == self.vocab_size:
@@ -112,6 +128,32 @@ class AllowedTokens:
                 return masks
         shown = (f"a {masks.dtype} tensor of shape {tuple(masks.shape)}"
                  if isinstance(masks, torch.Tensor) else f"{type(masks).__name__}")
-        raise TypeError(f"`{self.name}` returned {shown} for {count} contexts; allowed: a "
+        raise TypeError(f"`{name}` returned {shown} for {count} contexts; allowed: a "
                         f"bool tensor [{count}, {self.vocab_size}] or an int32 bitmask "
                         f"[{count}, {words}] (bit v % 32 of word v // 32 allows token v)")
+
+
+def _low_bits(count: int) -> int:
+    """The int32 word whose `count` low bits are set (all 32 for 0)."""
+    return -1 if count == 0 else (1 << count) - 1
+
+
+def _masks_of_prefix_fn(fn: Callable, vocab_size: int) -> Callable:
+    """transformers' ``prefix_allowed_tokens_fn(batch_id, input_ids) -> list[int]`` as a
+    ``masks_of``: one call per row, as transformers' `PrefixConstrainedLogitsProcessor`."""
+    def masks_of(rows: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        allowed = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
+        for i, (row, sent) in enumerate(zip(rows.tolist(), input_ids)):
+            ids = fn(row, sent)
+            if len(ids) == 0:
+                raise ValueError(f"`prefix_allowed_tokens_fn` returned an empty list for "
+                                 f"batch ID {row}: the constraint is unsatisfiable there "
+                                 "(transformers refuses it too)")
+            index = torch.as_tensor(ids, dtype=torch.long).flatten()
+            if bool(((index < -vocab_size) | (index >= vocab_size)).any()):
+                raise ValueError(f"`prefix_allowed_tokens_fn` returned token ids outside "
+                                 f"the vocabulary [0, {vocab_size}) for batch ID {row}: "
+                                 f"{sorted(set(index.tolist()))[:8]}")
+            allowed[i, index] = True      # negative ids count from the end, as in stock
+        return allowed
+    return masks_of

@@ -351,7 +351,7 @@ class Engine:
             if missing:
                 return (f"compile the LM-head kernels for {slot.batch_size} rows at widths "
                         f"{missing}")
-        if not self.graphs_enabled or slot.processing is not None:
+        if not self.graphs_enabled or slot.eager:
             return None
         if plan.drafter is None:
             steps = [("plain", None)]
@@ -463,10 +463,10 @@ class Engine:
 
     def _run_step(self, slot: Slot, key, fn, drafter=None):
         """Run a step (of `drafter`, a drafter key, if given): replay its CUDA graph (captured
-        on first use), or call it (always on the materialized path, which reads the host, and
-        in an uncompiled call). A call with max_time captures nothing: a step without a graph
+        on first use), or call it (always when the call's steps read the host, `Slot.eager`,
+        and in an uncompiled call). A call with max_time captures nothing: a step without a graph
         (a KV view the call grew into) runs directly, compiled as the graph's would be."""
-        if not self.graphs_enabled or slot.processing is not None or self.uncompiled:
+        if not self.graphs_enabled or slot.eager or self.uncompiled:
             return fn()
         full_key = self.graph_key(slot, key, drafter)
         if full_key not in self.graphs:
@@ -536,8 +536,9 @@ class Engine:
                              f"{excluded[0]}: `suppress_tokens`, `begin_suppress_tokens`, "
                              "`bad_words_ids`, `no_repeat_ngram_size`, `forced_bos_token_id` / "
                              "`forced_eos_token_id` (which ban every other token) and "
-                             "`min_new_tokens` / `min_length` (which ban every `eos_token_id`) "
-                             "ban every token there; transformers' sampling fails there too")
+                             "`min_new_tokens` / `min_length` (which ban every `eos_token_id`)"
+                             f"{_allowed_names(slot)} ban every token there; transformers' "
+                             "sampling fails there too")
         flagged = [b for b, s in enumerate(report.status) if s == samplers.NEEDS_COMPLETION]
         if flagged:
             report = self._complete(slot, hidden, drafts, flagged, report)
@@ -582,6 +583,13 @@ class Engine:
                     step_row[b] = redone_row[b]
         return dataclasses.replace(report, finished=redone.finished, length=redone.length,
                                    num_drafts=redone.num_drafts, fills=redone.fills)
+
+
+def _allowed_names(slot: Slot) -> str:
+    """The allowed-token functions of the slot's call, for an error message."""
+    if slot.allowed is None:
+        return ""
+    return ", with " + " and ".join(f"`{name}`" for _, name in slot.allowed.sources)
 
 
 class _StopStrings:

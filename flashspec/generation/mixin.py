@@ -21,7 +21,7 @@ from .outputs import FlashGenerateOutput
 from .plan import StockDelegation, plan_generation
 
 SAMPLERS = ("flash", "materialized")
-_FLASH_OPTIONS = ("seed", "output_logprobs", "drafter", "invariant")
+_FLASH_OPTIONS = ("seed", "output_logprobs", "drafter", "invariant", "allowed_tokens_fn")
 
 
 class FlashGenerationMixin(GenerationMixin):
@@ -50,6 +50,15 @@ class FlashGenerationMixin(GenerationMixin):
             is still exact, but in bf16 a verification forward can round a hidden state
             differently from a one-token forward, and a close race can then go the other
             way (README, "Exact and speculation invariant").
+        allowed_tokens_fn: structured output's primitive, ``(rows, input_ids) -> mask``:
+            for contexts ``input_ids`` ``[N, L]`` (stock's: the left-padded prompt and the
+            tokens so far, a drafted position's drafts included) of the call's rows `rows`
+            ``[N]``, the tokens allowed next, as bool ``[N, V]`` or xgrammar's / vLLM's
+            int32 bitmask ``[N, ceil(V / 32)]`` (bit ``v % 32`` of word ``v // 32``). Applied
+            where transformers applies ``prefix_allowed_tokens_fn`` (before temperature and
+            the warpers), in the fused kernels as edit codes; it must be a function of its
+            arguments (speculation asks it for drafted contexts). Steps that ask it run
+            without CUDA graphs.
 
     ``sampler="materialized"`` runs the same engine with the ``[B, V]`` logits computed
     in the model's dtype and sampled by torch ops: the baseline the fused kernels are
@@ -77,11 +86,13 @@ class FlashGenerationMixin(GenerationMixin):
     """
 
     def generate(self, inputs=None, generation_config=None, *args, sampler=None, seed=None,
-                 output_logprobs=False, drafter=None, invariant=False, **kwargs):
+                 output_logprobs=False, drafter=None, invariant=False, allowed_tokens_fn=None,
+                 **kwargs):
         started = time.monotonic()            # max_time counts from here
         if sampler is None:
             given = dict(seed=seed is not None, output_logprobs=output_logprobs,
-                         drafter=drafter is not None, invariant=invariant is not False)
+                         drafter=drafter is not None, invariant=invariant is not False,
+                         allowed_tokens_fn=allowed_tokens_fn is not None)
             name = next((name for name in _FLASH_OPTIONS if given[name]), None)
             if name is not None:
                 seeding = " (stock generate() is seeded with torch.manual_seed)" if name == "seed" else ""
@@ -96,12 +107,16 @@ class FlashGenerationMixin(GenerationMixin):
                              "`generation_config` by keyword")
         if not isinstance(invariant, bool):
             raise TypeError(f"`invariant` must be True or False, got {invariant!r}")
+        if allowed_tokens_fn is not None and not callable(allowed_tokens_fn):
+            raise TypeError(f"`allowed_tokens_fn` must be a callable (rows, input_ids) -> mask, "
+                            f"got {type(allowed_tokens_fn).__name__}")
         with torch.no_grad():
             plan = plan_generation(self, inputs, generation_config, seed=seed,
                                    output_logprobs=output_logprobs, drafter=drafter,
-                                   started=started, **kwargs)
+                                   allowed_tokens_fn=allowed_tokens_fn, started=started, **kwargs)
             if isinstance(plan, StockDelegation):
-                _check_stock_call(plan, seed, output_logprobs, drafter, invariant)
+                _check_stock_call(plan, seed, output_logprobs, drafter, invariant,
+                                  allowed_tokens_fn)
                 warnings.warn(f"sampler='{sampler}' defers this call to stock transformers "
                               f"generate(): {plan.reason}", UserWarning, stacklevel=2)
             else:
@@ -121,11 +136,13 @@ class FlashGenerationMixin(GenerationMixin):
                                    logprobs=logprobs, flash_stats=generated.stats)
 
 
-def _check_stock_call(plan: StockDelegation, seed, output_logprobs, drafter, invariant) -> None:
+def _check_stock_call(plan: StockDelegation, seed, output_logprobs, drafter, invariant,
+                      allowed_tokens_fn) -> None:
     """flashspec's own options have no meaning in stock `generate`: refuse them there."""
-    if output_logprobs or drafter is not None or invariant:
-        name = ("output_logprobs" if output_logprobs else
-                "drafter" if drafter is not None else "invariant")
+    given = dict(output_logprobs=output_logprobs, drafter=drafter is not None,
+                 invariant=invariant, allowed_tokens_fn=allowed_tokens_fn is not None)
+    name = next((name for name, is_given in given.items() if is_given), None)
+    if name is not None:
         raise ValueError(f"`{name}` needs flashspec's engine, but this call runs stock "
                          f"generate() ({plan.reason}); drop `{name}` or that option")
     if seed is not None and plan.samples:

@@ -6,14 +6,16 @@ mask and lengths go through transformers' own preparation helpers, so a flash ru
 from exactly what stock `generate` would.
 
 Every option stock `generate` accepts in greedy or sampling mode runs on flashspec's
-engine: temperature, top-k, top-p and min-p in the fused kernels, and with them the logit
-edits of `edits.FUSED_OPTIONS` (repetition_penalty, suppress_tokens, begin_suppress_tokens,
-bad_words_ids, min_length, min_new_tokens, no_repeat_ngram_size, forced_bos_token_id,
-forced_eos_token_id: `edits.EditRules`, made from transformers' own processors for the call)
-while nothing else needs the materialized path;
+engine: temperature, top-k, top-p and min-p in the fused kernels, and with them the model's
+LM-head bias and softcap (`heads.OutputHead`), the logit edits of `edits.FUSED_OPTIONS`
+(repetition_penalty, suppress_tokens, begin_suppress_tokens, bad_words_ids, min_length,
+min_new_tokens, no_repeat_ngram_size, forced_bos_token_id, forced_eos_token_id:
+`edits.EditRules`, made from transformers' own processors for the call) and the
+allowed-token masks of `prefix_allowed_tokens_fn` and flashspec's `allowed_tokens_fn`
+(`allowed.AllowedTokens`) while nothing else needs the materialized path;
 everything else that edits the logits (transformers' processors, the unfused warpers, a
-user's `logits_processor` or `prefix_allowed_tokens_fn`, watermarking, a head's softcap or
-bias, `output_scores` / `output_logits`) on the engine's exact materialized path
+user's `logits_processor`, watermarking, a softcap after a logit scale, `output_scores` /
+`output_logits`) on the engine's exact materialized path
 (`processing`), with one warning naming what forced it. What selects another decoding
 method (beam search, contrastive search, DoLa, constrained beams, guidance, SynthID
 watermarking, ...) or output flashspec does not collect is `StockDelegation`: `generate`
@@ -46,6 +48,7 @@ from ..params import SamplingParams
 from .arguments import (Sources, check_eval_mode, check_options, checked_input_ids,
                         merged_values)
 from .drafters import AssistantDrafter, Drafter, PromptLookupDrafter
+from .allowed import AllowedTokens
 from .edits import FUSED_OPTIONS, EditRules
 from .heads import OutputHead, check_decoder, check_logits, model_hooks, output_head
 from .processing import LogitsProcessing
@@ -138,6 +141,7 @@ class GenerationPlan:
     return_dict_in_generate: bool
     processing: LogitsProcessing | None = None   # the materialized path's edits, if any
     edits: EditRules | None = None     # the fused path's logit edits, if any
+    allowed: AllowedTokens | None = None   # the fused path's allowed-token masks, if any
 
 
 @dataclasses.dataclass
@@ -154,7 +158,7 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
                     stopping_criteria=None, prefix_allowed_tokens_fn=None, synced_gpus=None,
                     assistant_model=None, streamer=None, negative_prompt_ids=None,
                     negative_prompt_attention_mask=None, custom_generate=None, seed=None,
-                    output_logprobs=False, drafter=None, started=None,
+                    output_logprobs=False, drafter=None, allowed_tokens_fn=None, started=None,
                     **kwargs) -> GenerationPlan | StockDelegation:
     """`generate()`'s arguments as a `GenerationPlan`, a `StockDelegation`, or a ValueError
     or TypeError naming what cannot run. `drafter`: a `Drafter` of the caller's own (instead
@@ -197,8 +201,7 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
     check_decoder(head.decoder, "model")
     sampling = options.sampling["do_sample"]
     # The values as given (transformers later derives min_length from min_new_tokens).
-    reasons = _materialized_reasons(config, head, sampling, logits_processor,
-                                    prefix_allowed_tokens_fn, source)
+    reasons = _materialized_reasons(config, head, sampling, logits_processor, source)
     inputs_tensor, input_name, model_kwargs = model._prepare_model_inputs(
         inputs, config.bos_token_id, model_kwargs)
     inputs_tensor = checked_input_ids(model, inputs_tensor, input_name)
@@ -242,12 +245,18 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
     pad = config._pad_token_tensor
     pad_token_id = int(pad.reshape(-1)[0]) if pad is not None else 0
     processing = edits = None
-    if reasons:
-        processors = model._get_logits_processor(
+    allowed = AllowedTokens.of_call(prefix_allowed_tokens_fn, allowed_tokens_fn, input_ids,
+                                    pad_token_id, head.vocab_size)
+
+    def processors_with(prefix_fn):
+        return model._get_logits_processor(
             generation_config=config, input_ids_seq_length=input_length,
-            encoder_input_ids=inputs_tensor, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+            encoder_input_ids=inputs_tensor, prefix_allowed_tokens_fn=prefix_fn,
             logits_processor=logits_processor if logits_processor is not None else LogitsProcessorList(),
             device=device, model_kwargs=model_kwargs)
+
+    if reasons:
+        processors = processors_with(None)
         if all(name in FUSED_OPTIONS for name, _ in reasons):
             edits = EditRules.from_processors(processors, input_length, head.vocab_size,
                                               max_new_tokens)
@@ -256,6 +265,10 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
                 edits = None if edits == EditRules() else edits   # e.g. min_length without EOS
     if reasons:
         reasons = [reason for _, reason in reasons]
+        if allowed is not None:     # where transformers applies `prefix_allowed_tokens_fn`
+            processors = processors_with(prefix_allowed_tokens_fn if allowed_tokens_fn is None
+                                         else allowed.prefix_fn)
+            allowed = None
         params = SamplingParams.create(batch_size, do_sample=sampling, seed=seed, device=device)
         processing = LogitsProcessing(processors, head, input_ids, pad_token_id, tuple(reasons),
                                       keep_scores=bool(config.output_scores),
@@ -268,7 +281,9 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
         params = SamplingParams.create(batch_size, **options.sampling, seed=seed, device=device)
         if head.logit_scale != 1.0:
             params = dataclasses.replace(params, temperature=params.temperature / head.logit_scale)
-        if edits is not None and edits.bans_tokens() and sampling:
+        if allowed is not None and edits is None:
+            edits = EditRules()              # the masks are codes, made with the others
+        if edits is not None and (edits.bans_tokens() or allowed is not None) and sampling:
             _check_banning_temperature(params, source("temperature"))
 
     stop_criteria = None
@@ -303,7 +318,7 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
         max_time=_time_left(config.max_time, started),
         streamer=streamer, output_logprobs=output_logprobs,
         return_dict_in_generate=bool(config.return_dict_in_generate), processing=processing,
-        edits=edits)
+        edits=edits, allowed=allowed)
 
 
 def _time_left(max_time, started: float) -> float | None:
@@ -334,8 +349,7 @@ def _check_banning_temperature(params: SamplingParams, source: str) -> None:
 
 
 def _materialized_reasons(config: GenerationConfig, head: OutputHead, sampling: bool,
-                          logits_processor, prefix_allowed_tokens_fn,
-                          source: Sources) -> list[tuple[str | None, str]]:
+                          logits_processor, source: Sources) -> list[tuple[str | None, str]]:
     """What makes the call run on the materialized path, as (option name or None, reason);
     empty: the fused path. Reasons of `edits.FUSED_OPTIONS` alone keep the fused path where
     transformers' processors for them are all fused (`edits.EditRules.from_processors`)."""
@@ -350,12 +364,7 @@ def _materialized_reasons(config: GenerationConfig, head: OutputHead, sampling: 
     if logits_processor:
         names = ", ".join(type(p).__name__ for p in logits_processor)
         reasons.append((None, f"`logits_processor` ({names})"))
-    if prefix_allowed_tokens_fn is not None:
-        reasons.append((None, "`prefix_allowed_tokens_fn`"))
-    if head.softcap is not None:
-        reasons.append((None, f"the model's final_logit_softcapping={head.softcap}"))
-    if head.bias is not None:
-        reasons.append((None, "the model's LM-head bias"))
+    reasons += [(None, why) for why in head.unfused_transforms()]
     reasons += [(None, f"the {hook}") for hook in head.hooks]
     return reasons
 

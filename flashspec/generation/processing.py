@@ -1,10 +1,10 @@
 """The exact materialized path: a call's logit edits that the fused kernels do not make.
 
-Transformers' logits processors (repetition_penalty, no_repeat_ngram_size, bad_words_ids,
-min_new_tokens, ... a user's `logits_processor`, `prefix_allowed_tokens_fn`), the warpers
-flashspec does not fuse (typical_p, epsilon_cutoff, eta_cutoff, top_h), watermarking, heads
-that transform their logits (softcapping, an LM-head bias) and `output_scores` /
-`output_logits` run here, inside the same engine and its steps. Per step:
+Transformers' logits processors that are not fused (sequence_bias, encoder_*, ... a user's
+`logits_processor`; the fused ones too when one of those is set), the warpers flashspec does
+not fuse (typical_p, epsilon_cutoff, eta_cutoff, top_h), watermarking, a softcap after a
+logit scale and `output_scores` / `output_logits` run here, inside the same engine and its
+steps. Per step:
 
 1. the target's logits are formed for the call's rows and the positions the step verifies,
    ``[B, W, V]``, as the model computes them (`heads.head_logits`: bias, scale, softcap),
@@ -28,11 +28,10 @@ row), and its result is discarded. Processors must therefore be functions of
 SynthID watermarking is (those two keep state between calls: `plan` defers them to stock).
 The same holds for stock assisted generation, which also calls them on drafted positions.
 
-Each step's work is eager (no CUDA graph, host reads allowed). A fused version of an edit
-replaces it here option by option (`edits`: repetition_penalty, suppress_tokens,
-begin_suppress_tokens, bad_words_ids, min_length, min_new_tokens): `plan` lists
-such an option as a reason only when another one forces this path, and transformers' own
-processor then applies it here.
+Each step's work is eager (no CUDA graph, host reads allowed). An option with a fused
+version (`edits.FUSED_OPTIONS`, the head's bias and softcap, the allowed-token masks of
+`allowed`) runs here only when another one forces this path; transformers' own processor
+then applies it here.
 """
 
 from __future__ import annotations

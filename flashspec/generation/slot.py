@@ -114,6 +114,7 @@ class Slot:
         self.params = SamplingParams.create(batch_size, device=self.device)
         self.call_params = self.params
         self.processing = None                    # the call's `LogitsProcessing`, if any
+        self.allowed = None                       # the call's `AllowedTokens`, if any
         self.edit_state: EditState | None = None  # fused edits' buffers, once a call had edits
         self.edits: EditState | None = None       # the call's fused edits, if any
         self.heuristic = False
@@ -262,6 +263,7 @@ class Slot:
             getattr(self.params, name).copy_(getattr(params, name))
         self.call_params = _with_flags(self.params, params)
         self.processing = plan.processing
+        self.allowed = plan.allowed
         self._load_edits(plan.edits, input_ids)
         self.heuristic = plan.schedule == "heuristic" and plan.drafter is not None
         for entry in self.caches:
@@ -288,17 +290,26 @@ class Slot:
             return None
         return self.edits.key()
 
+    @property
+    def eager(self) -> bool:
+        """Whether the call's steps read the host (the materialized path, allowed-token
+        functions), so that they run without CUDA graphs."""
+        return self.processing is not None or self.allowed is not None
+
     def step_edits(self, drafts: torch.Tensor | None = None):
         """The fused edits (`LogitEdits`, or None without) of the rows' next token, or with
-        `drafts` ``[B, G]`` of the positions verifying them. A step's own, and after it those
-        of the rows it flagged for completion (which emitted nothing: their state is as it
-        was), for `samplers.complete_sample` / `complete_verify`."""
+        `drafts` ``[B, G]`` of the positions verifying them, the call's allowed-token masks
+        included. A step's own, and after it those of the rows it flagged for completion
+        (which emitted nothing: their state is as it was), for `samplers.complete_sample` /
+        `complete_verify`."""
         if self.edits is None:
             return None
         generated = self.length - self.prompt_length
+        width = 1 if drafts is None else drafts.shape[1] + 1
+        allowed = self.allowed.bitmask(self, drafts, width) if self.allowed is not None else None
         if drafts is None:
-            return self.edits.sample_edits(generated)
-        return self.edits.verify_edits(generated, drafts)
+            return self.edits.sample_edits(generated, allowed)
+        return self.edits.verify_edits(generated, drafts, allowed)
 
     def forward_prompt(self, runner: DecoderRunner, cache: WindowCache, input_ids: torch.Tensor,
                        positions: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
