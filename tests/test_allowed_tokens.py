@@ -165,3 +165,42 @@ def test_allowed_tokens_errors_name_the_argument():
         flash(target(), ids, mask, seed=SEED, **SAMPLING, allowed_tokens_fn=nothing)
     with pytest.raises(ValueError, match="allowed_tokens_fn"):
         flash(target(), ids, mask, num_beams=2, allowed_tokens_fn=_allowed_bool)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spelling", ["prefix_allowed_tokens_fn", "allowed_tokens_fn"])
+def test_allowed_tokens_on_cuda_bf16_hold_and_are_speculation_invariant(spelling):
+    """On CUDA in bf16 the masks go through the codes kernel: every new token is allowed by
+    its context, and with the invariant kernels (README: bitwise the same hidden states with
+    and without drafts) the seeded tokens of an assistant and of prompt lookup equal plain
+    decoding's."""
+    from test_generate_gpu import MODES as GPU_MODES, VOCAB as GPU_VOCAB, _pair, _prompts, _run
+
+    def ids_of(row, context):
+        return sorted({(int(context[-1]) * 7 + k + row) % GPU_VOCAB for k in range(0, 60, 3)})
+
+    def as_bitmask(rows, input_ids):
+        allowed = torch.zeros(len(rows), GPU_VOCAB, dtype=torch.bool)
+        for i, (row, context) in enumerate(zip(rows.tolist(), input_ids)):
+            allowed[i, ids_of(row, context)] = True
+        return pack(allowed)
+
+    given = ({"prefix_allowed_tokens_fn": ids_of} if spelling == "prefix_allowed_tokens_fn"
+             else {"allowed_tokens_fn": as_bitmask})
+    model, draft = _pair(torch.bfloat16)
+    ids, mask = _prompts("cuda")
+    seeds = torch.tensor([41, 42, 43, 44])
+    sampling = dict(do_sample=True, temperature=0.8, top_k=8)
+    runs = {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "sampler='flash' runs this call")
+        for name, mode in GPU_MODES.items():
+            runs[name] = _run(model, draft, ids, mask, mode, seed=seeds, invariant=True,
+                              **sampling, **given).cpu()
+    plain = runs["plain"]
+    width = ids.shape[1]
+    for row in range(plain.shape[0]):
+        for t in range(width, plain.shape[1]):
+            assert int(plain[row, t]) in ids_of(row, plain[row, :t]), (row, t)
+    for name, out in runs.items():
+        assert torch.equal(out, plain), name
