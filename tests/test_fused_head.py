@@ -482,6 +482,8 @@ def test_seeded_sampling_is_exact_and_speculation_invariant(name, sampling_kwarg
     assert not torch.equal(generate(plain_head, ids, mask, **options), fused)
 
 
+@pytest.mark.skipif(ON_GPU, reason="the CPU twin of test_gpu_generate_fused_head: the engine "
+                    "runs the kernels through the interpreter on CPU models only")
 def test_the_engine_runs_the_kernels_with_the_head(interpreted_engine, monkeypatch):
     """The engine's steps through the fused kernels themselves (Triton's interpreter on
     CPU) with a biased, softcapped head: every launch gets the head, and the tokens are the
@@ -603,16 +605,23 @@ def test_gpu_bf16_verify_with_head(batch, vocab_size, dim, edited):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["gemma2", "gemma2 with a bias"])
-def test_gpu_generate_fused_head(name):
+def test_gpu_generate_fused_head(name, monkeypatch):
     """On CUDA (fp32 model: its forward is invariant to the step's width), the engine's fused
-    kernels and graphs: greedy equals stock, seeded tokens equal the materialized path's and
-    are the same with every drafter."""
+    kernels and graphs: every launch gets the head, greedy equals stock, seeded tokens equal
+    the materialized path's and are the same with every drafter."""
+    launches = []
+    launch = kernels.ops._launch
+    monkeypatch.setattr(kernels.ops, "_launch", lambda *args, **kwargs: launches.append(
+        (kwargs.get("bias"), kwargs.get("softcap"))) or launch(*args, **kwargs))
     model = copy.deepcopy(model_of(name)).cuda()
     ids, mask = (t.cuda() for t in left_pad(PROMPTS))
     stock = model.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
     assert torch.equal(generate(model, ids, mask), stock)
     options = dict(seed=SEED, **SAMPLINGS["top-k top-p"])
     fused = generate(model, ids, mask, **options)
+    bias = None if model.lm_head.bias is None else model.lm_head.bias.data_ptr()
+    assert launches and all((b is None if bias is None else b.data_ptr() == bias) and c == 30.0
+                            for b, c in launches)
     assert torch.equal(fused, materialized(model, ids, mask, **options))
     for drafter, kwargs in speculative(model, "cuda").items():
         assert torch.equal(generate(model, ids, mask, **kwargs), stock), drafter
