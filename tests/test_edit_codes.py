@@ -21,14 +21,14 @@ def _state(batch, vocab, device, penalty, min_count, begin_count, seed, forced=(
     return state, g
 
 
-def kernel_codes(state, generated, drafts, allowed=None):
+def kernel_codes(state, generated, drafts, allowed=None, **tiles):
     """The codes kernel with `state`'s buffers, as `EditState.verify_edits` calls it on CUDA."""
     bans = None
     if state.position_bans:
         bans = (state.ban_rows, generated, state.min_count, state.begin_count,
                 state.forced_count if state.forces else None)
     return verify_codes(state.base, drafts, state.context_code, bans=bans, forced_row=FORCED_ROW,
-                        allowed=allowed)
+                        allowed=allowed, **tiles)
 
 
 def torch_codes(state, generated, drafts, allowed=None):

@@ -4,7 +4,8 @@ Issue 30's GPU bar: sampling with a repetition penalty over a 4,096-token contex
 bad-words list costs <= 1.05x the same call without edits at B <= 16 and <= 1.10x at B = 64
 (D = 4096, V = 151,936, bf16); verification likewise against plain verification. For each
 batch size B this times, as CUDA-graph replays (the engine's steps are replays), medians of
-`triton.testing.do_bench` (L2 flushed before each call):
+`triton.testing.do_bench` (L2 flushed before each call), the median of ``--rounds`` timings
+taken in turn with the other calls':
 
 * ``sample`` / ``sample_edits``: `kernels.fused_sample` with Qwen2.5-Instruct's warpers
   (T 0.7, top-k 20, top-p 0.8), without and with codes ``[B, V]``;
@@ -141,13 +142,19 @@ def time_ms(fn: Callable, cuda: bool, rep_ms: float) -> float:
 
 
 def run(dim: int, vocab: int, batch_sizes: list[int], num_drafts: int, context: int,
-        bad_words: int, rep_ms: float) -> list[dict]:
+        bad_words: int, rep_ms: float, rounds: int) -> list[dict]:
     cuda = torch.cuda.is_available()
     rows = []
     for batch in batch_sizes:
         print(f"timing D={dim} V={vocab} B={batch} G={num_drafts} ...", file=sys.stderr, flush=True)
         fns = calls(dim, vocab, batch, num_drafts, context, bad_words, "cuda" if cuda else "cpu")
-        ms = {name: time_ms(fns[name], cuda, rep_ms) for name in TIMINGS}
+        # Rounds in turn: a call's median moves by about 2% from one timing to the next
+        # (clocks), as much as the bars' margins.
+        runs = {name: [] for name in TIMINGS}
+        for _ in range(rounds):
+            for name in TIMINGS:
+                runs[name].append(time_ms(fns[name], cuda, rep_ms))
+        ms = {name: statistics.median(times) for name, times in runs.items()}
         rows.append({
             "D": dim, "V": vocab, "B": batch, "G": num_drafts, "ms": ms,
             "x_sample": ms["sample_edits"] / ms["sample"],
@@ -188,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="penalized context tokens per row (4096)")
     parser.add_argument("--bad-words", type=positive_int, default=64, help="banned tokens")
     parser.add_argument("--rep-ms", type=float, default=100.0, help="timed ms per call kind")
+    parser.add_argument("--rounds", type=positive_int, default=3,
+                        help="timings of each call, in turn with the others (their median)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench_out"))
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: D=64, V=1000, B in {1, 4}, context 64 (CPU too, with "
@@ -203,13 +212,15 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no CUDA device (use --quick with TRITON_INTERPRET=1 for a CPU smoke test)",
               file=sys.stderr)
         return 2
-    rows = run(dim, vocab, batch_sizes, args.drafts, context, args.bad_words, rep_ms)
+    rows = run(dim, vocab, batch_sizes, args.drafts, context, args.bad_words, rep_ms,
+               1 if quick else args.rounds)
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "versions": {name: package_version(name) for name in ("torch", "triton")},
         "dtype": "bfloat16", "sampling": QWEN25_INSTRUCT, "penalty": PENALTY,
-        "context": context, "bad_words": args.bad_words, "rows": rows,
+        "context": context, "bad_words": args.bad_words, "rounds": 1 if quick else args.rounds,
+        "rows": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "edit_cost.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -363,7 +363,9 @@ class EditState:
         passes over ``[B, G+1, V]`` bytes, up to a quarter of a verification step); the
         context-dependent bans are then scattered in."""
         num_drafts = drafts.shape[1]
-        counts = generated[:, None] + torch.arange(num_drafts + 1, device=drafts.device)
+        counts = None
+        if not self.base.is_cuda or self.forces:
+            counts = generated[:, None] + torch.arange(num_drafts + 1, device=drafts.device)
         if self.base.is_cuda:
             from ..kernels.edit_codes import verify_codes
             bans = None

@@ -1,14 +1,15 @@
-"""The edit codes of a verification step, ``[B, G+1, V]``, in one pass over the output.
+"""The edit codes of a step, ``[B, G+1, V]`` (G = 0: sampling), in one pass over the output.
 
 Position j of row b verifies the row's j-th draft: its codes are the row's base codes (the
 bans of every position and the context's PENALIZE), the ban row of the position's generated
-count (bans that depend on it: minimum length, the begin position, ...) and the context code
-on each of the row's first j drafts (they join the context before position j). Made with
-torch ops, that is an expanded copy, a gather of ban rows, a maximum, a scatter and a few
-index kernels: byte-wise passes over ``[B, G+1, V]`` and about ten launches, up to 25% of a
-verification step (`probes/edit_codes_profile.py`). Here each output byte is written once,
-16 per thread, from inputs read from L2 (``[B, V]`` and the few ban rows); a draft costs a
-compare per element only in the one vocabulary tile that holds it.
+count (bans that depend on it: minimum length, the begin position, forced positions), the
+context code on each of the row's first j drafts (they join the context before position j)
+and BAN where the position's allowed-token bitmask leaves a token out. Made with torch ops,
+that is an expanded copy, a gather of ban rows, a maximum, a scatter and a few index
+kernels: byte-wise passes over ``[B, G+1, V]`` and about ten launches, 10-25% of a
+verification step on an H200 (BENCHMARKS.md). Here each output byte is written once, 16 per
+thread, from inputs read from L2 (``[B, V]`` and the few ban rows), at the speed of a copy;
+a draft costs a compare per element only in the one vocabulary tile that holds it.
 
 `generation.edits.EditState` calls this on CUDA; its torch ops are the reference and the CPU
 path (`tests/test_edit_codes.py` checks the two equal, through the interpreter on CPU).
@@ -50,9 +51,13 @@ def _verify_codes_kernel(out_ptr, base_ptr, drafts_ptr, context_code_ptr, ban_ro
             which = tl.where(count == tl.load(forced_count_ptr + k), FORCED_ROW, which)
         code = tl.maximum(code, tl.load(ban_rows_ptr + which * V + tokens, mask=ok, other=0))
     if ALLOWED:
-        # Bit v % 32 of word v // 32 (xgrammar's token bitmask): 32 neighbours share a load.
-        word = tl.load(allowed_ptr + row.to(tl.int64) * NUM_WORDS + tokens // 32, mask=ok, other=0)
-        code = tl.where(((word >> (tokens % 32)) & 1) == 0, _BAN, code)
+        # Bit v % 32 of word v // 32 (xgrammar's token bitmask): the tile's words loaded once
+        # each and spread to their 32 tokens (a load per token took 1.3x as long at 64 rows).
+        word_ids = pid_v * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
+        words = tl.load(allowed_ptr + row.to(tl.int64) * NUM_WORDS + word_ids,
+                        mask=word_ids < NUM_WORDS, other=0)
+        bits = (words[:, None] >> tl.arange(0, 32)[None, :]) & 1
+        code = tl.where(tl.reshape(bits, (BLOCK,)) == 0, _BAN, code)
     context_code = tl.load(context_code_ptr)
     alive = j >= 0
     for i in tl.static_range(G):
