@@ -1,4 +1,5 @@
-"""Cost of the fused logit edits: the fused LM-head kernels with and without edit codes.
+"""Cost of the fused logit edits (and head transforms): the fused LM-head kernels with and
+without edit codes.
 
 Issue 30's GPU bar: sampling with a repetition penalty over a 4,096-token context plus a
 bad-words list costs <= 1.05x the same call without edits at B <= 16 and <= 1.10x at B = 64
@@ -16,6 +17,8 @@ taken in turn with the other calls':
 * ``sample_mask`` / ``verify_mask`` and ``codes_sample_mask`` / ``codes_verify_mask``: the
   same edits with an allowed-token bitmask per position (`generation.allowed`, a random half
   of the vocabulary), and the making of their codes;
+* ``sample_head`` / ``verify_head``: without codes, with a Gemma-2-style head (an LM-head
+  bias and softcap 30, applied in the kernels' epilogue): what a model's head transforms cost;
 * ``sample_triton`` / ``verify_triton``: without codes, on the Triton stage 1 (on Hopper the
   default table gives every call, with codes or not, the warp-specialized Gluon stage 1 above
   32 truncated rows): the codes' cost in the Triton kernel.
@@ -54,7 +57,8 @@ QWEN25_INSTRUCT = dict(temperature=0.7, top_k=20, top_p=0.8)
 PENALTY = 1.05
 TIMINGS = ("sample", "sample_triton", "sample_edits", "codes_sample", "verify", "verify_triton",
            "verify_edits", "codes_verify", "sample_mask", "codes_sample_mask", "verify_mask",
-           "codes_verify_mask")
+           "codes_verify_mask", "sample_head", "verify_head")
+SOFTCAP = 30.0   # Gemma-2's final_logit_softcapping
 
 
 def edit_state(batch: int, vocab: int, context: int, bad_words: int, device,
@@ -92,6 +96,8 @@ def calls(dim: int, vocab: int, batch: int, num_drafts: int, context: int, bad_w
     mask_sample_edits = state.sample_edits(generated, sample_mask)
     mask_verify_edits = state.verify_edits(generated, drafts, verify_mask)
     last = hidden[:, -1].contiguous()
+    head = dict(bias=(torch.randn(vocab, generator=g) * 0.1).to(device, torch.bfloat16),
+                softcap=SOFTCAP)
     sample_triton = default_config(batch, 2, truncation=True)
     verify_triton = default_config(batch * (num_drafts + 1), 2, truncation=True, verification=True)
     return {
@@ -112,6 +118,8 @@ def calls(dim: int, vocab: int, batch: int, num_drafts: int, context: int, bad_w
         "verify_mask": partial(fused_verify, hidden, weight, drafts, params, positions,
                                edits=mask_verify_edits),
         "codes_verify_mask": partial(state.verify_edits, generated, drafts, verify_mask),
+        "sample_head": partial(fused_sample, last, weight, params, positions, **head),
+        "verify_head": partial(fused_verify, hidden, weight, drafts, params, positions, **head),
     }
 
 
@@ -165,22 +173,26 @@ def run(dim: int, vocab: int, batch_sizes: list[int], num_drafts: int, context: 
             "x_verify_step": (ms["verify_edits"] + ms["codes_verify"]) / ms["verify"],
             "x_sample_mask_step": (ms["sample_mask"] + ms["codes_sample_mask"]) / ms["sample"],
             "x_verify_mask_step": (ms["verify_mask"] + ms["codes_verify_mask"]) / ms["verify"],
+            "x_sample_head": ms["sample_head"] / ms["sample"],
+            "x_verify_head": ms["verify_head"] / ms["verify"],
         })
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
     print(f"{'B':>4} {'G':>2} {'sample':>8} {'+edits':>8} {'x':>6} {'x tt':>6} {'x step':>7} "
-          f"{'x mask':>7} {'verify':>8} {'+edits':>8} {'x':>6} {'x tt':>6} {'x step':>7} "
-          f"{'x mask':>7}   (ms; x tt: against the Triton stage 1 without codes; x step: with "
-          "the making of the codes; x mask: the step with an allowed-token bitmask too)")
+          f"{'x mask':>7} {'x head':>7} {'verify':>8} {'+edits':>8} {'x':>6} {'x tt':>6} "
+          f"{'x step':>7} {'x mask':>7} {'x head':>7}   (ms; x tt: against the Triton stage 1 "
+          "without codes; x step: with the making of the codes; x mask: the step with an "
+          "allowed-token bitmask too; x head: bias + softcap, no codes)")
     for row in rows:
         ms = row["ms"]
         print(f"{row['B']:>4} {row['G']:>2} {ms['sample']:8.4f} {ms['sample_edits']:8.4f} "
               f"{row['x_sample']:6.3f} {row['x_sample_triton']:6.3f} {row['x_sample_step']:7.3f} "
-              f"{row['x_sample_mask_step']:7.3f} {ms['verify']:8.4f} {ms['verify_edits']:8.4f} "
-              f"{row['x_verify']:6.3f} {row['x_verify_triton']:6.3f} {row['x_verify_step']:7.3f} "
-              f"{row['x_verify_mask_step']:7.3f}")
+              f"{row['x_sample_mask_step']:7.3f} {row['x_sample_head']:7.3f} {ms['verify']:8.4f} "
+              f"{ms['verify_edits']:8.4f} {row['x_verify']:6.3f} {row['x_verify_triton']:6.3f} "
+              f"{row['x_verify_step']:7.3f} {row['x_verify_mask_step']:7.3f} "
+              f"{row['x_verify_head']:7.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:
