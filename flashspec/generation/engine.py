@@ -279,7 +279,8 @@ class Engine:
         self._compile_kernels(slot, self._kernel_widths(slot, timed_widths, self.timed or warming))
         warm_widths = list(timed_widths) if warming else []
         num_rows = plan.input_ids.shape[0]
-        stops = _StopStrings(plan, num_rows) if plan.stop_criteria is not None else None
+        stops = (_HostStops(plan, num_rows)
+                 if plan.stop_criteria is not None or plan.custom_stops is not None else None)
         steps = []
         deadline = None if plan.max_time is None else started + plan.max_time
         report = self._prefill(slot, drafter, prompt)
@@ -592,17 +593,40 @@ def _allowed_names(slot: Slot) -> str:
     return ", with " + " and ".join(f"`{name}`" for _, name in slot.allowed.sources)
 
 
-class _StopStrings:
-    """Stop strings, checked on the host after each step against each row's text so far;
-    a row whose stop string completes inside a step is cut there and finished."""
+class _HostStops:
+    """Stop strings and the caller's `stopping_criteria`, checked on the host after each
+    step, token by token as stock's plain decoding checks them: a row whose criterion holds
+    after a token inside a step is cut there and finished.
+
+    Stop strings read each row's unpadded tokens (their last `maximum_token_len`); a custom
+    criterion gets the row as stock's ``input_ids`` hold it, ``[1, L + t]`` (the left-padded
+    prompt and the tokens so far), and ``scores=None``: the fused path forms no logits."""
 
     def __init__(self, plan, num_rows: int):
-        self.criteria = plan.stop_criteria
+        self.strings = plan.stop_criteria
+        self.custom = plan.custom_stops
         mask = plan.attention_mask.bool().cpu()
-        self.rows = [plan.input_ids[b].cpu()[mask[b]].tolist() for b in range(num_rows)]
+        prompts = plan.input_ids.cpu()
+        self.rows = [prompts[b][mask[b]].tolist() for b in range(num_rows)]
+        self.padded = [prompts[b].tolist() for b in range(num_rows)]
+        self.device = plan.input_ids.device
         self.num_rows = num_rows
-        # The criteria read only a row's last `maximum_token_len` tokens.
-        self.tail = self.criteria.maximum_token_len
+        self.tail = self.strings.maximum_token_len if self.strings is not None else 0
+
+    def _stops(self, b: int) -> bool:
+        if self.strings is not None and bool(
+                self.strings(torch.tensor([self.rows[b][-self.tail:]]), None)[0]):
+            return True
+        if self.custom is None:
+            return False
+        try:
+            done = self.custom(torch.tensor([self.padded[b]], device=self.device), None)
+        except Exception as error:
+            error.add_note("sampler='flash' calls `stopping_criteria` per row and new token with "
+                           "that row's input_ids [1, L] and scores=None (the fused kernels form "
+                           "no logits)")
+            raise
+        return bool(done[0]) if torch.is_tensor(done) else bool(done)
 
     def check(self, slot: Slot, report: Report) -> None:
         cut_rows, cut_lengths = [], []
@@ -611,7 +635,8 @@ class _StopStrings:
             tokens = [report.tokens[j][b] for j in range(emitted)]
             for j, token in enumerate(tokens):
                 self.rows[b].append(token)
-                if bool(self.criteria(torch.tensor([self.rows[b][-self.tail:]]), None)[0]):
+                self.padded[b].append(token)
+                if self._stops(b):
                     if j + 1 < emitted or not report.finished[b]:
                         cut_rows.append(b)
                         cut_lengths.append(report.length[b] - emitted + j + 1)

@@ -41,7 +41,9 @@ import warnings
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, SynthIDTextWatermarkingConfig
 from transformers.generation.configuration_utils import GenerationMode
-from transformers.generation.stopping_criteria import StopStringCriteria
+from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria,
+                                                       MaxTimeCriteria, StoppingCriteriaList,
+                                                       StopStringCriteria)
 
 from .. import rng
 from ..params import SamplingParams
@@ -114,7 +116,6 @@ STOCK_HOOKS = {
     "synced_gpus": "multi-GPU synchronised generation is not implemented",
     "assistant_tokenizer": "an assistant with another tokenizer (universal assisted decoding) "
                            "needs the target's vocabulary translated",
-    "stopping_criteria": "custom stopping criteria are not evaluated by the engine",
 }
 _MODEL_KWARGS = ("attention_mask", "input_ids", "use_cache", "logits_to_keep")
 
@@ -135,6 +136,7 @@ class GenerationPlan:
     eos_token_ids: torch.Tensor | None
     pad_token_id: int
     stop_criteria: StopStringCriteria | None
+    custom_stops: StoppingCriteriaList | None   # the caller's `stopping_criteria`, if any
     max_time: float | None            # seconds left of the call's max_time when planned
     streamer: object
     output_logprobs: bool
@@ -176,8 +178,7 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
     hooks = dict(negative_prompt_ids=negative_prompt_ids,
                  negative_prompt_attention_mask=negative_prompt_attention_mask,
                  custom_generate=custom_generate, synced_gpus=synced_gpus or None,
-                 assistant_tokenizer=kwargs.pop("assistant_tokenizer", None),
-                 stopping_criteria=stopping_criteria or None)
+                 assistant_tokenizer=kwargs.pop("assistant_tokenizer", None))
     requested = {**(generation_config.to_dict() if generation_config is not None else {}), **kwargs}
     source = Sources(model, generation_config, kwargs)
     options = check_options(merged_values(model, generation_config, kwargs), source)
@@ -188,7 +189,12 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
                               and (generation_config is None or generation_config.min_length is None)
                               and model.generation_config.min_length is None)
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
-    delegation = _stock_delegation(model, config, model_kwargs, hooks, source)
+    if stopping_criteria is not None and not (
+            isinstance(stopping_criteria, (list, tuple)) and all(map(callable, stopping_criteria))):
+        raise TypeError(f"`stopping_criteria` must be a StoppingCriteriaList (or a list of "
+                        f"StoppingCriteria), got {type(stopping_criteria).__name__}")
+    delegation = (_stock_delegation(model, config, model_kwargs, hooks, source)
+                  or _replaced_criteria(config, stopping_criteria))
     if delegation is not None:
         return delegation
 
@@ -315,6 +321,7 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
         max_new_tokens=max_new_tokens,
         eos_token_ids=None if eos is None else eos.reshape(-1).to(device),
         pad_token_id=pad_token_id, stop_criteria=stop_criteria,
+        custom_stops=StoppingCriteriaList(stopping_criteria) if stopping_criteria else None,
         max_time=_time_left(config.max_time, started),
         streamer=streamer, output_logprobs=output_logprobs,
         return_dict_in_generate=bool(config.return_dict_in_generate), processing=processing,
@@ -367,6 +374,21 @@ def _materialized_reasons(config: GenerationConfig, head: OutputHead, sampling: 
     reasons += [(None, why) for why in head.unfused_transforms()]
     reasons += [(None, f"the {hook}") for hook in head.hooks]
     return reasons
+
+
+def _replaced_criteria(config: GenerationConfig, custom) -> StockDelegation | None:
+    """A `StockDelegation` when a custom stopping criterion has the type of one transformers
+    makes for this config (max length, max time, EOS, stop strings): transformers then runs
+    the custom one instead of its own, whereas the engine keeps its own rule for those."""
+    made = {MaxLengthCriteria: True, MaxTimeCriteria: config.max_time is not None,
+            EosTokenCriteria: config.eos_token_id is not None,
+            StopStringCriteria: bool(config.stop_strings)}
+    for criterion in custom or ():
+        if made.get(type(criterion)):
+            return StockDelegation(f"`stopping_criteria` holds a {type(criterion).__name__}, "
+                                   "which replaces transformers' own for this config; the "
+                                   "engine applies its own rule for it", bool(config.do_sample))
+    return None
 
 
 def _stock_delegation(model, config: GenerationConfig, model_kwargs: dict, hooks: dict,
