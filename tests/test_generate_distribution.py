@@ -85,15 +85,30 @@ def _outcomes(sequences: torch.Tensor) -> torch.Tensor:
     return (new[:, 0] * VOCAB + new[:, 1]) * VOCAB + new[:, 2]
 
 
-@pytest.mark.parametrize("sampling", CONFIGS.values(), ids=CONFIGS.keys())
+@pytest.fixture(scope="module")
+def speculative_run(target, prompt):
+    """`run(drafter, config)`: the seeded speculative run of NUM_RUNS rows, generated once
+    (the distribution test and the acceptance check's teeth read the same run)."""
+    runs = {}
+
+    def run(drafter: str, config: str):
+        if (drafter, config) not in runs:
+            drafting = (dict(assistant_model=target, num_assistant_tokens=2) if drafter == "self"
+                        else dict(prompt_lookup_num_tokens=2))
+            prompts = torch.tensor(prompt).expand(NUM_RUNS, -1)
+            runs[drafter, config] = target.generate(
+                prompts, sampler="flash", max_new_tokens=NEW_TOKENS, seed=1000,
+                return_dict_in_generate=True, **drafting, **CONFIGS[config])
+        return runs[drafter, config]
+    return run
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("drafter", ["self", "prompt_lookup"])
-def test_speculative_sequences_follow_the_target_distribution(target, prompt, drafter,
-                                                             sampling):
-    drafting = (dict(assistant_model=target, num_assistant_tokens=2) if drafter == "self"
-                else dict(prompt_lookup_num_tokens=2))
-    prompts = torch.tensor(prompt).expand(NUM_RUNS, -1)
-    out = target.generate(prompts, sampler="flash", max_new_tokens=NEW_TOKENS, seed=1000,
-                          return_dict_in_generate=True, **drafting, **sampling)
+def test_speculative_sequences_follow_the_target_distribution(target, prompt, speculative_run,
+                                                             drafter, config):
+    sampling = CONFIGS[config]
+    out = speculative_run(drafter, config)
     stats = out.flash_stats
     # Drafts were really verified, and rows advanced unevenly. Self-drafts are accepted
     # wherever the sampled token is the argmax; lookup's "3 17" after the first token falls
@@ -106,13 +121,10 @@ def test_speculative_sequences_follow_the_target_distribution(target, prompt, dr
     assert_acceptance_matches(stats, what=f"{drafter} / {sampling}: accepted drafts")
 
 
-def test_the_acceptance_check_sees_slightly_wrong_accept_probabilities(target, prompt):
+def test_the_acceptance_check_sees_slightly_wrong_accept_probabilities(speculative_run):
     """Teeth: the run's self-drafted acceptances, right against p(x), fail against p(x)
     scaled by 0.9."""
-    prompts = torch.tensor(prompt).expand(NUM_RUNS, -1)
-    stats = target.generate(prompts, sampler="flash", max_new_tokens=NEW_TOKENS, seed=1000,
-                            assistant_model=target, num_assistant_tokens=2,
-                            return_dict_in_generate=True, **CONFIGS["plain"]).flash_stats
+    stats = speculative_run("self", "plain").flash_stats
     check = assert_acceptance_matches(stats)
     assert check.std > 0
     wrong = dataclasses.replace(stats, accept_probs=stats.accept_probs * 0.9)
@@ -120,10 +132,8 @@ def test_the_acceptance_check_sees_slightly_wrong_accept_probabilities(target, p
         assert_acceptance_matches(wrong)
 
 
-def test_the_check_sees_a_slightly_wrong_temperature(target, prompt):
+def test_the_check_sees_a_slightly_wrong_temperature(target, prompt, speculative_run):
     """Teeth: the same samples fail against the joint distribution at temperature 1.1."""
-    prompts = torch.tensor(prompt).expand(NUM_RUNS, -1)
-    sequences = target.generate(prompts, sampler="flash", max_new_tokens=NEW_TOKENS, seed=1000,
-                                **CONFIGS["plain"])
+    sequences = speculative_run("self", "plain").sequences
     with pytest.raises(AssertionError, match="chi-squared"):
         assert_samples_match(_outcomes(sequences), _exact_joint(target, prompt, {**CONFIGS["plain"], "temperature": 1.1}))
