@@ -87,6 +87,7 @@ def test_bad_masks_name_the_argument_and_the_shapes_allowed(masks):
 
 from test_logits_options import (PROMPTS, SAMPLING, SEED, assert_reference_tokens,  # noqa: E402
                                  flash, left_pad, target)
+from test_generate import _quiet_single_threaded  # noqa: F401,E402 - the module's autouse fixture
 from _models import VOCAB  # noqa: E402
 from flashspec.params import row_seeds  # noqa: E402
 
@@ -204,3 +205,25 @@ def test_allowed_tokens_on_cuda_bf16_hold_and_are_speculation_invariant(spelling
             assert int(plain[row, t]) in ids_of(row, plain[row, :t]), (row, t)
     for name, out in runs.items():
         assert torch.equal(out, plain), name
+
+
+def test_a_grammar_is_never_asked_past_a_draft_it_leaves_out():
+    """A matcher-like function has no answer after a token it did not allow (here: an empty
+    list, an error in transformers): speculation must not ask it there, since such a draft is
+    never accepted. With it, every mode runs and gives plain decoding's tokens."""
+    ids, mask = left_pad(PROMPTS)
+    width = ids.shape[1]
+
+    def grammar(token):
+        return sorted({(token + k) % VOCAB for k in (1, 2, 5, 9)} | {7})
+
+    def matcher(row, sent):
+        if len(sent) > width and int(sent[-1]) not in grammar(int(sent[-2])):
+            return []
+        return grammar(int(sent[-1]))
+
+    plain = flash(target(), ids, mask, seed=SEED, **SAMPLING, prefix_allowed_tokens_fn=matcher)
+    for mode in ("self", "assistant", "lookup"):
+        out = flash(target(), ids, mask, mode, seed=SEED, **SAMPLING,
+                    prefix_allowed_tokens_fn=matcher)
+        assert torch.equal(out.sequences, plain.sequences), mode

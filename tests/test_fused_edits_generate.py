@@ -402,36 +402,48 @@ def test_fused_edits_on_cuda_equal_the_cpu_engine_and_survive_switching():
 
 def test_slot_edits_key_and_generation_follow_the_edits():
     """The slot's `edits_key` (for the engine's graph key) follows what the steps run: edits
-    on or off, position bans, forced positions, the n-gram size, the bad words' and the
-    n-gram context's buffer shapes. Its buffers' generation moves only when the bad words or the n-grams
-    need other buffers: graphs with and without edits, with and without position bans,
-    live side by side (a server alternating calls with and without a repetition penalty
-    captures each step once)."""
+    on or off, position bans, forced positions, the n-gram size, the bad words' and (with
+    n-grams) the n-gram context's buffer shapes. Its buffers' generation moves only when the
+    bad words need other buffers or the n-gram context a larger one (it never shrinks):
+    graphs with and without edits, with and without position bans or n-grams, live side by
+    side (a server alternating calls with and without a repetition penalty, or with and
+    without n-grams, captures each step once)."""
     from flashspec.generation.engine import cached_engine
 
     ids, mask = left_pad(PROMPTS)
     rows = len(PROMPTS)
     words = [[7, 8], [9, 10, 11]]
-    calls = [(dict(repetition_penalty=1.2), (False, False, 0, (0, 1), (rows, 1))),
-             (dict(repetition_penalty=1.5, bad_words_ids=[[7]]), (False, False, 0, (0, 1), (rows, 1))),
-             (dict(min_new_tokens=3, eos_token_id=EOS), (True, False, 0, (0, 1), (rows, 1))),
-             (dict(forced_eos_token_id=7), (True, True, 0, (0, 1), (rows, 1))),
-             (dict(no_repeat_ngram_size=1), (False, False, 0, (0, 1), (rows, 1))),
-             (dict(bad_words_ids=words), (False, False, 0, (2, 3), (rows, 1))),
+    calls = [(dict(repetition_penalty=1.2), (False, False, 0, (0, 1), None)),
+             (dict(repetition_penalty=1.5, bad_words_ids=[[7]]), (False, False, 0, (0, 1), None)),
+             (dict(min_new_tokens=3, eos_token_id=EOS), (True, False, 0, (0, 1), None)),
+             (dict(forced_eos_token_id=7), (True, True, 0, (0, 1), None)),
+             (dict(no_repeat_ngram_size=1), (False, False, 0, (0, 1), None)),
+             (dict(bad_words_ids=words), (False, False, 0, (2, 3), None)),
              (dict(bad_words_ids=words, no_repeat_ngram_size=2),
               (False, False, 2, (2, 3), (rows, 256))),
              (dict(bad_words_ids=words, no_repeat_ngram_size=4),
               (False, False, 4, (2, 3), (rows, 256))),
+             (dict(repetition_penalty=1.2), (False, False, 0, (0, 1), None)),
+             (dict(no_repeat_ngram_size=3), (False, False, 3, (0, 1), (rows, 256))),
              ({}, None)]
-    generations = []
+    moves, grew = [], []
     for kwargs, key in calls:
+        engine = cached_engine(target().get_decoder())
+        before = [s for s in (engine.slots.values() if engine else ()) if s.batch_size == rows]
+        state = before[0].edit_state if before else None
+        generation = before[0].generation if state is not None else None
+        columns = state.context.shape[1] if state is not None else 1
         flash(target(), ids, mask, seed=SEED, max_new_tokens=2, **SAMPLING, **kwargs)
         slot, = [s for s in cached_engine(target().get_decoder()).slots.values()
                  if s.batch_size == rows]
         assert slot.edits_key() == key, kwargs
-        generations.append(slot.generation)
-    first = generations[0]
-    assert generations == [first] * 5 + [first + 1, first + 2, first + 2, first + 2]
+        moves.append(0 if generation is None else slot.generation - generation)
+        grew.append(slot.edit_state.context.shape[1] > columns)
+    # Words' buffers: (0, 1) -> (2, 3) at call 6 and back at call 9; the n-gram context grows
+    # at call 7 (unless an earlier test grew it), then never again, and never shrinks.
+    assert moves[:5] == [0] * 5 and moves[5] == 1 and moves[6] == int(grew[6]) and moves[7] == 0
+    assert moves[8] == 1 and moves[9] == 0 and moves[10] == 0
+    assert not any(grew[:6] + grew[7:])
 
 
 def test_rows_whose_edits_ban_every_token_are_refused_when_sampled():

@@ -10,6 +10,7 @@ from transformers.generation.stopping_criteria import MaxLengthCriteria
 
 from _models import VOCAB
 from test_logits_options import PROMPTS, SAMPLING, SEED, flash, left_pad, target
+from test_generate import _quiet_single_threaded  # noqa: F401 - the module's autouse fixture
 
 
 class AfterToken(StoppingCriteria):
@@ -91,3 +92,20 @@ def test_bad_criteria_are_clear_errors():
     with pytest.raises(AttributeError) as caught:
         flash(target(), ids, mask, stopping_criteria=StoppingCriteriaList([ReadsScores()]))
     assert any("scores=None" in note for note in caught.value.__notes__)
+
+
+def test_long_runs_grow_the_criteria_buffer():
+    """Rows longer than the criteria's first buffer (256 new tokens) keep stock's input_ids."""
+    ids, mask = left_pad(PROMPTS[:1])
+    seen = []
+
+    class Length(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            seen.append(input_ids[0].clone())
+            return torch.tensor([input_ids.shape[1] >= ids.shape[1] + 300])
+
+    out = target().generate(ids, attention_mask=mask, sampler="flash", do_sample=False,
+                            max_new_tokens=400, eos_token_id=None,
+                            stopping_criteria=StoppingCriteriaList([Length()]))
+    assert out.shape[1] == ids.shape[1] + 300
+    assert torch.equal(seen[-1], out[0])

@@ -68,6 +68,8 @@ class AllowedTokens:
         self.prompt_ids = prompt_ids
         self.pad_token_id = pad_token_id
         self.vocab_size = vocab_size
+        # (generated count, token) where a forced token overrides the masks (`edits`).
+        self.forced: frozenset[tuple[int, int]] = frozenset()
 
     @classmethod
     def of_call(cls, prefix_allowed_tokens_fn, allowed_tokens_fn, prompt_ids: torch.Tensor,
@@ -88,7 +90,7 @@ class AllowedTokens:
         out = None
         for masks_of, name in self.sources:
             masks = self._checked(masks_of(rows, input_ids), len(rows), name)
-            out = masks if out is None else out & masks
+            out = masks if out is None else out & masks.to(out.device)
         words = torch.arange(out.shape[1], device=out.device)
         # Bits past V in the last word allow nothing.
         last = torch.where(words == out.shape[1] - 1, _low_bits(self.vocab_size % 32), -1)
@@ -107,16 +109,36 @@ class AllowedTokens:
         masks = self.masks(torch.tensor([batch_id]), sent[None])
         return unpack(masks, self.vocab_size)[0].nonzero().flatten().tolist()
 
-    def bitmask(self, slot, drafts: torch.Tensor | None, width: int) -> torch.Tensor:
+    def bitmask(self, slot, drafts: torch.Tensor | None, width: int,
+                rows: list[int] | None = None) -> torch.Tensor:
         """int32 ``[S, W, ceil(V / 32)]`` (S: the slot's rows): each position's allowed
-        tokens; every token at positions a row does not use, and on rows finished or past
-        the call's."""
+        tokens, for the call's rows or those of `rows`. Every token at the positions nothing
+        reads: those a row does not use, those after a draft its position's mask leaves out
+        (never accepted, so never reached: a grammar need not answer for such a context), and
+        on rows finished, past the call's or not in `rows`."""
         words = -(-self.vocab_size // 32)
         device = slot.seq.device
         out = torch.full((slot.seq.shape[0], width, words), -1, dtype=torch.int32, device=device)
-        for rows, positions, input_ids in position_contexts(self.prompt_ids, self.pad_token_id,
-                                                            slot, drafts, width):
-            out[rows, positions] = self.masks(rows, input_ids[rows]).to(device)
+        generated = (slot.length - slot.prompt_length).tolist()
+        drafted = drafts.tolist() if drafts is not None else None
+        unreached = {}                                    # row -> its first unreached position
+        wanted = None if rows is None else set(rows)
+        for group, positions, input_ids in position_contexts(self.prompt_ids, self.pad_token_id,
+                                                             slot, drafts, width):
+            pairs = [(b, j) for b, j in zip(group.tolist(), positions.tolist())
+                     if (wanted is None or b in wanted) and j < unreached.get(b, width)]
+            if not pairs:
+                continue
+            which = torch.tensor([b for b, _ in pairs])
+            masks = self.masks(which, input_ids[which.to(input_ids.device)])
+            out[which.to(device), torch.tensor([j for _, j in pairs], device=device)] = masks.to(device)
+            if drafted is None:
+                continue
+            for (b, j), mask in zip(pairs, masks.cpu()):
+                draft = drafted[b][j] if j < len(drafted[b]) else -1
+                if draft >= 0 and not (int(mask[draft // 32]) >> (draft % 32)) & 1 \
+                        and (generated[b] + j, draft) not in self.forced:
+                    unreached[b] = j + 1
         return out
 
     def _checked(self, masks, count: int, name: str) -> torch.Tensor:
@@ -149,7 +171,7 @@ def _masks_of_prefix_fn(fn: Callable, vocab_size: int) -> Callable:
                 raise ValueError(f"`prefix_allowed_tokens_fn` returned an empty list for "
                                  f"batch ID {row}: the constraint is unsatisfiable there "
                                  "(transformers refuses it too)")
-            index = torch.as_tensor(ids, dtype=torch.long).flatten()
+            index = torch.as_tensor(ids, dtype=torch.long).flatten().cpu()
             if bool(((index < -vocab_size) | (index >= vocab_size)).any()):
                 raise ValueError(f"`prefix_allowed_tokens_fn` returned token ids outside "
                                  f"the vocabulary [0, {vocab_size}) for batch ID {row}: "

@@ -59,7 +59,7 @@ FUSED_OPTIONS = ("repetition_penalty", "bad_words_ids", "suppress_tokens",
 _FORCING = (lp.ForcedBOSTokenLogitsProcessor, lp.ForcedEOSTokenLogitsProcessor)
 MAX_FORCED = 2    # forced tokens a call holds (transformers makes one BOS and one EOS rule)
 FORCED_ROW = 4    # `EditState.ban_rows`' row that bans every token
-MIN_CONTEXT = 256  # columns of the smallest n-gram context buffer
+MIN_CONTEXT = 256  # columns of the smallest n-gram context buffer (fewer sizes, fewer recaptures)
 NEVER = -1    # a generated count no position has
 NO_TOKEN = -1     # a context position before the padded prompt (or past the drafts)
 ANY_TOKEN = -2    # a word's unused leading slot: matches anything
@@ -315,7 +315,9 @@ class EditState:
         if self.ngram:
             needed = max(rules.context_columns, prompt_width)
             columns = max(MIN_CONTEXT, 1 << (needed - 1).bit_length())
-        if self.context.shape[1] == columns:
+        # The buffer only grows: a replaced buffer invalidates every graph of the slot, and
+        # calls without n-grams never read it.
+        if self.context.shape[1] >= columns:
             return False
         self.context = self.context.new_empty(self.context.shape[0], columns)
         return True
@@ -323,9 +325,9 @@ class EditState:
     def key(self) -> tuple:
         """What the steps' captured work depends on beyond the buffers' values (for the
         engine's graph key): position bans, forced positions, the n-gram size, the words' and
-        the context's buffer shapes."""
+        (with n-grams) the context's buffer shapes."""
         return (self.position_bans, self.forces, self.ngram, tuple(self.words.shape),
-                tuple(self.context.shape))
+                tuple(self.context.shape) if self.ngram else None)
 
     def absorb(self, tokens: torch.Tensor, written: torch.Tensor) -> None:
         """Tokens ``[B, W]`` where `written` (the first few of each row) joined the rows'
@@ -367,7 +369,7 @@ class EditState:
         if not self.base.is_cuda or self.forces:
             counts = generated[:, None] + torch.arange(num_drafts + 1, device=drafts.device)
         if self.base.is_cuda:
-            from ..kernels.edit_codes import verify_codes
+            from ..kernels.edit_codes import verify_codes   # Triton: imported on CUDA only
             bans = None
             if self.position_bans:
                 bans = (self.ban_rows, generated, self.min_count, self.begin_count,

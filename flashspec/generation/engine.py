@@ -552,14 +552,14 @@ class Engine:
         sampler = self.target_sampler(slot)
         if drafts is None:
             tokens, logprobs = samplers.complete_sample(sampler, hidden, rows, slot.length,
-                                                        slot.step_edits())
+                                                        slot.step_edits(rows=flagged))
             tokens, logprobs = tokens[:, None], logprobs[:, None]
             proposed = torch.ones_like(rows)
             drafted = torch.zeros_like(rows)
             accept_probs = None
         else:
             num_accepted, tokens, logprobs, accept_probs = samplers.complete_verify(
-                sampler, hidden, drafts, rows, slot.length, slot.step_edits(drafts))
+                sampler, hidden, drafts, rows, slot.length, slot.step_edits(drafts, flagged))
             proposed = num_accepted + 1
             drafted = (drafts[rows] >= 0).sum(dim=1)
         batch = slot.batch_size
@@ -608,9 +608,14 @@ class _HostStops:
         mask = plan.attention_mask.bool().cpu()
         prompts = plan.input_ids.cpu()
         self.rows = [prompts[b][mask[b]].tolist() for b in range(num_rows)]
-        self.padded = [prompts[b].tolist() for b in range(num_rows)]
-        self.device = plan.input_ids.device
         self.num_rows = num_rows
+        if self.custom is not None:
+            # Each row as stock's input_ids hold it, on their device: a criterion reads
+            # ``padded[b : b + 1, : width + t]``; a step's tokens arrive in one copy per row.
+            width = plan.input_ids.shape[1]
+            self.padded = plan.input_ids.new_empty(num_rows, width + min(plan.max_new_tokens, 256))
+            self.padded[:, :width] = plan.input_ids[:num_rows]
+            self.lengths = [width] * num_rows
         self.tail = self.strings.maximum_token_len if self.strings is not None else 0
 
     def _stops(self, b: int) -> bool:
@@ -620,7 +625,7 @@ class _HostStops:
         if self.custom is None:
             return False
         try:
-            done = self.custom(torch.tensor([self.padded[b]], device=self.device), None)
+            done = self.custom(self.padded[b:b + 1, :self.lengths[b]], None)
         except Exception as error:
             error.add_note("sampler='flash' calls `stopping_criteria` per row and new token with "
                            "that row's input_ids [1, L] and scores=None (the fused kernels form "
@@ -633,9 +638,17 @@ class _HostStops:
         for b in range(self.num_rows):
             emitted = report.emitted[b]
             tokens = [report.tokens[j][b] for j in range(emitted)]
+            if self.custom is not None and tokens:
+                start = self.lengths[b]
+                if start + len(tokens) > self.padded.shape[1]:        # doubles as rows grow
+                    grown = self.padded.new_empty(self.num_rows, 2 * (start + len(tokens)))
+                    grown[:, :self.padded.shape[1]] = self.padded
+                    self.padded = grown
+                self.padded[b, start:start + len(tokens)] = torch.tensor(tokens)
             for j, token in enumerate(tokens):
                 self.rows[b].append(token)
-                self.padded[b].append(token)
+                if self.custom is not None:
+                    self.lengths[b] += 1
                 if self._stops(b):
                     if j + 1 < emitted or not report.finished[b]:
                         cut_rows.append(b)

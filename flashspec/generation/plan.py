@@ -289,6 +289,9 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
             params = dataclasses.replace(params, temperature=params.temperature / head.logit_scale)
         if allowed is not None and edits is None:
             edits = EditRules()              # the masks are codes, made with the others
+        if allowed is not None:
+            allowed.forced = frozenset((count, token) for count, token, banned in edits.forced
+                                       if not banned)
         if edits is not None and (edits.bans_tokens() or allowed is not None) and sampling:
             _check_banning_temperature(params, source("temperature"))
 

@@ -296,17 +296,18 @@ class Slot:
         functions), so that they run without CUDA graphs."""
         return self.processing is not None or self.allowed is not None
 
-    def step_edits(self, drafts: torch.Tensor | None = None):
+    def step_edits(self, drafts: torch.Tensor | None = None, rows: list[int] | None = None):
         """The fused edits (`LogitEdits`, or None without) of the rows' next token, or with
         `drafts` ``[B, G]`` of the positions verifying them, the call's allowed-token masks
         included. A step's own, and after it those of the rows it flagged for completion
-        (which emitted nothing: their state is as it was), for `samplers.complete_sample` /
-        `complete_verify`."""
+        (`rows`: they emitted nothing, their state is as it was; the others' masks are not
+        asked for), for `samplers.complete_sample` / `complete_verify`."""
         if self.edits is None:
             return None
         generated = self.length - self.prompt_length
         width = 1 if drafts is None else drafts.shape[1] + 1
-        allowed = self.allowed.bitmask(self, drafts, width) if self.allowed is not None else None
+        allowed = (self.allowed.bitmask(self, drafts, width, rows)
+                   if self.allowed is not None else None)
         if drafts is None:
             return self.edits.sample_edits(generated, allowed)
         return self.edits.verify_edits(generated, drafts, allowed)

@@ -59,7 +59,7 @@ def _verify_codes_kernel(out_ptr, base_ptr, drafts_ptr, context_code_ptr, ban_ro
         bits = (words[:, None] >> tl.arange(0, 32)[None, :]) & 1
         code = tl.where(tl.reshape(bits, (BLOCK,)) == 0, _BAN, code)
     context_code = tl.load(context_code_ptr)
-    alive = j >= 0
+    alive = j >= 0                    # True, as a tensor the loop can and with
     for i in tl.static_range(G):
         draft = tl.load(drafts_ptr + b * G + i)
         alive = alive & (draft >= 0)           # a row's drafts end at its first -1
