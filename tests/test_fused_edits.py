@@ -136,22 +136,32 @@ def test_verify_with_edits_equals_the_reference(acceptance, config):
         theirs = sampling.verify(hidden, weight, drafts, params, positions, edits=edits,
                                  acceptance=acceptance, backend="reference")
         logits64 = edited_logits64(hidden, weight, edits).view(batch, num_drafts + 1, -1)
-        differing = ((ours.tokens != theirs.tokens).any(dim=1)
-                     | (ours.num_accepted != theirs.num_accepted)).cpu()
-        for b in differing.nonzero().flatten().tolist():
-            j = int((ours.tokens[b] != theirs.tokens[b]).nonzero()[0])
-            noise = rng.gumbel(params.seed[b].cpu(), positions[b].cpu() + j,
-                               torch.arange(vocab_size))
-            assert is_near_tie(logits64[b, j], bool(params.do_sample[b]),
-                               float(params.temperature[b]), int(params.top_k[b]),
-                               float(params.top_p[b]), float(params.min_p[b]), noise,
-                               int(ours.tokens[b, j]), int(theirs.tokens[b, j])), (b, j)
-        assert int(differing.sum()) <= 1
+        differing = assert_verify_differences_are_near_ties(ours, theirs, logits64, params,
+                                                            positions, vocab_size)
         same = ~differing.to(DEVICE)
         assert torch.allclose(ours.accept_probs[same], theirs.accept_probs[same].float(), atol=2e-5)
         if acceptance == "strict":   # emitted tokens are the plain samples, whatever the drafts
             emitted = ours.tokens >= 0
             assert torch.equal(ours.tokens[emitted & same[:, None]], plain[emitted & same[:, None]])
+
+
+def assert_verify_differences_are_near_ties(ours, theirs, logits64, params, positions,
+                                            vocab_size, dtype=torch.float32) -> torch.Tensor:
+    """Rows where two verifications differ (bool ``[B]``, on the CPU): at most one, and its
+    first differing position a near-tie of the float64 logits ``[B, G+1, V]`` with the row's
+    noise (in `dtype`)."""
+    differing = ((ours.tokens != theirs.tokens).any(dim=1)
+                 | (ours.num_accepted != theirs.num_accepted)).cpu()
+    for b in differing.nonzero().flatten().tolist():
+        j = int((ours.tokens[b] != theirs.tokens[b]).nonzero()[0])
+        noise = rng.gumbel(params.seed[b].cpu(), positions[b].cpu() + j,
+                           torch.arange(vocab_size), dtype=dtype)
+        assert is_near_tie(logits64[b, j], bool(params.do_sample[b]),
+                           float(params.temperature[b]), int(params.top_k[b]),
+                           float(params.top_p[b]), float(params.min_p[b]), noise,
+                           int(ours.tokens[b, j]), int(theirs.tokens[b, j])), (b, j)
+    assert int(differing.sum()) <= 1
+    return differing
 
 
 def test_ignored_codes_fail():

@@ -32,8 +32,7 @@ from hypothesis import HealthCheck, given, seed, settings, strategies as st
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation import logits_process as lp
 
-from flashspec import SamplingParams, kernels, reference, rng, sampling
-from flashspec.bench.statistics import is_near_tie
+from flashspec import SamplingParams, kernels, reference, sampling
 from flashspec.generation import samplers
 from flashspec.generation.engine import Engine
 from flashspec.generation.heads import output_head
@@ -41,7 +40,8 @@ from flashspec.kernels import epilogue, lm_head_ws
 from flashspec.params import LogitEdits, row_seeds
 
 from _models import VOCAB, tiny_draft, tiny_model
-from test_fused_edits import CONFIGS, assert_near_ties, random_edits
+from test_fused_edits import (CONFIGS, assert_near_ties, assert_verify_differences_are_near_ties,
+                              random_edits)
 from test_generate import _quiet_single_threaded  # noqa: F401 - the module's autouse fixture
 from test_kernels import DEVICE, ON_GPU, SMALL, mixed_params, random_problem
 from test_logits_options import _assert_model_reference, left_pad
@@ -230,17 +230,8 @@ def test_verify_with_head_equals_the_reference(acceptance, config, edited):
                                edits=edits, backend="fused", config=CONFIGS[config], **head)
         theirs = reference64(sampling.verify, hidden, weight, drafts, params, positions,
                              head=head, acceptance=acceptance, edits=edits)
-        differing = ((ours.tokens != theirs.tokens).any(dim=1)
-                     | (ours.num_accepted != theirs.num_accepted)).cpu()
-        for b in differing.nonzero().flatten().tolist():
-            j = int((ours.tokens[b] != theirs.tokens[b]).nonzero()[0])
-            noise = rng.gumbel(params.seed[b].cpu(), positions[b].cpu() + j,
-                               torch.arange(vocab_size), dtype=torch.float64)
-            assert is_near_tie(logits64[b, j], bool(params.do_sample[b]),
-                               float(params.temperature[b]), int(params.top_k[b]),
-                               float(params.top_p[b]), float(params.min_p[b]), noise,
-                               int(ours.tokens[b, j]), int(theirs.tokens[b, j])), (b, j)
-        assert int(differing.sum()) <= 1
+        differing = assert_verify_differences_are_near_ties(ours, theirs, logits64, params,
+                                                            positions, vocab_size, torch.float64)
         same = ~differing.to(DEVICE)
         assert torch.allclose(ours.accept_probs[same].double(), theirs.accept_probs[same],
                               atol=2e-5)
