@@ -131,7 +131,8 @@ class AllowedTokens:
                 continue
             which = torch.tensor([b for b, _ in pairs])
             masks = self.masks(which, input_ids[which.to(input_ids.device)])
-            out[which.to(device), torch.tensor([j for _, j in pairs], device=device)] = masks.to(device)
+            at = torch.tensor([j for _, j in pairs], device=device)
+            out[which.to(device), at] = masks.to(device)
             if drafted is None:
                 continue
             for (b, j), mask in zip(pairs, masks.cpu()):

@@ -347,13 +347,15 @@ class EditState:
                                          reduce="amax")
             self.context_length += written.sum(dim=1)
 
-    def sample_edits(self, generated: torch.Tensor, allowed: torch.Tensor | None = None) -> LogitEdits:
+    def sample_edits(self, generated: torch.Tensor,
+                     allowed: torch.Tensor | None = None) -> LogitEdits:
         """The edits of each row's next token, after `generated` ``[B]`` tokens; `allowed`:
         int32 ``[B, 1, ceil(V / 32)]``, each row's allowed tokens (`allowed.py`), or None."""
         if allowed is None and not (self.position_bans or self.word_ends.numel() or self.ngram):
             return LogitEdits(self.base, self.penalty)
         no_drafts = generated.new_empty(generated.shape[0], 0)
-        return LogitEdits(self.verify_edits(generated, no_drafts, allowed).codes[:, 0], self.penalty)
+        codes = self.verify_edits(generated, no_drafts, allowed).codes[:, 0]
+        return LogitEdits(codes, self.penalty)
 
     def verify_edits(self, generated: torch.Tensor, drafts: torch.Tensor,
                      allowed: torch.Tensor | None = None) -> LogitEdits:
