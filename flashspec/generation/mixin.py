@@ -89,11 +89,10 @@ class FlashGenerationMixin(GenerationMixin):
                  output_logprobs=False, drafter=None, invariant=False, allowed_tokens_fn=None,
                  **kwargs):
         started = time.monotonic()            # max_time counts from here
+        given = _flash_options_given(seed=seed, output_logprobs=output_logprobs, drafter=drafter,
+                                     invariant=invariant, allowed_tokens_fn=allowed_tokens_fn)
         if sampler is None:
-            given = dict(seed=seed is not None, output_logprobs=output_logprobs,
-                         drafter=drafter is not None, invariant=invariant is not False,
-                         allowed_tokens_fn=allowed_tokens_fn is not None)
-            name = next((name for name in _FLASH_OPTIONS if given[name]), None)
+            name = next(iter(given), None)
             if name is not None:
                 seeding = " (stock generate() is seeded with torch.manual_seed)" if name == "seed" else ""
                 raise ValueError(f"`{name}` is a flashspec option: pass sampler='flash' with it"
@@ -115,8 +114,7 @@ class FlashGenerationMixin(GenerationMixin):
                                    output_logprobs=output_logprobs, drafter=drafter,
                                    allowed_tokens_fn=allowed_tokens_fn, started=started, **kwargs)
             if isinstance(plan, StockDelegation):
-                _check_stock_call(plan, seed, output_logprobs, drafter, invariant,
-                                  allowed_tokens_fn)
+                _check_stock_call(plan, seed, given)
                 warnings.warn(f"sampler='{sampler}' defers this call to stock transformers "
                               f"generate(): {plan.reason}", UserWarning, stacklevel=2)
             else:
@@ -136,12 +134,18 @@ class FlashGenerationMixin(GenerationMixin):
                                    logprobs=logprobs, flash_stats=generated.stats)
 
 
-def _check_stock_call(plan: StockDelegation, seed, output_logprobs, drafter, invariant,
-                      allowed_tokens_fn) -> None:
-    """flashspec's own options have no meaning in stock `generate`: refuse them there."""
-    given = dict(output_logprobs=output_logprobs, drafter=drafter is not None,
-                 invariant=invariant, allowed_tokens_fn=allowed_tokens_fn is not None)
-    name = next((name for name, is_given in given.items() if is_given), None)
+def _flash_options_given(seed, output_logprobs, drafter, invariant, allowed_tokens_fn) -> list[str]:
+    """The flashspec options (`_FLASH_OPTIONS`, in that order) a call sets."""
+    given = dict(seed=seed is not None, output_logprobs=bool(output_logprobs),
+                 drafter=drafter is not None, invariant=invariant is not False,
+                 allowed_tokens_fn=allowed_tokens_fn is not None)
+    return [name for name in _FLASH_OPTIONS if given[name]]
+
+
+def _check_stock_call(plan: StockDelegation, seed, given: list[str]) -> None:
+    """flashspec's own options have no meaning in stock `generate`: refuse them there
+    (`given`: those the call sets, `_flash_options_given`; a seed only where stock samples)."""
+    name = next((name for name in given if name != "seed"), None)
     if name is not None:
         raise ValueError(f"`{name}` needs flashspec's engine, but this call runs stock "
                          f"generate() ({plan.reason}); drop `{name}` or that option")
