@@ -3,10 +3,19 @@
 Without a GPU, Triton kernels run through the interpreter, which must be chosen before
 Triton compiles anything, hence here. Test modules import each other's checks
 (tests/test_teeth.py), hence the path entry.
+
+README's command runs the suite in one process per core (pytest-xdist). Each then computes
+on one thread: the tests' shapes are tiny, and two processes each running a two-thread pool
+on two cores wait on each other's threads (measured 10-100x slower). The BLAS variables
+must be set before numpy loads its library, hence first.
 """
 
 import os
 import sys
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[variable] = "1"
 
 import numpy as np
 import pytest
@@ -14,6 +23,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 sys.path.insert(0, os.path.dirname(__file__))
 
