@@ -1,0 +1,69 @@
+"""What crosses ranks, and how much: the summaries' all-gather, the rare completion's
+all-gather of whole logit rows, and counters of both (`stats`).
+
+Each call of `flashspec.parallel` runs one all-gather of its summaries (``[R, words]``
+int32 per rank), and a second one only when some truncated row was not certified (the
+shards' logits of those rows, padded to the largest shard). Every rank takes part in both:
+the merge that decides the second one runs on the same gathered words on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from .layout import VocabShards
+
+# torch 2.13 renamed it; earlier versions have only the old name.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclasses.dataclass
+class ExchangeStats:
+    """This rank's exchanges since the last `reset_stats()`; bytes are what it contributed
+    (it receives ``world_size - 1`` times as many)."""
+
+    calls: int = 0             # summary exchanges (one per call)
+    rows: int = 0              # rows summarised (verification: one per position)
+    summary_bytes: int = 0
+    rows_completed: int = 0    # rows (verification: batch rows) finished from gathered logits
+    completion_bytes: int = 0
+
+
+_stats = ExchangeStats()
+
+
+def stats() -> ExchangeStats:
+    return dataclasses.replace(_stats)
+
+
+def reset_stats() -> None:
+    global _stats
+    _stats = ExchangeStats()
+
+
+def all_gather_summaries(words: torch.Tensor, shards: VocabShards) -> torch.Tensor:
+    """Every rank's summary words ``[n, R, words]`` (rank order) from this rank's
+    ``[R, words]``: one collective over `shards.group`."""
+    gathered = words.new_empty(shards.world_size * words.shape[0], words.shape[1])
+    _all_gather(gathered, words.contiguous(), group=shards.group)
+    _stats.calls += 1
+    _stats.rows += words.shape[0]
+    _stats.summary_bytes += words.numel() * words.element_size()
+    return gathered.view(shards.world_size, *words.shape)
+
+
+def all_gather_logits(logits: torch.Tensor, shards: VocabShards, batch_rows: int) -> torch.Tensor:
+    """The whole vocabulary's logits ``[k, V]`` from each rank's shard of them ``[k, V_r]``
+    (padded to the largest shard for the collective); `batch_rows` of the caller's rows
+    are counted as completed."""
+    widest = max(shards.sizes)
+    padded = torch.nn.functional.pad(logits, (0, widest - logits.shape[1]))
+    gathered = padded.new_empty(shards.world_size * padded.shape[0], widest)
+    _all_gather(gathered, padded.contiguous(), group=shards.group)
+    _stats.rows_completed += batch_rows
+    _stats.completion_bytes += padded.numel() * padded.element_size()
+    parts = gathered.view(shards.world_size, *padded.shape)
+    return torch.cat([parts[r, :, :size] for r, size in enumerate(shards.sizes)], dim=-1)

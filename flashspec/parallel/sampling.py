@@ -1,0 +1,256 @@
+"""Vocab-parallel `argmax`, `sample` and `verify`: the LM head split over the ranks of a
+`torch.distributed` process group by vocabulary rows, tokens identical to one process.
+
+Each rank holds a contiguous shard ``[V_r, D]`` of the LM-head weight (`VocabShards` says
+which) and the same hidden states, parameters, positions and drafts. A call:
+
+1. computes the shard's logits and summarises each row of them (`shard.py`): the best
+   Gumbel-perturbed score and its global id, the log-sum-exp, the draft's logit and, where
+   the call truncates, the shard's top candidates; the noise is keyed by global token ids;
+2. all-gathers the summaries, one collective of a few bytes per row (`summary.py` lists
+   them: 8 per row for `argmax`, 16 for `sample`, 20 per position for `verify`, 8 more per
+   candidate);
+3. merges them on every rank identically (`merge.py`, `acceptance.py`): the same tokens,
+   logprobs, log-sum-exps and statuses everywhere;
+4. rarely, for truncated rows whose support the candidates do not certify, all-gathers
+   those rows' logits and samples them with `flashspec.reference` (`exchange.stats()`
+   counts them).
+
+Results are `flashspec.sampling`'s on the full weight (reference backend): the same tokens
+except at near-ties (the logits' rounding, which a shard's matmul may change; and top-p /
+min-p boundaries within rounding of their threshold), logprobs and log-sum-exps to float32
+rounding. Every rank must call with the same arguments but its own `weight` (and `bias`,
+`edits` codes) shard; each call is a collective.
+
+Arguments are `flashspec.sampling`'s, with these differences: `weight` ``[V_r, D]``,
+`bias` ``[V_r]`` and the `edits` codes ``[..., V_r]`` are this rank's shards; draft ids are
+global; `shards` (keyword) is the layout; `candidates` sets the truncation budget
+(`summary.summary_layout`); float64 inputs are refused (the candidates' keys hold float32);
+rows flagged for completion are always completed, so no status is `NEEDS_COMPLETION`.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+import torch.distributed as dist
+
+from .. import reference
+from ..checks import (NonFiniteLogitsError, check_draft_tokens, check_lm_head,
+                      check_sampling_inputs)
+from ..outputs import NON_FINITE, OK, ArgmaxOutput, SampleOutput, VerifyOutput
+from ..params import LogitEdits, SamplingParams
+from . import shard, summary
+from .acceptance import accept, flat_drafts
+from .exchange import all_gather_logits, all_gather_summaries
+from .layout import VocabShards
+from .merge import merge_argmax, merge_rows
+from .summary import DEFAULT_CANDIDATES
+
+ACCEPTANCE_MODES = ("strict", "probabilistic")
+# Fields of `LogitEdits` with one value per (row, token): each rank passes its shard of them.
+_PER_TOKEN_EDITS = ("codes", "bias", "counts")
+
+
+def argmax(hidden: torch.Tensor, weight: torch.Tensor, *, shards: VocabShards,
+           edits: LogitEdits | None = None, bias: torch.Tensor | None = None,
+           softcap: float | None = None, check: bool = True) -> ArgmaxOutput:
+    """Greedy token of each row of ``hidden @ full_weight.T``, as `flashspec.sampling.argmax`.
+
+    Args:
+        hidden: ``[B, D]`` final hidden states, the same on every rank.
+        weight: ``[V_r, D]`` this rank's rows of the LM head, ``shards.size`` of them.
+        shards: `VocabShards`, the layout of the shards over the process group.
+        edits, bias, softcap: as in `flashspec.sampling.argmax`, this rank's shard of the
+            edit codes (``[B, V_r]``) and of the bias (``[V_r]``).
+        check: raise `NonFiniteLogitsError` for non-finite rows (on every rank).
+
+    Returns:
+        `ArgmaxOutput` with global token ids, the same on every rank.
+
+    Example (on each of n ranks, after ``torch.distributed.init_process_group``):
+        >>> shards = VocabShards.chunked(full_weight.shape[0])
+        >>> out = flashspec.parallel.argmax(hidden, shards.local(full_weight), shards=shards)
+    """
+    _check(hidden, weight, shards, 2, edits, bias, softcap)
+    layout = summary.summary_layout("argmax", shards)
+    words = shard.summaries(hidden, weight, layout, None, None, shards, edits=edits, bias=bias,
+                            softcap=softcap)
+    out = merge_argmax(summary.unpack(all_gather_summaries(words, shards), layout))
+    if check:
+        _raise_non_finite(out.status)
+    return out
+
+
+def sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
+           positions: torch.Tensor, *, shards: VocabShards,
+           candidates: int = DEFAULT_CANDIDATES, edits: LogitEdits | None = None,
+           bias: torch.Tensor | None = None, softcap: float | None = None,
+           check: bool = True) -> SampleOutput:
+    """One token per row, as `flashspec.sampling.sample` on the full LM head.
+
+    Args:
+        hidden, weight, shards, edits, bias, softcap: as in `argmax`.
+        params: `SamplingParams` of the B rows, the same on every rank.
+        positions: int64 ``[B]``, each row's sequence index (keys the noise).
+        candidates: candidate keys each rank sends per row where the call truncates (raised
+            to the largest top-k + 1 up to `summary.MAX_TOP_K_CANDIDATES`).
+        check: validate the positions and raise `NonFiniteLogitsError` for non-finite rows;
+            False returns them with status `NON_FINITE`.
+
+    Returns:
+        `SampleOutput`, the same on every rank.
+
+    Example (on each rank):
+        >>> params = flashspec.SamplingParams.create(4, temperature=0.7, top_p=0.9, seed=0)
+        >>> out = flashspec.parallel.sample(hidden, shards.local(full_weight), params,
+        ...                                 positions, shards=shards)
+    """
+    _check(hidden, weight, shards, 2, edits, bias, softcap, candidates)
+    check_sampling_inputs(hidden, params, positions, check_values=check)
+    layout = summary.summary_layout("sample", shards, params, candidates)
+    head = dict(bias=bias, softcap=softcap)
+    words = shard.summaries(hidden, weight, layout, params, positions, shards, edits=edits,
+                            **head)
+    rows = merge_rows(summary.unpack(all_gather_summaries(words, shards), layout), layout,
+                      shards, params, positions)
+    out = SampleOutput(torch.where(rows.finite, rows.tokens, -1),
+                       torch.where(rows.finite, rows.logprobs, float("nan")),
+                       torch.where(rows.finite, rows.lse, float("nan")),
+                       torch.where(rows.finite, OK, NON_FINITE).to(torch.int32))
+    incomplete = rows.incomplete.nonzero().flatten()  # the same rows on every rank
+    if incomplete.numel():
+        logits = shard.shard_logits(hidden[incomplete], weight, **head,
+                                    edits=None if edits is None else edits.select(incomplete))
+        full = all_gather_logits(logits, shards, incomplete.numel())
+        exact = reference.sample_logits(full, params.select(incomplete, validate=False),
+                                        positions[incomplete])
+        out = SampleOutput(*(field.index_copy(0, incomplete, part)
+                             for field, part in zip(out, exact)))
+    if check:
+        _raise_non_finite(out.status)
+    return out
+
+
+def verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tensor,
+           params: SamplingParams, positions: torch.Tensor, *, shards: VocabShards,
+           acceptance: str = "strict", candidates: int = DEFAULT_CANDIDATES,
+           edits: LogitEdits | None = None, bias: torch.Tensor | None = None,
+           softcap: float | None = None, check: bool = True) -> VerifyOutput:
+    """Verification of G drafted tokens per row, as `flashspec.sampling.verify` on the full
+    LM head.
+
+    Args:
+        hidden: ``[B, G+1, D]`` target hidden states, the same on every rank.
+        weight, shards, bias, softcap: as in `argmax`.
+        draft_tokens: int64 ``[B, G]`` global draft ids, -1 padded.
+        params, positions, candidates: as in `sample` (positions: each row's first draft's
+            sequence index).
+        acceptance: "strict" or "probabilistic", as in `flashspec.sampling.verify`.
+        edits: this rank's shard of the edits, codes ``[B, G+1, V_r]``.
+        check: as in `sample`; validates the draft ids too.
+
+    Returns:
+        `VerifyOutput`, the same on every rank.
+    """
+    _check(hidden, weight, shards, 3, edits, bias, softcap, candidates)
+    check_draft_tokens(draft_tokens, hidden, shards.vocab_size, check_values=check)
+    check_sampling_inputs(hidden, params, positions, hidden.shape[1], check_values=check)
+    if acceptance not in ACCEPTANCE_MODES:
+        raise ValueError(f"`acceptance`={acceptance!r} is not allowed: use one of "
+                         f"{ACCEPTANCE_MODES}")
+    batch_size, num_positions, dim = hidden.shape
+    flat_hidden = hidden.reshape(-1, dim)
+    flat_edits = None if edits is None else _flat_edits(edits, draft_tokens, shards)
+    head = dict(bias=bias, softcap=softcap)
+    flat_params = params.repeat_interleave(num_positions, validate=False)
+    offsets = torch.arange(num_positions, device=positions.device)
+    flat_positions = (positions[:, None] + offsets[None, :]).flatten()
+    drafts = flat_drafts(draft_tokens)
+    layout = summary.summary_layout("verify", shards, params, candidates)
+    words = shard.summaries(flat_hidden, weight, layout, flat_params, flat_positions, shards,
+                            drafts, edits=flat_edits, **head)
+    rows = merge_rows(summary.unpack(all_gather_summaries(words, shards), layout), layout,
+                      shards, flat_params, flat_positions, drafts)
+    out = accept(rows, draft_tokens, params, positions, acceptance)
+    incomplete = rows.incomplete.view(batch_size, num_positions).any(dim=1).nonzero().flatten()
+    if incomplete.numel():
+        flat_rows = (incomplete[:, None] * num_positions + offsets[None, :]).flatten()
+        logits = shard.shard_logits(flat_hidden[flat_rows], weight, **head,
+                                    edits=None if edits is None else flat_edits.select(flat_rows))
+        full = all_gather_logits(logits, shards, incomplete.numel())
+        exact = reference.verify_logits(full, draft_tokens[incomplete],
+                                        params.select(incomplete, validate=False),
+                                        positions[incomplete], acceptance=acceptance)
+        out = VerifyOutput(*(field.index_copy(0, incomplete, part)
+                             for field, part in zip(out, exact)))
+    if check:
+        _raise_non_finite(out.status)
+    return out
+
+
+def _check(hidden, weight, shards, hidden_dims, edits, bias, softcap,
+           candidates: int = DEFAULT_CANDIDATES) -> None:
+    """The shapes, dtypes and layout of a call (no device read)."""
+    if not isinstance(shards, VocabShards):
+        raise ValueError(f"`shards` must be a flashspec.parallel.VocabShards, got "
+                         f"{type(shards).__name__}")
+    check_lm_head(hidden, weight, hidden_dims)
+    if hidden.dtype == torch.float64:
+        raise ValueError("flashspec.parallel takes float16, bfloat16 or float32 inputs (its "
+                         "candidate keys hold float32 logits), got float64")
+    if weight.shape[0] != shards.size:
+        raise ValueError(f"`weight` has {weight.shape[0]} rows but rank {shards.rank}'s shard "
+                         f"holds {shards.size} (`shards.sizes`={list(shards.sizes)})")
+    if dist.get_world_size(shards.group) != shards.world_size \
+            or dist.get_rank(shards.group) != shards.rank:
+        raise ValueError(f"`shards` describes rank {shards.rank} of {shards.world_size}, but "
+                         f"this process is rank {dist.get_rank(shards.group)} of "
+                         f"{dist.get_world_size(shards.group)} in its group")
+    if isinstance(candidates, bool) or not isinstance(candidates, numbers.Integral) \
+            or candidates < 1:
+        raise ValueError(f"`candidates` must be a positive int, got {candidates!r}")
+    if bias is not None and (not torch.is_tensor(bias) or not bias.is_floating_point()
+                             or bias.shape != (shards.size,) or bias.device != weight.device):
+        raise ValueError(f"`bias` must be this rank's shard of the LM-head bias: a float tensor "
+                         f"of shape [{shards.size}] on {weight.device}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
+                                or not torch.finfo(torch.float32).tiny <= softcap
+                                <= torch.finfo(torch.float32).max):
+        raise ValueError(f"`softcap` must be a positive float within float32's normal range, "
+                         f"got {softcap!r}")
+    if edits is not None:
+        _check_edits(edits, hidden, shards)
+
+
+def _check_edits(edits, hidden, shards) -> None:
+    """`edits` is a `LogitEdits` whose per-token fields hold this rank's shard of the
+    vocabulary and one row per batch row (their dtypes and values are the reference's)."""
+    if not isinstance(edits, LogitEdits):
+        raise ValueError(f"`edits` must be a flashspec.params.LogitEdits, got "
+                         f"{type(edits).__name__}")
+    for name in _PER_TOKEN_EDITS:
+        field = getattr(edits, name, None)
+        if field is not None and (not torch.is_tensor(field) or field.dim() < 2
+                                  or field.shape[0] != hidden.shape[0]
+                                  or field.shape[-1] != shards.size):
+            got = tuple(field.shape) if torch.is_tensor(field) else type(field).__name__
+            raise ValueError(f"`edits.{name}` must hold this rank's shard of the vocabulary, "
+                             f"[{hidden.shape[0]}, ..., {shards.size}], got {got}")
+
+
+def _flat_edits(edits, drafts: torch.Tensor, shards: VocabShards):
+    """Verification's `edits` one row per position, their per-token counts (where they have
+    them) counting the drafts this shard holds, by shard column."""
+    if getattr(edits, "counts", None) is None:
+        return edits.flat()
+    column = drafts - shards.offset
+    here = (drafts >= 0) & (column >= 0) & (column < shards.size)
+    return edits.flat(torch.where(here, column, -1))
+
+
+def _raise_non_finite(status: torch.Tensor) -> None:
+    rows = (status == NON_FINITE).nonzero().flatten()
+    if rows.numel():
+        raise NonFiniteLogitsError(rows.tolist())
