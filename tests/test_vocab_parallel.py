@@ -1,0 +1,332 @@
+"""Vocab-parallel argmax / sample / verify (`flashspec.parallel`) over gloo, 2 and 3 ranks in
+spawned processes: every rank returns what one process returns from the full weight.
+
+One spawn per rank count runs every case; each rank checks its results against
+`flashspec.sampling` (reference backend) itself and rank 0 writes the exchange counters
+for the parent. The vocabulary, 1001, is divisible by neither rank count.
+
+Exactness needs the same logits on both sides, but a CPU matmul's rounding depends on how
+many vocabulary rows it multiplies. The cases' weights and hidden states are multiples of
+1/16 and 1/8 with small numerators, so every product and sum is exact in float32 and the
+logits are bitwise the same however they are split (ties included: they are frequent).
+One case takes generic floats and compares with the reference on the shards' own logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import flashspec
+from flashspec import parallel, reference, sampling
+from flashspec.checks import NonFiniteLogitsError
+from flashspec.outputs import VerifyOutput
+from flashspec.parallel import VocabShards, summary
+from flashspec.params import BAN, KEEP, PENALIZE, LogitEdits
+
+VOCAB, DIM, BATCH, DRAFTS = 1001, 32, 4, 3
+# A collective that hangs fails the test instead of CI.
+COLLECTIVE_TIMEOUT_S, SPAWN_TIMEOUT_S = 60, 120
+
+MODES = {
+    "greedy": dict(do_sample=False),
+    "temperature": dict(temperature=[0.5, 0.8, 1.0, 1.7]),
+    "top_k": dict(temperature=0.9, top_k=[1, 5, 20, 60]),
+    "top_k_default": dict(top_k=50),  # what transformers samples with when nothing is set
+    "top_p": dict(temperature=[0.7, 1.0, 1.3, 2.0], top_p=[0.5, 0.8, 0.9, 0.95]),
+    "min_p": dict(temperature=[1.0, 1.5, 2.0, 3.0], min_p=[0.01, 0.05, 0.1, 0.3]),
+    "mixed": dict(do_sample=[False, True, True, True], temperature=[1.0, 0.7, 1.2, 1.0],
+                  top_k=[0, 50, 0, 10], top_p=[1.0, 0.9, 0.8, 1.0], min_p=[0.0, 0.0, 0.05, 0.0]),
+}
+TRUNCATING = ("top_k", "top_k_default", "top_p", "min_p", "mixed")
+ROUNDS = 3
+
+
+def _grid(generator, *shape, denominator):
+    return torch.randint(-16, 17, shape, generator=generator).float() / denominator
+
+
+def _uneven_size(rank: int, world_size: int) -> int:
+    """Shard sizes unlike transformers': (200, 801) and (1, 700, 300)."""
+    return {2: (200, 801), 3: (1, 700, 300)}[world_size][rank]
+
+
+def _assert_same(ours, theirs, what: str) -> None:
+    """Integer fields equal; float fields to float32 rounding (measured within 2e-6 at
+    these logits' magnitudes), NaN where theirs are NaN."""
+    for name, a, b in zip(type(theirs)._fields, ours, theirs):
+        if a.dtype.is_floating_point:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-5, equal_nan=True,
+                                       msg=lambda m, name=name: f"{what}: {name}: {m}")
+        elif not torch.equal(a, b):
+            raise AssertionError(f"{what}: {name} differ:\n{a.tolist()}\n{b.tolist()}")
+
+
+def _drafts(weight, hidden, params, positions, generator):
+    """Drafts that are often the target's own samples (accepted), else random, -1 padded."""
+    num_positions = hidden.shape[1]
+    own = torch.stack([sampling.sample(hidden[:, j], weight, params, positions + j).tokens
+                       for j in range(num_positions - 1)], dim=1)
+    random = torch.randint(0, VOCAB, own.shape, generator=generator)
+    drafts = torch.where(torch.rand(own.shape, generator=generator) < 0.6, own, random)
+    drafts[0, -1] = -1
+    return drafts
+
+
+def _cases(rank: int, world_size: int) -> dict:
+    generator = torch.Generator().manual_seed(1234)  # the same draws on every rank
+    weight = _grid(generator, VOCAB, DIM, denominator=16)
+    layouts = {"chunked": VocabShards.chunked(VOCAB),
+               "uneven": VocabShards.gather(_uneven_size(rank, world_size))}
+    chunk = -(-VOCAB // world_size)
+    assert layouts["chunked"].sizes == tuple(len(c) for c in torch.arange(VOCAB).chunk(world_size))
+    assert layouts["chunked"].offset == rank * chunk
+    assert layouts["uneven"].sizes == tuple(_uneven_size(r, world_size) for r in range(world_size))
+    report = {}
+    for layout_name, shards in layouts.items():
+        local = shards.local(weight)
+        for mode, kwargs in MODES.items():
+            parallel.reset_stats()
+            # Modes that truncate run a second time with 2 candidates: completion runs often.
+            budgets = (summary.DEFAULT_CANDIDATES, 2) if mode in TRUNCATING else (None,)
+            stats = {budget: parallel.ExchangeStats() for budget in budgets}
+            for round_ in range(ROUNDS):
+                what = f"{world_size} ranks, {layout_name}, {mode}, round {round_}"
+                params = flashspec.SamplingParams.create(BATCH, **kwargs, seed=100 * round_)
+                positions = torch.randint(0, 10_000, (BATCH,), generator=generator)
+                hidden = _grid(generator, BATCH, DRAFTS + 1, DIM, denominator=8)
+                drafts = _drafts(weight, hidden, params, positions, generator)
+                sampled = sampling.sample(hidden[:, 0], weight, params, positions)
+                verified = {acceptance: sampling.verify(hidden, weight, drafts, params, positions,
+                                                        acceptance=acceptance)
+                            for acceptance in ("strict", "probabilistic")}
+                for budget in budgets:
+                    budget_kwargs = {} if budget is None else dict(candidates=budget)
+                    parallel.reset_stats()
+                    _assert_same(parallel.sample(hidden[:, 0], local, params, positions,
+                                                 shards=shards, **budget_kwargs),
+                                 sampled, f"{what}, {budget} candidates")
+                    for acceptance, expected in verified.items():
+                        _assert_same(parallel.verify(hidden, local, drafts, params, positions,
+                                                     shards=shards, acceptance=acceptance,
+                                                     **budget_kwargs),
+                                     expected, f"{what}, {budget} candidates, verify {acceptance}")
+                    stats[budget] = _added(stats[budget], parallel.stats())
+            for budget, counted in stats.items():
+                report[f"{layout_name}/{mode}/{budget}"] = dataclasses.asdict(counted)
+        hidden = _grid(generator, 16, DIM, denominator=8)
+        _assert_same(parallel.argmax(hidden, local, shards=shards),
+                     sampling.argmax(hidden, weight), f"{layout_name}, argmax")
+    _model_head_and_edits(weight, layouts["chunked"], generator)
+    _non_finite_rows(weight, layouts["chunked"], generator)
+    _generic_floats(layouts["uneven"], generator)
+    report["bytes_per_row"] = {
+        op: summary.summary_layout(op, layouts["chunked"], params).bytes_per_row
+        for op, params in (("argmax", None),
+                           ("sample", flashspec.SamplingParams.create(BATCH, temperature=0.7)),
+                           ("verify", flashspec.SamplingParams.create(BATCH, temperature=0.7)))}
+    return report
+
+
+def _added(a: parallel.ExchangeStats, b: parallel.ExchangeStats) -> parallel.ExchangeStats:
+    return parallel.ExchangeStats(*(getattr(a, field.name) + getattr(b, field.name)
+                                    for field in dataclasses.fields(a)))
+
+
+def _model_head_and_edits(weight, shards, generator):
+    """An LM-head bias, a softcap and logit edits, each rank holding its shard of them."""
+    params = flashspec.SamplingParams.create(BATCH, **MODES["mixed"], seed=7)
+    positions = torch.arange(BATCH) * 11
+    bias = _grid(generator, VOCAB, denominator=128)
+    hidden = _grid(generator, BATCH, DRAFTS + 1, DIM, denominator=8)
+    # A tenth of the tokens penalized, a tenth banned.
+    codes = torch.tensor([KEEP] * 8 + [PENALIZE, BAN], dtype=torch.uint8)[
+        torch.randint(0, 10, (BATCH, DRAFTS + 1, VOCAB), generator=generator)]
+    edits = LogitEdits(codes, torch.full((BATCH,), 1.3, dtype=torch.float64))
+    local_edits = LogitEdits(shards.local(codes, dim=-1), edits.penalty)
+    head = dict(bias=bias, softcap=20.0)
+    local_head = dict(bias=shards.local(bias), softcap=20.0)
+    first = LogitEdits(edits.codes[:, 0].contiguous(), edits.penalty)
+    local_first = LogitEdits(local_edits.codes[:, 0].contiguous(), edits.penalty)
+    _assert_same(parallel.sample(hidden[:, 0], shards.local(weight), params, positions,
+                                 shards=shards, edits=local_first, **local_head),
+                 sampling.sample(hidden[:, 0], weight, params, positions, edits=first, **head),
+                 "head and edits, sample")
+    drafts = _drafts(weight, hidden, params, positions, generator)
+    _assert_same(parallel.verify(hidden, shards.local(weight), drafts, params, positions,
+                                 shards=shards, edits=local_edits, **local_head),
+                 sampling.verify(hidden, weight, drafts, params, positions, edits=edits, **head),
+                 "head and edits, verify")
+
+
+def _non_finite_rows(weight, shards, generator):
+    params = flashspec.SamplingParams.create(BATCH, **MODES["mixed"], seed=3)
+    positions = torch.arange(BATCH)
+    hidden = _grid(generator, BATCH, DIM, denominator=8)
+    hidden[1, 0] = float("inf")
+    local = shards.local(weight)
+    _assert_same(parallel.sample(hidden, local, params, positions, shards=shards, check=False),
+                 sampling.sample(hidden, weight, params, positions, check=False), "non-finite")
+    try:
+        parallel.sample(hidden, local, params, positions, shards=shards)
+    except NonFiniteLogitsError as error:
+        assert error.rows == [1], error.rows
+    else:
+        raise AssertionError("a non-finite row did not raise")
+    try:
+        parallel.sample(hidden.double(), local.double(), params, positions, shards=shards)
+    except ValueError as error:
+        assert "float64" in str(error), error
+    else:
+        raise AssertionError("float64 inputs were not refused")
+
+
+def _generic_floats(shards, generator):
+    """Generic float32 logits: the reference on the very logits the shards compute."""
+    weight = torch.randn(VOCAB, DIM, generator=generator)
+    logits_of = lambda hidden: torch.cat(
+        [parallel.shard.shard_logits(hidden, part) for part in
+         weight.split(list(shards.sizes))], dim=-1)
+    for mode, kwargs in MODES.items():
+        params = flashspec.SamplingParams.create(BATCH, **kwargs, seed=11)
+        positions = torch.randint(0, 10_000, (BATCH,), generator=generator)
+        hidden = torch.randn(BATCH, DRAFTS + 1, DIM, generator=generator) / 2
+        _assert_same(parallel.sample(hidden[:, 0], shards.local(weight), params, positions,
+                                     shards=shards),
+                     reference.sample_logits(logits_of(hidden[:, 0]), params, positions),
+                     f"generic floats, {mode}")
+        drafts = _drafts(weight, hidden, params, positions, generator)
+        _assert_same(parallel.verify(hidden, shards.local(weight), drafts, params, positions,
+                                     shards=shards),
+                     reference.verify_logits(logits_of(hidden.flatten(0, 1)), drafts, params,
+                                             positions),
+                     f"generic floats, {mode}, verify")
+
+
+def _emulated(logits, sizes, params, positions, candidates, draft_tokens=None,
+              acceptance="strict"):
+    """What ranks holding `sizes` columns of `logits` ``[R, V]`` merge, in one process: the
+    summaries stacked as the all-gather would, the merged rows (and, with `draft_tokens`,
+    the `VerifyOutput`); completion not run."""
+    shards = VocabShards(sizes, 0)
+    op = "sample" if draft_tokens is None else "verify"
+    layout = summary.summary_layout(op, shards, params, candidates)
+    drafts = None
+    if draft_tokens is not None:
+        num_positions = draft_tokens.shape[1] + 1
+        drafts = parallel.acceptance.flat_drafts(draft_tokens)
+        row_params = params.repeat_interleave(num_positions, validate=False)
+        row_positions = (positions[:, None] + torch.arange(num_positions)).flatten()
+    else:
+        row_params, row_positions = params, positions
+    words = torch.stack([
+        parallel.shard.summarize(logits[:, offset:offset + size], layout, row_params,
+                                 row_positions, offset, shards.vocab_size, drafts)
+        for offset, size in zip(shards.offsets, sizes)])
+    rows = parallel.merge.merge_rows(summary.unpack(words, layout), layout, shards, row_params,
+                                     row_positions, drafts)
+    if draft_tokens is None:
+        return rows
+    return rows, parallel.acceptance.accept(rows, draft_tokens, params, positions, acceptance)
+
+
+def test_merged_candidates_certify_only_exact_supports():
+    """Many layouts (shards of one token too), budgets down to one candidate, logits full of
+    ties and temperatures that merge neighbouring logits: every row the merge certifies
+    matches the reference, and small budgets do leave rows to complete."""
+    torch.manual_seed(0)
+    vocab = 257
+    rows_checked = rows_left = 0
+    for trial in range(40):
+        cuts = sorted(torch.randperm(vocab - 1)[:int(torch.randint(1, 5, ()))] + 1)
+        sizes = [b - a for a, b in zip([0, *cuts], [*cuts, vocab])]
+        if trial % 5 == 0:
+            sizes = [1, vocab - 2, 1]
+        logits = torch.randint(-40, 41, (8, vocab)).float() / 4  # ties everywhere
+        params = flashspec.SamplingParams.create(
+            8, do_sample=[True] * 7 + [False], temperature=[0.3, 1.0, 3.0, 0.7, 1.0, 1.9, 0.1, 1.0],
+            top_k=[0, 3, 0, 20, 0, 7, 0, 0], top_p=[1.0, 1.0, 0.9, 0.8, 0.5, 1.0, 0.99, 1.0],
+            min_p=[0.2, 0.0, 0.0, 0.0, 0.05, 0.1, 0.0, 0.0], seed=trial)
+        positions = torch.randint(0, 1000, (8,))
+        candidates = [1, 2, 4, 8, 32][trial % 5]
+        rows = _emulated(logits, sizes, params, positions, candidates)
+        expected = reference.sample_logits(logits, params, positions)
+        done = ~rows.incomplete
+        assert torch.equal(rows.tokens[done], expected.tokens[done]), (trial, sizes)
+        torch.testing.assert_close(rows.lse[done], expected.lse[done], rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(rows.logprobs[done], expected.logprobs[done], rtol=1e-6,
+                                   atol=1e-5)
+        rows_checked += int(done.sum())
+        rows_left += int(rows.incomplete.sum())
+
+        hidden_rows = torch.randint(-40, 41, (8 * (DRAFTS + 1), vocab)).float() / 4
+        own = reference.sample_logits(
+            hidden_rows, params.repeat_interleave(DRAFTS + 1),
+            (positions[:, None] + torch.arange(DRAFTS + 1)).flatten()).tokens
+        drafts = torch.where(torch.rand(8, DRAFTS) < 0.6, own.view(8, -1)[:, :DRAFTS],
+                             torch.randint(0, vocab, (8, DRAFTS)))
+        for acceptance in ("strict", "probabilistic"):
+            rows, out = _emulated(hidden_rows, sizes, params, positions, candidates, drafts,
+                                  acceptance)
+            expected = reference.verify_logits(hidden_rows, drafts, params, positions,
+                                               acceptance=acceptance)
+            done = ~rows.incomplete.view(8, -1).any(dim=1)
+            _assert_same(VerifyOutput(*(field[done] for field in out)),
+                         VerifyOutput(*(field[done] for field in expected)),
+                         f"trial {trial}, {sizes}, {candidates} candidates, {acceptance}")
+    assert rows_checked > 200 and rows_left > 20, (rows_checked, rows_left)
+
+
+def _worker(rank: int, world_size: int, init_file: str, report_file: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    try:
+        report = _cases(rank, world_size)
+        if rank == 0:
+            with open(report_file, "w") as f:
+                json.dump(report, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world_size: int, tmp_path) -> dict:
+    """Runs `_worker` on `world_size` spawned ranks; a rank's exception fails the test with
+    its traceback, a hang fails it after SPAWN_TIMEOUT_S."""
+    report_file = str(tmp_path / "report.json")
+    # A fork server imports this module (and flashspec, ~3 s) once for every rank of both
+    # tests, then forks them from its single thread; spawned ranks would each import it.
+    mp.set_forkserver_preload([__name__])
+    context = mp.start_processes(_worker, args=(world_size, str(tmp_path / "init"), report_file),
+                                 nprocs=world_size, join=False, start_method="forkserver")
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world_size} ranks still running after {SPAWN_TIMEOUT_S} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    with open(report_file) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_return_one_process_results(world_size, tmp_path):
+    report = _spawn(world_size, tmp_path)
+    # The untruncated sampling step's summary is well under issue 32's 64 bytes per row.
+    assert report["bytes_per_row"] == {"argmax": 8, "sample": 16, "verify": 20}
+    assert report["chunked/temperature/None"]["rows_completed"] == 0
+    # Both ways of finishing truncated rows ran: certified and completed.
+    top_p = report[f"chunked/top_p/{summary.DEFAULT_CANDIDATES}"]
+    assert top_p["rows_completed"] < top_p["calls"] * BATCH
+    assert report["chunked/top_p/2"]["rows_completed"] > 0
