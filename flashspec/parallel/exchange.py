@@ -2,9 +2,10 @@
 all-gather of whole logit rows, and counters of both (`stats`).
 
 Each call of `flashspec.parallel` runs one all-gather of its summaries (``[R, words]``
-int32 per rank), and a second one only when some truncated row was not certified (the
-shards' logits of those rows, padded to the largest shard). Every rank takes part in both:
-the merge that decides the second one runs on the same gathered words on every rank.
+int32 per rank); only where some truncated row was not certified, a second one of those
+rows' summaries with more candidates, and, for rows still uncertified, a third one of their
+logits (padded to the largest shard). Every rank takes part in each: the merges that decide
+them run on the same gathered words on every rank.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ class ExchangeStats:
     """This rank's exchanges since the last `reset_stats()`; bytes are what it contributed
     (it receives ``world_size - 1`` times as many)."""
 
-    calls: int = 0             # summary exchanges (one per call)
+    calls: int = 0             # summary exchanges (one per call, one more per retry)
     rows: int = 0              # rows summarised (verification: one per position)
     summary_bytes: int = 0
-    rows_completed: int = 0    # rows (verification: batch rows) finished from gathered logits
+    rows_retried: int = 0      # rows (verification: batch rows) summarised again, with more
+    #                            candidates, their support uncertified
+    rows_completed: int = 0    # of those, rows finished from their gathered logits
     completion_bytes: int = 0
 
 
@@ -53,6 +56,10 @@ def all_gather_summaries(words: torch.Tensor, shards: VocabShards) -> torch.Tens
     _stats.rows += words.shape[0]
     _stats.summary_bytes += words.numel() * words.element_size()
     return gathered.view(shards.world_size, *words.shape)
+
+
+def count_retried(batch_rows: int) -> None:
+    _stats.rows_retried += batch_rows
 
 
 def all_gather_logits(logits: torch.Tensor, shards: VocabShards, batch_rows: int) -> torch.Tensor:

@@ -12,9 +12,10 @@ which) and the same hidden states, parameters, positions and drafts. A call:
    candidate);
 3. merges them on every rank identically (`merge.py`, `acceptance.py`): the same tokens,
    logprobs, log-sum-exps and statuses everywhere;
-4. rarely, for truncated rows whose support the candidates do not certify, all-gathers
-   those rows' logits and samples them with `flashspec.reference` (`exchange.stats()`
-   counts them).
+4. for truncated rows whose support the candidates do not certify, and only for them, runs
+   steps 1-3 again with `RETRY_FACTOR` times the candidates; the rows still uncertified
+   then all-gather their logits and are sampled by `flashspec.reference`
+   (`exchange.stats()` counts both).
 
 Results are `flashspec.sampling`'s on the full weight (reference backend): the same tokens
 except at near-ties (the logits' rounding, which a shard's matmul may change; and top-p /
@@ -43,7 +44,7 @@ from ..outputs import NON_FINITE, OK, ArgmaxOutput, SampleOutput, VerifyOutput
 from ..params import LogitEdits, SamplingParams
 from . import shard, summary
 from .acceptance import accept, flat_drafts
-from .exchange import all_gather_logits, all_gather_summaries
+from .exchange import all_gather_logits, all_gather_summaries, count_retried
 from .layout import VocabShards
 from .merge import merge_argmax, merge_rows
 from .summary import DEFAULT_CANDIDATES
@@ -110,24 +111,21 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
     _check(hidden, weight, shards, 2, edits, bias, softcap, candidates)
     check_sampling_inputs(hidden, params, positions, check_values=check)
     layout = summary.summary_layout("sample", shards, params, candidates)
-    head = dict(bias=bias, softcap=softcap)
-    words = shard.summaries(hidden, weight, layout, params, positions, shards, edits=edits,
-                            **head)
-    rows = merge_rows(summary.unpack(all_gather_summaries(words, shards), layout), layout,
-                      shards, params, positions)
-    out = SampleOutput(torch.where(rows.finite, rows.tokens, -1),
-                       torch.where(rows.finite, rows.logprobs, float("nan")),
-                       torch.where(rows.finite, rows.lse, float("nan")),
-                       torch.where(rows.finite, OK, NON_FINITE).to(torch.int32))
-    incomplete = rows.incomplete.nonzero().flatten()  # the same rows on every rank
-    if incomplete.numel():
-        logits = shard.shard_logits(hidden[incomplete], weight, **head,
-                                    edits=None if edits is None else edits.select(incomplete))
-        full = all_gather_logits(logits, shards, incomplete.numel())
-        exact = reference.sample_logits(full, params.select(incomplete, validate=False),
-                                        positions[incomplete])
-        out = SampleOutput(*(field.index_copy(0, incomplete, part)
-                             for field, part in zip(out, exact)))
+    head = {"bias": bias, "softcap": softcap}
+
+    def merged(rows, layout):
+        return _sampled(hidden[rows], weight, params.select(rows, validate=False),
+                        positions[rows], shards, layout,
+                        None if edits is None else edits.select(rows), head)
+
+    def exact(rows):
+        logits = shard.shard_logits(hidden[rows], weight, **head,
+                                    edits=None if edits is None else edits.select(rows))
+        return reference.sample_logits(all_gather_logits(logits, shards, rows.numel()),
+                                       params.select(rows, validate=False), positions[rows])
+
+    out = _completed(merged, exact, torch.arange(hidden.shape[0], device=hidden.device),
+                     layout, shards)
     if check:
         _raise_non_finite(out.status)
     return out
@@ -160,33 +158,85 @@ def verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tenso
     if acceptance not in ACCEPTANCE_MODES:
         raise ValueError(f"`acceptance`={acceptance!r} is not allowed: use one of "
                          f"{ACCEPTANCE_MODES}")
-    batch_size, num_positions, dim = hidden.shape
-    flat_hidden = hidden.reshape(-1, dim)
+    num_positions = hidden.shape[1]
     flat_edits = None if edits is None else _flat_edits(edits, draft_tokens, shards)
-    head = dict(bias=bias, softcap=softcap)
+    layout = summary.summary_layout("verify", shards, params, candidates)
+    head = {"bias": bias, "softcap": softcap}
+
+    def flat_rows(rows):
+        offsets = torch.arange(num_positions, device=rows.device)
+        return (rows[:, None] * num_positions + offsets[None, :]).flatten()
+
+    def merged(rows, layout):
+        return _verified(hidden[rows], weight, draft_tokens[rows],
+                         params.select(rows, validate=False), positions[rows], shards, layout,
+                         acceptance, None if edits is None else flat_edits.select(flat_rows(rows)),
+                         head)
+
+    def exact(rows):
+        logits = shard.shard_logits(
+            hidden[rows].flatten(0, 1), weight, **head,
+            edits=None if edits is None else flat_edits.select(flat_rows(rows)))
+        return reference.verify_logits(all_gather_logits(logits, shards, rows.numel()),
+                                       draft_tokens[rows], params.select(rows, validate=False),
+                                       positions[rows], acceptance=acceptance)
+
+    out = _completed(merged, exact, torch.arange(hidden.shape[0], device=hidden.device),
+                     layout, shards)
+    if check:
+        _raise_non_finite(out.status)
+    return out
+
+
+def _sampled(hidden, weight, params, positions, shards, layout, edits, head):
+    """`SampleOutput` of the rows of `hidden` ``[R, D]`` from one exchange of summaries at
+    `layout`, and bool ``[R]``: the rows the candidates left uncertified."""
+    words = shard.summaries(hidden, weight, layout, params, positions, shards, edits=edits,
+                            **head)
+    rows = merge_rows(summary.unpack(all_gather_summaries(words, shards), layout), layout,
+                      shards, params, positions)
+    out = SampleOutput(torch.where(rows.finite, rows.tokens, -1),
+                       torch.where(rows.finite, rows.logprobs, float("nan")),
+                       torch.where(rows.finite, rows.lse, float("nan")),
+                       torch.where(rows.finite, OK, NON_FINITE).to(torch.int32))
+    return out, rows.incomplete
+
+
+def _verified(hidden, weight, draft_tokens, params, positions, shards, layout, acceptance,
+              flat_edits, head):
+    """`VerifyOutput` of the batch rows of `hidden` ``[B, G+1, D]`` from one exchange of
+    summaries at `layout`, and bool ``[B]``: the rows with an uncertified position."""
+    batch_size, num_positions, dim = hidden.shape
     flat_params = params.repeat_interleave(num_positions, validate=False)
     offsets = torch.arange(num_positions, device=positions.device)
     flat_positions = (positions[:, None] + offsets[None, :]).flatten()
     drafts = flat_drafts(draft_tokens)
-    layout = summary.summary_layout("verify", shards, params, candidates)
-    words = shard.summaries(flat_hidden, weight, layout, flat_params, flat_positions, shards,
-                            drafts, edits=flat_edits, **head)
+    words = shard.summaries(hidden.reshape(-1, dim), weight, layout, flat_params,
+                            flat_positions, shards, drafts, edits=flat_edits, **head)
     rows = merge_rows(summary.unpack(all_gather_summaries(words, shards), layout), layout,
                       shards, flat_params, flat_positions, drafts)
     out = accept(rows, draft_tokens, params, positions, acceptance)
-    incomplete = rows.incomplete.view(batch_size, num_positions).any(dim=1).nonzero().flatten()
-    if incomplete.numel():
-        flat_rows = (incomplete[:, None] * num_positions + offsets[None, :]).flatten()
-        logits = shard.shard_logits(flat_hidden[flat_rows], weight, **head,
-                                    edits=None if edits is None else flat_edits.select(flat_rows))
-        full = all_gather_logits(logits, shards, incomplete.numel())
-        exact = reference.verify_logits(full, draft_tokens[incomplete],
-                                        params.select(incomplete, validate=False),
-                                        positions[incomplete], acceptance=acceptance)
-        out = VerifyOutput(*(field.index_copy(0, incomplete, part)
-                             for field, part in zip(out, exact)))
-    if check:
-        _raise_non_finite(out.status)
+    return out, rows.incomplete.view(batch_size, num_positions).any(dim=1)
+
+
+def _completed(merged, exact, batch_rows: torch.Tensor, layout: summary.SummaryLayout,
+               shards: VocabShards):
+    """The call's output: ``merged(rows, layout)`` for every row, then, for the rows it
+    leaves uncertified, ``merged(rows, larger layout)``, then ``exact(rows)`` (from the
+    gathered logits) for the rows still uncertified. Every rank reaches the same rows."""
+    out, incomplete = merged(batch_rows, layout)
+    retry = summary.retry_layout(layout, shards)
+    for finish in ("retry", "exact") if retry is not None else ("exact",):
+        rows = incomplete.nonzero().flatten()
+        if not rows.numel():
+            break
+        if finish == "retry":
+            part, still = merged(rows, retry)
+            count_retried(rows.numel())
+        else:
+            part, still = exact(rows), torch.zeros_like(rows, dtype=torch.bool)
+        out = type(out)(*(field.index_copy(0, rows, value) for field, value in zip(out, part)))
+        incomplete = torch.zeros_like(incomplete).index_copy(0, rows, still)
     return out
 
 

@@ -44,6 +44,10 @@ DEFAULT_CANDIDATES = 32
 # whatever its split over the ranks (beyond it, `DEFAULT_CANDIDATES` and completion).
 MAX_TOP_K_CANDIDATES = 1024
 
+# The second exchange's budget, in multiples of the first's: 512 keys, 4 KB per row and
+# rank at the default, against the ~300 KB of a 76k-token shard's float32 logits.
+RETRY_FACTOR = 16
+
 _MASK31 = 0x7FFFFFFF
 
 
@@ -77,6 +81,14 @@ def summary_layout(op: str, shards: VocabShards, params: SamplingParams | None =
     if params.any_top_k and params.max_top_k <= MAX_TOP_K_CANDIDATES:
         wanted = max(wanted, params.max_top_k + 1)
     return SummaryLayout(FIELDS[op], min(wanted, max(shards.sizes)))
+
+
+def retry_layout(layout: SummaryLayout, shards: VocabShards) -> SummaryLayout | None:
+    """The layout of the second exchange, for the rows whose support `layout`'s candidates
+    did not certify: `RETRY_FACTOR` times the candidates, up to the largest shard; None
+    where that is no more (or the call has no candidates)."""
+    budget = min(RETRY_FACTOR * layout.num_candidates, max(shards.sizes))
+    return layout._replace(num_candidates=budget) if budget > layout.num_candidates else None
 
 
 def pack(fields: list[torch.Tensor], keys: torch.Tensor | None) -> torch.Tensor:
