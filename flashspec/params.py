@@ -279,8 +279,20 @@ BANNED_LOGIT = -2.0**64
 
 
 class LogitEdits(NamedTuple):
-    """Per-(row, token) edits of the raw logits, applied before temperature and truncation
-    as transformers applies its logits processors before its warpers.
+    """Per-(row, token) edits of the model's logits, applied before temperature and
+    truncation as transformers applies its logits processors before its warpers, in
+    transformers' and vLLM's order:
+
+    1. ``+ bias`` (transformers' single-token ``sequence_bias``, vLLM's and OpenAI's
+       ``logit_bias``);
+    2. the repetition penalty of the tokens whose code is `PENALIZE`;
+    3. vLLM's penalties in float32, as vLLM computes them: ``l - frequency * c``, then
+       ``l - presence * (c > 0)``, c = `counts` of the token;
+    4. `BANNED_LOGIT` where the code is `BAN`, whatever came before.
+
+    Every field is optional (None: that edit is not made, and the fused kernels compile
+    without it); `codes` and `penalty` go together, as `counts`, `frequency` and
+    `presence` do.
 
     Attributes:
         codes: uint8 ``[B, V]`` (`sample`, `argmax`) or ``[B, G+1, V]`` (`verify`, one row of
@@ -288,6 +300,20 @@ class LogitEdits(NamedTuple):
         penalty: float64 ``[B]``, each row's repetition penalty (> 0; 1 leaves a penalized
             logit as it is), rounded to the logits' dtype where it is applied, as
             transformers rounds its Python float.
+        bias: float32 ``[B, V]``, added to each row's logits (in verification, to every
+            position of the row), or ``[B, G+1, V]`` in verification, one row per position
+            (transformers' multi-token ``sequence_bias`` depends on the context, so on the
+            drafts before a position); or None.
+        counts: int32 ``[B, V]``, >= 0: how many times each token occurs among the row's
+            generated tokens before this step (vLLM counts its output tokens, not the
+            prompt). In verification these are the counts before the first verified
+            position: position j adds the row's drafts before it,
+            ``counts[b, t] + #{m < j : drafts[b, m] == t}`` (the fused kernels from the
+            drafts they already read), which is the count a plain step after accepting those
+            drafts holds, so speculation changes no logit. None: no `frequency` / `presence`.
+        frequency, presence: float64 ``[B]``, vLLM's frequency and presence penalties (any
+            value finite in float32; vLLM takes -2 to 2), rounded to the logits' dtype where
+            they are applied (float32 in the kernels, as vLLM holds them); with `counts`.
 
     Example:
         >>> import torch
@@ -295,25 +321,74 @@ class LogitEdits(NamedTuple):
         >>> codes[0, 2], codes[0, 4] = PENALIZE, BAN
         >>> edits = LogitEdits(codes, torch.tensor([2.0], dtype=torch.float64))
         >>> from flashspec import reference
-        >>> reference.edit_logits(torch.tensor([[1., -1., 3., -3., 5., 0.]]), edits)[0].tolist()
+        >>> logits = torch.tensor([[1., -1., 3., -3., 5., 0.]])
+        >>> reference.edit_logits(logits, edits)[0].tolist()
         [1.0, -1.0, 1.5, -3.0, -1.8446744073709552e+19, 0.0]
+
+        With a bias, then counts (token 2: ``(3 - 4) * 2 - 0.5 * 1 - 0.25``):
+
+        >>> edits = edits._replace(
+        ...     bias=torch.tensor([[0., 0., -4., 0.5, 9., 0.]]),
+        ...     counts=torch.tensor([[0, 2, 1, 0, 3, 0]], dtype=torch.int32),
+        ...     frequency=torch.tensor([0.5], dtype=torch.float64),
+        ...     presence=torch.tensor([0.25], dtype=torch.float64))
+        >>> reference.edit_logits(logits, edits)[0].tolist()
+        [1.0, -2.25, -2.75, -2.5, -1.8446744073709552e+19, 0.0]
     """
 
-    codes: torch.Tensor
-    penalty: torch.Tensor
+    codes: torch.Tensor | None = None
+    penalty: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+    frequency: torch.Tensor | None = None
+    presence: torch.Tensor | None = None
 
     def select(self, rows: torch.Tensor) -> "LogitEdits":
-        """The edits of the given rows (an index tensor), in that order."""
-        return LogitEdits(self.codes[rows], self.penalty[rows])
+        """The edits of the given batch rows (an index tensor), in that order."""
+        return LogitEdits(*(None if field is None else field[rows] for field in self))
 
-    def flat(self) -> "LogitEdits":
-        """Verification's edits ``[B, G+1, V]`` as one row per position ``[B*(G+1), V]``
-        with each batch row's penalty repeated G+1 times."""
-        if self.codes.dim() == 2:
+    def to(self, device) -> "LogitEdits":
+        return LogitEdits(*(None if field is None else field.to(device) for field in self))
+
+    def flat(self, drafts: torch.Tensor | None = None) -> "LogitEdits":
+        """Verification's edits as one row per position, ``[B*(G+1), V]`` (row
+        b*(G+1)+j: position j of batch row b), each batch row's penalties repeated G+1
+        times, a ``[B, V]`` bias too, and position j's counts with the drafts before it
+        (``drafts`` ``[B, G]``, -1 padded, needed with counts). Edits of `sample` (no
+        `drafts`, nothing per position) are returned as they are."""
+        if drafts is not None:
+            positions = drafts.shape[1] + 1
+        elif self.codes is not None and self.codes.dim() == 3:
+            positions = self.codes.shape[1]
+        elif self.bias is not None and self.bias.dim() == 3:
+            positions = self.bias.shape[1]
+        else:
             return self
-        batch, positions, vocab = self.codes.shape
-        return LogitEdits(self.codes.reshape(batch * positions, vocab),
-                          self.penalty.repeat_interleave(positions))
+        if self.counts is not None and drafts is None and positions > 1:
+            raise ValueError("LogitEdits.flat needs the drafts with counts: position j counts "
+                             "the drafts before it")
+        per_row = lambda t: None if t is None else t.repeat_interleave(positions)  # noqa: E731
+        counts = self.counts
+        if counts is not None:
+            counts = (counts[:, None, :] + drafted_counts(drafts, counts.shape[-1])).flatten(0, 1)
+        bias = self.bias
+        if bias is not None and bias.dim() == 2:
+            bias = bias.repeat_interleave(positions, dim=0)
+        elif bias is not None:
+            bias = bias.flatten(0, 1)
+        return LogitEdits(None if self.codes is None else self.codes.flatten(0, 1),
+                          per_row(self.penalty), bias, counts, per_row(self.frequency),
+                          per_row(self.presence))
+
+
+def drafted_counts(drafts: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 ``[B, G+1, V]``: at position j, how many times each token occurs among the
+    drafts ``drafts[b, :j]`` (``[B, G]``; -1, padding, is no token)."""
+    batch, num_drafts = drafts.shape
+    hits = torch.zeros(batch, num_drafts + 1, vocab_size, dtype=torch.int32, device=drafts.device)
+    drafted = (drafts >= 0).to(torch.int32)[..., None]
+    hits[:, 1:].scatter_(2, drafts.clamp_min(0)[..., None], drafted)
+    return hits.cumsum(dim=1, dtype=torch.int32)
 
 
 def generation_sampling(value_of, where) -> dict:

@@ -68,14 +68,26 @@ def softcapped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
 
 
 def edit_logits(logits: torch.Tensor, edits: LogitEdits) -> torch.Tensor:
-    """`logits` ``[R, V]`` after `edits` (`LogitEdits` of R rows, `LogitEdits.flat` for
-    verification): transformers' repetition penalty where the code is PENALIZE (its
-    arithmetic: ``l * p`` where ``l < 0``, else ``l / p``, p rounded to the logits' dtype),
-    `BANNED_LOGIT` where it is BAN (see `flashspec.params` for why not -inf)."""
-    penalty = edits.penalty.to(logits.dtype)[:, None]
-    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
-    edited = torch.where(edits.codes == PENALIZE, penalized, logits)
-    return edited.masked_fill(edits.codes == BAN, BANNED_LOGIT)
+    """`logits` ``[R, V]`` after `edits` (`LogitEdits` of R rows: `LogitEdits.flat` for
+    verification), in its order and the logits' dtype: ``+ bias``; transformers' repetition
+    penalty where the code is PENALIZE (its arithmetic: ``l * p`` where ``l < 0``, else
+    ``l / p``); vLLM's ``l - frequency * c``, then ``l - presence * (c > 0)``, each product
+    and difference rounded on its own, as vLLM's torch ops round them; `BANNED_LOGIT` where
+    the code is BAN (see `flashspec.params` for why not -inf). Penalties are rounded to the
+    logits' dtype first."""
+    dtype = logits.dtype
+    if edits.bias is not None:
+        logits = logits + edits.bias.to(dtype)
+    if edits.codes is not None:
+        penalty = edits.penalty.to(dtype)[:, None]
+        penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+        logits = torch.where(edits.codes == PENALIZE, penalized, logits)
+    if edits.counts is not None:
+        logits = logits - edits.frequency.to(dtype)[:, None] * edits.counts.to(dtype)
+        logits = logits - edits.presence.to(dtype)[:, None] * (edits.counts > 0).to(dtype)
+    if edits.codes is not None:
+        logits = logits.masked_fill(edits.codes == BAN, BANNED_LOGIT)
+    return logits
 
 
 def transform_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

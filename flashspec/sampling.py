@@ -12,9 +12,10 @@ arguments. These keywords are shared:
   temperature and truncation, greedy rows included, see the model's logits as transformers'
   processors do.
 * ``edits``: `flashspec.params.LogitEdits`, per-(row, token) edits of the model's logits
-  (transformers' repetition penalty, banned tokens) applied before temperature and
-  truncation, as transformers applies its logits processors before its warpers; the fused
-  backend applies them in its kernels' epilogue, the others to their materialized logits.
+  (a logit bias, transformers' repetition penalty, vLLM's frequency and presence penalties,
+  banned tokens, in that order) applied before temperature and truncation, as transformers
+  applies its logits processors before its warpers; the fused backend applies them in its
+  kernels' epilogue, the others to their materialized logits.
 
 * ``backend`` picks the implementation (`BACKENDS`):
 
@@ -77,12 +78,14 @@ def argmax(hidden: torch.Tensor, weight: torch.Tensor, *, edits: LogitEdits | No
             bfloat16, float32 or float64.
         weight: ``[V, D]`` LM-head weight (``model.get_output_embeddings().weight``),
             contiguous, same dtype and device as `hidden`.
-        edits: `LogitEdits` with codes uint8 ``[B, V]`` and penalty ``[B]``, or None.
+        edits: `LogitEdits` of the B rows (codes uint8 ``[B, V]``, penalties ``[B]``, a
+            logit bias ``[B, V]``, counts ``[B, V]``), or None.
         bias: the LM-head bias, ``[V]`` of a float dtype on `weight`'s device, or None.
         softcap: a positive finite float c (logits become ``c * tanh(logits / c)`` after the
             bias), or None.
-        check: raise `NonFiniteLogitsError` for rows with NaN or infinite logits (a device
-            read); False returns them with token -1 and status `NON_FINITE`.
+        check: validate the values of `edits` and raise `NonFiniteLogitsError` for rows
+            with NaN or infinite logits (device reads); False returns them with token -1 and
+            status `NON_FINITE`.
         backend: one of `BACKENDS` (module docstring).
         config: `flashspec.kernels.TileConfig` of the fused kernels (None: their fixed
             table); only with the fused backend. Results never depend on it.
@@ -98,7 +101,7 @@ def argmax(hidden: torch.Tensor, weight: torch.Tensor, *, edits: LogitEdits | No
         (True, [0, 0])
     """
     check_lm_head(hidden, weight, hidden_dims=2)
-    _check_edits(edits, hidden, weight.shape[0])
+    _check_edits(edits, hidden, weight.shape[0], check)
     head = _checked_head(bias, softcap, weight)
     implementation = _implementation(backend, hidden, config)
     if implementation == "fused":
@@ -125,11 +128,12 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
         params: `SamplingParams` of the B rows, on `hidden`'s device.
         positions: int64 ``[B]``, the sequence index of each row's token; it keys the noise,
             so the same (seed, position) gives the same token wherever it is computed.
-        edits: `LogitEdits` with codes uint8 ``[B, V]`` and penalty ``[B]``, or None.
+        edits: `LogitEdits` of the B rows, as in `argmax`, or None.
         bias, softcap: the model's head transforms, as in `argmax`.
-        check: validate the positions, raise `NonFiniteLogitsError` for rows with NaN or
-            infinite logits (or logits / temperature) and complete flagged rows exactly
-            (module docstring); False leaves both to the caller, without device reads.
+        check: validate the positions and the values of `edits`, raise
+            `NonFiniteLogitsError` for rows with NaN or infinite logits (or logits /
+            temperature) and complete flagged rows exactly (module docstring); False leaves
+            both to the caller, without device reads.
         backend: one of `BACKENDS`.
         config: `flashspec.kernels.TileConfig` of the fused kernels, as in `argmax`.
 
@@ -148,7 +152,7 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
     """
     check_lm_head(hidden, weight, hidden_dims=2)
     check_sampling_inputs(hidden, params, positions, check_values=check)
-    _check_edits(edits, hidden, weight.shape[0])
+    _check_edits(edits, hidden, weight.shape[0], check)
     head = _checked_head(bias, softcap, weight)
     implementation = _implementation(backend, hidden, config)
     if implementation != "fused":
@@ -195,7 +199,9 @@ def verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tenso
             token is the Gumbel-max sample with the draft masked out. Both are exact
             speculative sampling for greedy (one-hot) drafts.
         edits: `LogitEdits` with codes uint8 ``[B, G+1, V]`` (position j's edits, made with
-            the drafts before j in its context) and penalty ``[B]``, or None.
+            the drafts before j in its context), penalties ``[B]``, a logit bias ``[B, V]``
+            (every position) or ``[B, G+1, V]`` (one row per position), and counts ``[B, V]``
+            before the first position (position j adds the drafts before it), or None.
         bias, softcap: the model's head transforms, as in `argmax`.
         check: as in `sample` (validates the draft ids too). Only the positions a row can
             emit count: its drafts and the one after them.
@@ -221,7 +227,7 @@ def verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tenso
     check_lm_head(hidden, weight, hidden_dims=3)
     check_draft_tokens(draft_tokens, hidden, weight.shape[0], check_values=check)
     check_sampling_inputs(hidden, params, positions, hidden.shape[1], check_values=check)
-    _check_edits(edits, hidden, weight.shape[0])
+    _check_edits(edits, hidden, weight.shape[0], check)
     head = _checked_head(bias, softcap, weight)
     if acceptance not in ACCEPTANCE_MODES:
         raise ValueError(f"`acceptance`={acceptance!r} is not allowed: use one of "
@@ -252,7 +258,7 @@ def _verify_logits(logits, hidden, weight, draft_tokens, params, positions, acce
     """`reference.verify_logits` of the logits `logits(hidden rows, weight, **head)` after
     `edits`."""
     flat = logits(hidden.reshape(-1, hidden.shape[-1]), weight, **head)
-    flat = _edited(flat, None if edits is None else edits.flat())
+    flat = _edited(flat, None if edits is None else edits.flat(draft_tokens))
     return reference.verify_logits(flat, draft_tokens, params, positions, acceptance=acceptance)
 
 
@@ -283,27 +289,77 @@ def _checked_head(bias: torch.Tensor | None, softcap, weight: torch.Tensor) -> d
     return dict(bias=bias, softcap=softcap)
 
 
-def _check_edits(edits: LogitEdits | None, hidden: torch.Tensor, vocab_size: int) -> None:
-    """`edits` is None or a `LogitEdits` whose codes (uint8) have one row per position of
-    `hidden` ``[B, D]`` or ``[B, G+1, D]`` and `vocab_size` columns, and whose penalty is
-    float64 ``[B]``, on `hidden`'s device (no device read)."""
+def _check_edits(edits: LogitEdits | None, hidden: torch.Tensor, vocab_size: int,
+                 check_values: bool = True) -> None:
+    """`edits` is None or a `LogitEdits` whose tensors fit `hidden` ``[B, D]`` or
+    ``[B, G+1, D]``, `vocab_size` and `hidden`'s device (`LogitEdits` gives each shape and
+    dtype); with `check_values` (one device read) the values too: penalties finite in
+    float32 (the repetition penalty > 0), the bias finite, the counts >= 0."""
     if edits is None:
         return
     if not isinstance(edits, LogitEdits):
         raise ValueError(f"`edits` must be a flashspec.params.LogitEdits, got {type(edits).__name__}")
-    shape = (*hidden.shape[:-1], vocab_size)
-    codes, penalty = edits
-    if not torch.is_tensor(codes) or codes.dtype != torch.uint8 or codes.shape != shape:
-        got = (codes.dtype, tuple(codes.shape)) if torch.is_tensor(codes) else type(codes).__name__
-        raise ValueError(f"`edits.codes` must be a uint8 tensor of shape {list(shape)}, got {got}")
-    if not torch.is_tensor(penalty) or penalty.dtype != torch.float64 \
-            or penalty.shape != (hidden.shape[0],):
-        got = (penalty.dtype, tuple(penalty.shape)) if torch.is_tensor(penalty) else type(penalty).__name__
-        raise ValueError(f"`edits.penalty` must be a float64 tensor of shape [{hidden.shape[0]}], "
-                         f"got {got}")
-    for name, tensor in (("codes", codes), ("penalty", penalty)):
+    batch = hidden.shape[0]
+    positions = (*hidden.shape[1:-1], vocab_size)     # [V] or [G+1, V]
+    shapes = {
+        "codes": (torch.uint8, [(batch, *positions)]),
+        "penalty": (torch.float64, [(batch,)]),
+        # Verification's bias: one row per batch row, or one per position.
+        "bias": (torch.float32, sorted({(batch, vocab_size), (batch, *positions)}, key=len)),
+        "counts": (torch.int32, [(batch, vocab_size)]),
+        "frequency": (torch.float64, [(batch,)]),
+        "presence": (torch.float64, [(batch,)]),
+    }
+    for name, (dtype, allowed) in shapes.items():
+        tensor = getattr(edits, name)
+        if tensor is None:
+            continue
+        if not torch.is_tensor(tensor) or tensor.dtype != dtype \
+                or tuple(tensor.shape) not in allowed:
+            got = (tensor.dtype, tuple(tensor.shape)) if torch.is_tensor(tensor) \
+                else type(tensor).__name__
+            shape = " or ".join(str(list(a)) for a in allowed)
+            kind = str(dtype)[len("torch."):]
+            article = "an" if kind.startswith("int") else "a"
+            raise ValueError(f"`edits.{name}` must be {article} {kind} tensor of shape {shape}, "
+                             f"got {got}")
         if tensor.device != hidden.device:
             raise ValueError(f"`edits.{name}` is on {tensor.device} but `hidden` is on {hidden.device}")
+    pairs = (("codes", "penalty", "the repetition penalty of the PENALIZE codes"),
+             ("counts", "frequency", "vLLM's frequency penalty of the counts"),
+             ("counts", "presence", "vLLM's presence penalty of the counts"))
+    for first, second, what in pairs:
+        if (getattr(edits, first) is None) != (getattr(edits, second) is None):
+            given, missing = (first, second) if getattr(edits, second) is None else (second, first)
+            raise ValueError(f"`edits.{given}` is given without `edits.{missing}`: {what} "
+                             f"needs both (or neither)")
+    if check_values:
+        _check_edit_values(edits)
+
+
+def _check_edit_values(edits: LogitEdits) -> None:
+    """The values `_check_edits` checks, from one device read (and one more to name a bad
+    value)."""
+    float32 = lambda t: t.to(torch.float32)  # noqa: E731 - as the kernels apply them
+    rules = {
+        "penalty": ("finite and > 0 in float32",
+                    lambda p: torch.isfinite(float32(p)) & (float32(p) > 0)),
+        "bias": ("finite", torch.isfinite),
+        "counts": (">= 0", lambda c: c >= 0),
+        "frequency": ("finite in float32", lambda f: torch.isfinite(float32(f))),
+        "presence": ("finite in float32", lambda p: torch.isfinite(float32(p))),
+    }
+    checked = {name: is_ok(getattr(edits, name)) for name, (_, is_ok) in rules.items()
+               if getattr(edits, name) is not None and getattr(edits, name).numel()}
+    if not checked:
+        return
+    all_ok = torch.stack([ok.all() for ok in checked.values()]).tolist()
+    for (name, ok), fine in zip(checked.items(), all_ok):
+        if not fine:
+            where = tuple(int(i) for i in (~ok).nonzero()[0])
+            value = getattr(edits, name)[where].item()
+            raise ValueError(f"`edits.{name}`={value} (at {list(where)}) is not allowed: must be "
+                             f"{rules[name][0]}")
 
 
 def _implementation(backend: str, hidden: torch.Tensor, config: TileConfig | None) -> str:

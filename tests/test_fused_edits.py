@@ -44,7 +44,8 @@ def edited_logits64(hidden, weight, edits: LogitEdits) -> torch.Tensor:
     """float64 logits after transformers' own repetition penalty and bans (-inf)."""
     flat = hidden.reshape(-1, hidden.shape[-1]).double().cpu()
     logits = reference.compute_logits(flat, weight.double().cpu())
-    codes, penalty = (t.cpu() for t in edits.flat())
+    flat_edits = edits.flat().to("cpu")
+    codes, penalty = flat_edits.codes, flat_edits.penalty
     penalized = lp.RepetitionPenaltyLogitsProcessor(1.0)
     out = logits.clone()
     for row in range(out.shape[0]):

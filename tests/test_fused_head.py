@@ -73,7 +73,7 @@ def model_logits64(hidden, weight, bias=None, softcap=None, edits=None) -> torch
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     if edits is not None:
-        logits = reference.edit_logits(logits, LogitEdits(*(t.cpu() for t in edits.flat())))
+        logits = reference.edit_logits(logits, edits.flat().to("cpu"))
     return logits
 
 
