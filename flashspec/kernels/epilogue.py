@@ -2,8 +2,9 @@
 
 From the fp32 logits tile ``acc`` ``[rows, columns]``, first made the model's own logits where
 its head transforms them (`_head_logits`: an LM-head bias, then Gemma-2's softcap), then
-edited where the call has logit edits (`_edited_logits`: repetition penalty, banned tokens,
-after the model and before temperature, as in transformers), ``s`` = logits / temperature
+edited where the call has logit edits (`_edited_logits`: a logit bias, the repetition
+penalty, vLLM's frequency and presence penalties, banned tokens, after the model and before
+temperature, as in transformers), ``s`` = logits / temperature
 (`_scaled_logits`), then per row
 
 * the best score and its id: argmax of ``s + g`` for sampled rows (``g`` = Gumbel noise of
@@ -31,8 +32,8 @@ import triton.language as tl
 
 from .. import params
 from .keys import pack_candidates
-from .noise import (_SCREEN_ERROR, LOG2E, NEG_LN2, exp2_ftz, gumbel_from_bits, gumbel_noise,
-                    gumbel_screen_log2, opaque, philox_tile_bits)
+from .noise import (_INTERPRETED, _SCREEN_ERROR, LOG2E, NEG_LN2, exp2_ftz, gumbel_from_bits,
+                    gumbel_noise, gumbel_screen_log2, opaque, philox_tile_bits)
 from .rows import _column_tokens, _draft_here
 
 # 2**-21: rounding allowance per unit of score magnitude in the screen's margin (`_screen`).
@@ -99,22 +100,132 @@ def _head_logits(acc, bias_ptr, softcap, tokens, v_ok, BIAS: tl.constexpr,
 
 
 @triton.jit
-def _edited_logits(acc, codes_ptr, penalty_ptr, rows, tokens, r_ok, v_ok, V, ROWS_PER_PARAM):
-    """`acc` ``[rows, tokens]`` with the edits of `flashspec.params.LogitEdits`: the uint8 codes
-    ``[R, V]`` (contiguous) of kernel rows `rows` and tokens `tokens`, each row's penalty at
-    ``penalty_ptr[row // ROWS_PER_PARAM]``. PENALIZE is transformers' repetition penalty, a
-    product by the penalty where the logit is negative and otherwise by its inverse: one ulp
-    from transformers' division at most, as the temperature's product (`lm_head_tiles_kernel`),
-    which only matters at near-ties. BAN gives `BANNED_LOGIT` (`flashspec.params`: finite, so
-    that no summary below needs to know of bans). Every summary of the tile (the race, the
-    screen, the log-sum-exp, the candidates, the draft left out) then sees the edited logits.
-    One byte per logit read: under 2% of the weight's bytes at 64 rows and D = 4096."""
-    code = tl.load(codes_ptr + rows[:, None].to(tl.int64) * V + tokens[None, :],
-                   mask=r_ok[:, None] & v_ok[None, :], other=0)
-    penalty = tl.load(penalty_ptr + rows // ROWS_PER_PARAM).to(tl.float32)
-    factor = tl.where(acc < 0.0, penalty[:, None], (1.0 / penalty)[:, None])
-    acc = tl.where(code == _PENALIZE, acc * factor, acc)
-    return tl.where(code == _BAN, _BANNED_LOGIT, acc)
+def _rounded(x, y, OP: tl.constexpr):
+    """fp32 ``x OP y`` (OP "add", "sub" or "mul") rounded once, and never contracted with a
+    product that made x or y, or with an addition of its product, into an FMA (Triton fuses
+    fp32 ``a * b + c`` on GPUs): it rounds as the torch reference's operation does (a
+    softcapped logit ``tanh * c`` plus a bias, vLLM's ``l - frequency * c``)."""
+    if _INTERPRETED:
+        if OP == "add":
+            return x + y
+        elif OP == "sub":
+            return x - y
+        else:
+            return x * y
+    else:
+        return tl.inline_asm_elementwise(OP + ".rn.f32 $0, $1, $2;", "=r,r,r", [x, y],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _additive_operands(logit_bias_ptr, counts_ptr, draft_ptr, rows, tokens, r_ok, v_ok, V,
+                       ROWS_PER_PARAM, LOGIT_BIAS: tl.constexpr, BIAS_PER_POSITION: tl.constexpr,
+                       COUNTS: tl.constexpr):
+    """The tiles ``[rows, tokens]`` of the additive edits of `_edited_logits` in kernel rows
+    `rows` (0 where their flag is off):
+
+    * with LOGIT_BIAS the fp32 bias of batch row r // ROWS_PER_PARAM (``[B, V]``; with
+      BIAS_PER_POSITION of row r, ``[R, V]``);
+    * with COUNTS each token's int32 count for vLLM's penalties: ``counts[r //
+      ROWS_PER_PARAM]`` (``[B, V]``) plus, in verification (row r is position
+      j = r % ROWS_PER_PARAM of its batch row), the drafts before position j (``draft_ptr``:
+      ``[B, G]``, -1 padded), which is the count a plain step after those drafts reads.
+
+    The Triton kernel loads both before its main loop, the Gluon kernel the counts before it
+    takes the tile from the MMA (the bias with the tile): the fewest registers and spills in
+    offline sm90 compiles (Triton 3.6, cuobjdump). Verification on the Triton kernel's 64x128
+    tiles (8 warps) then takes 128 registers with counts or with a bias, as without edits
+    (two programs per SM), against 169 and 137 loaded beside the logits; the Gluon 8-warp
+    verification epilogue spills 80 bytes with counts (32 without edits), against 192. The
+    codes load best beside the logits (`_edited_logits`).
+    """
+    param_rows = rows // ROWS_PER_PARAM
+    ok = r_ok[:, None] & v_ok[None, :]
+    bias = 0.0
+    if LOGIT_BIAS:
+        bias_rows = param_rows
+        if BIAS_PER_POSITION:
+            bias_rows = rows
+        bias = tl.load(logit_bias_ptr + bias_rows[:, None].to(tl.int64) * V + tokens[None, :],
+                       mask=ok, other=0.0)
+    count = 0
+    if COUNTS:
+        count = tl.load(counts_ptr + param_rows[:, None].to(tl.int64) * V + tokens[None, :],
+                        mask=ok, other=0)
+        num_drafts = ROWS_PER_PARAM - 1      # 0 outside verification
+        position = rows % ROWS_PER_PARAM
+        for m in range(num_drafts):
+            draft = tl.load(draft_ptr + param_rows * num_drafts + m, mask=r_ok & (m < position),
+                            other=-1)
+            count += (tokens[None, :] == draft[:, None]).to(tl.int32)
+    return bias, count
+
+
+@triton.jit
+def _edited_logits(acc, codes_ptr, penalty_ptr, additive, frequency_ptr, presence_ptr, rows,
+                   tokens, r_ok, v_ok, V, ROWS_PER_PARAM, CODES: tl.constexpr,
+                   LOGIT_BIAS: tl.constexpr, COUNTS: tl.constexpr):
+    """`acc` ``[rows, tokens]`` with the edits of `flashspec.params.LogitEdits` of kernel rows
+    `rows` and tokens `tokens`, in its order: `additive` (`_additive_operands`: the bias and
+    the counts), the uint8 codes ``[R, V]`` at row r, row r's penalties at
+    ``[r // ROWS_PER_PARAM]`` (its batch row):
+
+    1. with LOGIT_BIAS ``+ bias`` in fp32;
+    2. with CODES, PENALIZE: transformers' repetition penalty, a product by the penalty where
+       the logit is negative and otherwise by its inverse: one ulp from transformers'
+       division at most, as the temperature's product (`lm_head_tiles_kernel`), which only
+       matters at near-ties;
+    3. with COUNTS, vLLM's ``l - frequency * c`` then ``l - presence * (c > 0)`` in fp32 (in
+       verification c holds the drafts before the position, so that speculation changes no
+       logit). The product and the difference each round once, as vLLM's torch ops
+       (`_rounded`); the presence product is exact, so it needs no such care;
+    4. with CODES, BAN gives `BANNED_LOGIT` (`flashspec.params`: finite, so that no summary
+       below needs to know of bans), whatever came before.
+
+    Every summary of the tile (the race, the screen, the log-sum-exp, the candidates, the
+    draft left out) then sees the edited logits. Bytes per logit read: one for the codes
+    (under 2% of the weight's at 64 rows and D = 4096), four for the bias, four for the
+    counts (int32: a long generation's counts pass 2**16)."""
+    bias, count = additive
+    if LOGIT_BIAS:
+        acc = _rounded(acc, bias, "add")
+    if CODES:
+        code = tl.load(codes_ptr + rows[:, None].to(tl.int64) * V + tokens[None, :],
+                       mask=r_ok[:, None] & v_ok[None, :], other=0)
+        penalty = tl.load(penalty_ptr + rows // ROWS_PER_PARAM).to(tl.float32)
+        factor = tl.where(acc < 0.0, penalty[:, None], (1.0 / penalty)[:, None])
+        acc = tl.where(code == _PENALIZE, acc * factor, acc)
+    if COUNTS:
+        param_rows = rows // ROWS_PER_PARAM
+        frequency = tl.load(frequency_ptr + param_rows).to(tl.float32)
+        presence = tl.load(presence_ptr + param_rows).to(tl.float32)
+        penalties = _rounded(frequency[:, None], count.to(tl.float32), "mul")
+        acc = _rounded(acc, penalties, "sub")
+        acc = acc - presence[:, None] * (count > 0).to(tl.float32)
+    if CODES:
+        acc = tl.where(code == _BAN, _BANNED_LOGIT, acc)
+    return acc
+
+
+def edit_arguments(edits, num_rows: int, vocab_size: int, unused) -> tuple[tuple, dict]:
+    """The pointers (codes, penalty, bias, counts, frequency, presence) and constexpr flags
+    (CODES, LOGIT_BIAS, BIAS_PER_POSITION, COUNTS) of `_additive_operands` and
+    `_edited_logits` for `edits` (`flashspec.params.LogitEdits` of a launch of `num_rows`
+    rows, or None); `unused` (a tensor) stands for each pointer of an edit the launch does
+    not make, so that launches without an edit compile the kernel they compiled before it
+    existed."""
+    if edits is None:
+        edits = params.LogitEdits()
+    codes, bias = edits.codes, edits.bias
+    flags = dict(CODES=codes is not None, LOGIT_BIAS=bias is not None,
+                 BIAS_PER_POSITION=bias is not None and bias.dim() == 3,
+                 COUNTS=edits.counts is not None)
+    if codes is not None:
+        codes = codes.reshape(num_rows, vocab_size)
+    if bias is not None:
+        bias = bias.reshape(-1, vocab_size)
+    pointers = (codes, edits.penalty, bias, edits.counts, edits.frequency, edits.presence)
+    return tuple(unused if t is None else t.contiguous() for t in pointers), flags
 
 
 @triton.jit

@@ -4,10 +4,12 @@
 ``hidden[r0:r0+BR] @ weight[tile's tokens].T`` in fp32 (a tile holds BV consecutive tokens,
 or, when truncating, BV / 16 interleaved groups of 16: `rows._column_tokens`), made the
 model's logits with BIAS / SOFTCAP (`epilogue._head_logits`: its LM-head bias, Gemma-2's
-softcap), with EDITS edited by the rows' codes (`epilogue._edited_logits`), summarised per
-(row, tile) by the epilogue (`epilogue.py`; with ``TileConfig.race``, `race.py`) into
-``[R, NUM_VT]`` arrays that stage 2 (`merge.py`) reduces per row. Without BIAS, SOFTCAP and
-EDITS the kernel compiles to what it is without those features.
+softcap), edited by the rows' logit edits (`epilogue._edited_logits`: with LOGIT_BIAS a
+bias, with CODES the repetition penalty and bans, with COUNTS vLLM's frequency and presence
+penalties), summarised per (row, tile) by the epilogue (`epilogue.py`; with
+``TileConfig.race``, `race.py`) into ``[R, NUM_VT]`` arrays that stage 2 (`merge.py`) reduces
+per row. Without BIAS, SOFTCAP and the edits' flags the kernel compiles to what it is
+without those features.
 
 Above 64 rows on Hopper (32 when truncating), stage 1 is
 `lm_head_ws.lm_head_tiles_ws_kernel` instead, a warp-specialized Gluon kernel running the
@@ -18,8 +20,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .epilogue import (_edited_logits, _exact_best, _head_logits, _noise_summary,
-                       _scaled_logits, _store_candidates, _store_summary, _tile_summary)
+from .epilogue import (_additive_operands, _edited_logits, _exact_best, _head_logits,
+                       _noise_summary, _scaled_logits, _store_candidates, _store_summary,
+                       _tile_summary)
 from .noise import philox_blocks, philox_tile_bits
 from .race import (_beaten_summary, _leader_summary, _publish_bounds, _race_beaten,
                    _race_leaders, _racing_rows, _row_bounds)
@@ -105,10 +108,12 @@ def _merge_summaries(a, b, LSE: tl.constexpr):
 def lm_head_tiles_kernel(
     hidden_ptr, weight_ptr, hidden_desc, weight_desc, do_sample_ptr, temperature_ptr, seed_ptr, position_ptr,
     best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, cand_ptr,
-    draft_ptr, draft_s_ptr, bound_ptr, codes_ptr, penalty_ptr, bias_ptr, softcap,
+    draft_ptr, draft_s_ptr, bound_ptr, codes_ptr, penalty_ptr, logit_bias_ptr, counts_ptr,
+    frequency_ptr, presence_ptr, bias_ptr, softcap,
     R, V, D, stride_hidden, stride_weight, NUM_VT, ROWS_PER_PARAM,
     SAMPLE: tl.constexpr, LSE: tl.constexpr, CAND: tl.constexpr, DRAFT: tl.constexpr,
-    EDITS: tl.constexpr, BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+    CODES: tl.constexpr, LOGIT_BIAS: tl.constexpr, BIAS_PER_POSITION: tl.constexpr,
+    COUNTS: tl.constexpr, BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
     IEEE_DOT: tl.constexpr, INTERLEAVE: tl.constexpr,
     EVEN_V: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr, PARTS: tl.constexpr,
     SCREEN: tl.constexpr, RACE: tl.constexpr,
@@ -136,6 +141,11 @@ def lm_head_tiles_kernel(
     # to cuBLAS's speed.
     h_ptrs = hidden_ptr + offs_r[:, None].to(tl.int64) * stride_hidden + offs_d[None, :]
     w_ptrs = weight_ptr + offs_v[:, None].to(tl.int64) * stride_weight + offs_d[None, :]
+    # The additive edits' operands before the main loop (`epilogue._additive_operands`:
+    # fewer registers than beside the logits, and their loads overlap the weight's).
+    additive = _additive_operands(logit_bias_ptr, counts_ptr, draft_ptr,
+                                  tl.where(r_ok, offs_r, 0), offs_v, r_ok, v_ok, V,
+                                  ROWS_PER_PARAM, LOGIT_BIAS, BIAS_PER_POSITION, COUNTS)
     acc = tl.zeros((BLOCK_R, BLOCK_V), dtype=tl.float32)
     for k in tl.range(0, D, BLOCK_D, num_stages=NUM_STAGES):
         if TMA:
@@ -159,9 +169,10 @@ def lm_head_tiles_kernel(
     safe_rows = tl.where(r_ok, offs_r, 0)
     if BIAS or SOFTCAP:  # the model's own logits: what transformers' processors receive
         acc = _head_logits(acc, bias_ptr, softcap, offs_v, v_ok, BIAS, SOFTCAP)
-    if EDITS:  # transformers' processors, before temperature and truncation
-        acc = _edited_logits(acc, codes_ptr, penalty_ptr, safe_rows, offs_v, r_ok, v_ok, V,
-                             ROWS_PER_PARAM)
+    if CODES or LOGIT_BIAS or COUNTS:  # the logits processors, before temperature
+        acc = _edited_logits(acc, codes_ptr, penalty_ptr, additive, frequency_ptr,
+                             presence_ptr, safe_rows, offs_v, r_ok, v_ok, V, ROWS_PER_PARAM,
+                             CODES, LOGIT_BIAS, COUNTS)
     sampled, temperature = _row_params(do_sample_ptr, temperature_ptr, safe_rows, ROWS_PER_PARAM)
     # One division per row; the product differs from HF's division by at most an ulp,
     # which only matters at near-ties (stage 2 divides exactly where thresholds are set).

@@ -39,9 +39,9 @@ import functools
 import torch
 import triton
 
-from .epilogue import (_drafts_in_tile, _edited_logits, _exact_best, _head_logits,
-                       _scaled_logits, _screen, _screened_best, _store_candidates,
-                       _store_summary, _tile_summary)
+from .epilogue import (_additive_operands, _drafts_in_tile, _edited_logits, _exact_best,
+                       _head_logits, _scaled_logits, _screen, _screened_best, _store_candidates,
+                       _store_summary, _tile_summary, edit_arguments)
 from .race import (_beaten_summary, _leader_summary, _publish_bounds, _race_beaten,
                    _race_leaders, _racing_rows, _row_bounds)
 from .rows import _column_tokens, _row_drafts, _row_noise_keys, _row_params
@@ -238,29 +238,39 @@ if gluon is not None:
                              INTERLEAVE, LSE)
 
     @gluon.jit
-    def _summarise_chunk(acc, rows, pid_v, V, NUM_VT, ROWS_PER_PARAM, best_ptr, best_id_ptr,
-                         best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, draft_s_ptr, cand_ptr,
-                         bound_ptr, codes_ptr, penalty_ptr, bias_ptr, softcap,
+    def _summarise_chunk(acc, rows, count, pid_v, V, NUM_VT, ROWS_PER_PARAM, best_ptr,
+                         best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, draft_s_ptr,
+                         cand_ptr, bound_ptr, codes_ptr, penalty_ptr, logit_bias_ptr,
+                         frequency_ptr, presence_ptr, bias_ptr, softcap,
                          SAMPLE: gl.constexpr, LSE: gl.constexpr, DRAFT: gl.constexpr,
-                         CAND: gl.constexpr, EDITS: gl.constexpr, BIAS: gl.constexpr,
-                         SOFTCAP: gl.constexpr, INTERLEAVE: gl.constexpr,
+                         CAND: gl.constexpr, CODES: gl.constexpr, LOGIT_BIAS: gl.constexpr,
+                         BIAS_PER_POSITION: gl.constexpr, COUNTS: gl.constexpr,
+                         BIAS: gl.constexpr, SOFTCAP: gl.constexpr, INTERLEAVE: gl.constexpr,
                          EVEN_V: gl.constexpr, SCREEN: gl.constexpr, RACE: gl.constexpr,
                          layout: gl.constexpr):
         """The summaries (and candidates) of a chunk `acc` ``[CR, BV]`` of rows `rows`
         (`_chunk_rows`) and vocab tile pid_v; with BIAS / SOFTCAP of the model's logits,
-        with EDITS of its edited logits."""
+        with CODES, LOGIT_BIAS or COUNTS of its edited logits (`count`: the chunk's counts,
+        `epilogue._additive_operands`)."""
         CR: gl.constexpr = acc.shape[0]
         BV: gl.constexpr = acc.shape[1]
         offs_r, r_ok, sampled, temperature, seed, position, draft, bound = rows
         inv_t = 1.0 / temperature
         columns = gl.arange(0, BV, layout=gl.SliceLayout(0, layout))
+        EDITS: gl.constexpr = CODES or LOGIT_BIAS or COUNTS
         if BIAS or SOFTCAP or EDITS:
             tokens = _column_tokens(columns, pid_v, NUM_VT, BV, INTERLEAVE)
         if BIAS or SOFTCAP:  # as the Triton kernel: the model's own logits first
             acc = _head_logits(acc, bias_ptr, softcap, tokens, tokens < V, BIAS, SOFTCAP)
-        if EDITS:  # then transformers' processors
-            acc = _edited_logits(acc, codes_ptr, penalty_ptr, gl.where(r_ok, offs_r, 0), tokens,
-                                 r_ok, tokens < V, V, ROWS_PER_PARAM)
+        if EDITS:  # then the logits processors
+            safe_rows = gl.where(r_ok, offs_r, 0)
+            # The bias with the chunk (the counts came before it: `_epilogue_partition`).
+            bias, _ = _additive_operands(logit_bias_ptr, None, None, safe_rows, tokens, r_ok,
+                                         tokens < V, V, ROWS_PER_PARAM, LOGIT_BIAS,
+                                         BIAS_PER_POSITION, False)
+            acc = _edited_logits(acc, codes_ptr, penalty_ptr, (bias, count), frequency_ptr,
+                                 presence_ptr, safe_rows, tokens, r_ok, tokens < V, V,
+                                 ROWS_PER_PARAM, CODES, LOGIT_BIAS, COUNTS)
         s, row_sum, offs_v = _scaled_logits(acc, columns, pid_v, NUM_VT, V, inv_t, BV,
                                             INTERLEAVE, EVEN_V)
         if CAND > 0:  # first: the raw logits are not needed after it
@@ -317,11 +327,14 @@ if gluon is not None:
                             do_sample_ptr, temperature_ptr, seed_ptr, position_ptr,
                             best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr,
                             draft_ptr, draft_s_ptr, cand_ptr, bound_ptr, codes_ptr, penalty_ptr,
+                            logit_bias_ptr, counts_ptr, frequency_ptr, presence_ptr,
                             bias_ptr, softcap, R, V, NUM_VT, ROWS_PER_PARAM, num_tiles, num_rt,
                             SAMPLE: gl.constexpr, LSE: gl.constexpr, DRAFT: gl.constexpr,
-                            CAND: gl.constexpr, EDITS: gl.constexpr, BIAS: gl.constexpr,
-                            SOFTCAP: gl.constexpr, INTERLEAVE: gl.constexpr, EVEN_V: gl.constexpr,
-                            SCREEN: gl.constexpr, RACE: gl.constexpr, CR: gl.constexpr):
+                            CAND: gl.constexpr, CODES: gl.constexpr, LOGIT_BIAS: gl.constexpr,
+                            BIAS_PER_POSITION: gl.constexpr, COUNTS: gl.constexpr,
+                            BIAS: gl.constexpr, SOFTCAP: gl.constexpr, INTERLEAVE: gl.constexpr,
+                            EVEN_V: gl.constexpr, SCREEN: gl.constexpr, RACE: gl.constexpr,
+                            CR: gl.constexpr):
         """The default partition: each handed-over tile, CR rows at a time, through the
         Triton kernel's epilogue."""
         BR: gl.constexpr = acc_smem.type.shape[0]
@@ -345,6 +358,17 @@ if gluon is not None:
                                     (step + 1) % NUM_CHUNKS, num_rt, R, ROWS_PER_PARAM,
                                     do_sample_ptr, temperature_ptr, seed_ptr, position_ptr,
                                     draft_ptr, bound_ptr, BR, CR, layout, DRAFT, RACE)
+            count = 0  # unused without COUNTS
+            if COUNTS:
+                # The counts before the chunk's logits (`epilogue._additive_operands`: fewer
+                # spills; the bias comes with the chunk, `_summarise_chunk`).
+                offs_r, r_ok = rows[0], rows[1]
+                tokens = _column_tokens(gl.arange(0, BV, layout=gl.SliceLayout(0, layout)),
+                                        pid_v, NUM_VT, BV, INTERLEAVE)
+                _, count = _additive_operands(None, counts_ptr, draft_ptr,
+                                              gl.where(r_ok, offs_r, 0), tokens, r_ok,
+                                              tokens < V, V, ROWS_PER_PARAM, False, False,
+                                              COUNTS)
             if chunk == 0:
                 mbarrier.wait(acc_ready, (step // NUM_CHUNKS) & 1)
             acc = chunks.index(chunk).load(layout)
@@ -352,21 +376,26 @@ if gluon is not None:
                 mbarrier.arrive(acc_empty)
             # Chunks past the last row (a tile of fewer than BR rows) are skipped.
             if (tile % num_rt) * BR + chunk * CR < R:
-                _summarise_chunk(acc, rows, pid_v, V, NUM_VT, ROWS_PER_PARAM, best_ptr,
-                                 best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr,
-                                 draft_s_ptr, cand_ptr, bound_ptr, codes_ptr, penalty_ptr,
-                                 bias_ptr, softcap, SAMPLE, LSE, DRAFT, CAND, EDITS, BIAS,
-                                 SOFTCAP, INTERLEAVE, EVEN_V, SCREEN, RACE, layout)
+                _summarise_chunk(acc, rows, count, pid_v, V, NUM_VT, ROWS_PER_PARAM,
+                                 best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr,
+                                 bad_ptr, draft_s_ptr, cand_ptr, bound_ptr, codes_ptr,
+                                 penalty_ptr, logit_bias_ptr, frequency_ptr, presence_ptr,
+                                 bias_ptr, softcap, SAMPLE, LSE, DRAFT, CAND,
+                                 CODES, LOGIT_BIAS, BIAS_PER_POSITION, COUNTS, BIAS, SOFTCAP,
+                                 INTERLEAVE, EVEN_V, SCREEN, RACE, layout)
             rows = next_rows
 
     @gluon.jit
     def lm_head_tiles_ws_kernel(
         h_desc, w_desc, do_sample_ptr, temperature_ptr, seed_ptr, position_ptr,
         best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, draft_ptr, draft_s_ptr,
-        cand_ptr, bound_ptr, codes_ptr, penalty_ptr, bias_ptr, softcap, R, V, D, NUM_VT,
+        cand_ptr, bound_ptr, codes_ptr, penalty_ptr, logit_bias_ptr, counts_ptr, frequency_ptr,
+        presence_ptr, bias_ptr, softcap, R, V, D, NUM_VT,
         ROWS_PER_PARAM, SAMPLE: gl.constexpr, LSE: gl.constexpr, DRAFT: gl.constexpr,
-        CAND: gl.constexpr, EDITS: gl.constexpr, BIAS: gl.constexpr, SOFTCAP: gl.constexpr,
-        INTERLEAVE: gl.constexpr, EVEN_V: gl.constexpr, SCREEN: gl.constexpr, RACE: gl.constexpr,
+        CAND: gl.constexpr, CODES: gl.constexpr, LOGIT_BIAS: gl.constexpr,
+        BIAS_PER_POSITION: gl.constexpr, COUNTS: gl.constexpr, BIAS: gl.constexpr,
+        SOFTCAP: gl.constexpr, INTERLEAVE: gl.constexpr, EVEN_V: gl.constexpr,
+        SCREEN: gl.constexpr, RACE: gl.constexpr,
         BLOCK_V: gl.constexpr, NUM_STAGES: gl.constexpr, CHUNK_R: gl.constexpr,
     ):
         BR: gl.constexpr = h_desc.block_type.shape[0]
@@ -395,10 +424,11 @@ if gluon is not None:
             (_epilogue_partition, (acc_smem, acc_ready, acc_empty, do_sample_ptr, temperature_ptr,
                                    seed_ptr, position_ptr, best_ptr, best_id_ptr, best_s_ptr,
                                    max_ptr, sumexp_ptr, bad_ptr, draft_ptr, draft_s_ptr, cand_ptr,
-                                   bound_ptr, codes_ptr, penalty_ptr, bias_ptr, softcap, R, V,
+                                   bound_ptr, codes_ptr, penalty_ptr, logit_bias_ptr, counts_ptr,
+                                   frequency_ptr, presence_ptr, bias_ptr, softcap, R, V,
                                    NUM_VT, ROWS_PER_PARAM, num_tiles, num_rt, SAMPLE, LSE, DRAFT,
-                                   CAND, EDITS, BIAS, SOFTCAP, INTERLEAVE, EVEN_V, SCREEN, RACE,
-                                   CHUNK_R)),
+                                   CAND, CODES, LOGIT_BIAS, BIAS_PER_POSITION, COUNTS, BIAS,
+                                   SOFTCAP, INTERLEAVE, EVEN_V, SCREEN, RACE, CHUNK_R)),
             (_load_partition, worker_args),
             (_mma_partition, worker_args),
         ], [1, 4], [LOAD_REGISTERS, MMA_REGISTERS])
@@ -425,8 +455,8 @@ def launch(hidden, weight, row, summaries, candidates, drafts, draft_s, bounds, 
     Gumbel-max of sampled rows, -inf with `race` where `bounds` beat it), with `cand` > 0
     the `candidates` of interleaved tiles, and, with `leave_out_drafts`, `draft_s`. The
     logits are first the model's with its LM-head `bias` (``[V]``, contiguous) and `softcap`
-    (`epilogue._head_logits`), then edited with `edits` (`flashspec.params.LogitEdits`,
-    codes of the launch's rows)."""
+    (`epilogue._head_logits`), then edited with `edits` (`flashspec.params.LogitEdits` of
+    the launch's rows, `epilogue.edit_arguments`)."""
     num_rows, dim = hidden.shape
     vocab_size = weight.shape[0]
     interleave = cand > 0
@@ -442,14 +472,13 @@ def launch(hidden, weight, row, summaries, candidates, drafts, draft_s, bounds, 
                                  interleave)
     num_tiles = num_vt * triton.cdiv(num_rows, config.block_r)
     grid = (min(num_tiles, _num_sms(hidden.device.index)),)
-    codes, penalty = ((edits.codes.reshape(num_rows, vocab_size).contiguous(), edits.penalty)
-                      if edits is not None else (drafts, draft_s))  # unused without edits
+    edit_pointers, edit_flags = edit_arguments(edits, num_rows, vocab_size, draft_s)
     lm_head_tiles_ws_kernel[grid](
         h_desc, w_desc, row["do_sample"], row["temperature"], row["seed"], row["position"],
-        *summaries, drafts, draft_s, candidates, bounds, codes, penalty,
+        *summaries, drafts, draft_s, candidates, bounds, *edit_pointers,
         draft_s if bias is None else bias, 1.0 if softcap is None else softcap,
         num_rows, vocab_size, dim, num_vt, rows_per_param,
-        SAMPLE=noise, LSE=need_lse, DRAFT=leave_out_drafts, CAND=cand, EDITS=edits is not None,
+        SAMPLE=noise, LSE=need_lse, DRAFT=leave_out_drafts, CAND=cand, **edit_flags,
         BIAS=bias is not None, SOFTCAP=softcap is not None, INTERLEAVE=interleave,
         EVEN_V=vocab_size % config.block_v == 0, SCREEN=config.screen, RACE=race,
         BLOCK_V=config.block_v,

@@ -24,6 +24,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..outputs import ArgmaxOutput, SampleOutput, VerifyOutput
 from ..params import LogitEdits, SamplingParams
 from . import lm_head, lm_head_ws, merge, verify_finalize
+from .epilogue import edit_arguments
 from .keys import PAD_KEY
 from .race import NO_BOUND
 from .tile_config import TileConfig, default_config
@@ -69,13 +70,13 @@ def fused_argmax(hidden: torch.Tensor, weight: torch.Tensor, *, edits: LogitEdit
                  config: TileConfig | None = None) -> ArgmaxOutput:
     """Greedy tokens of ``hidden [B, D] @ weight [V, D].T`` (see `flashspec.sampling.argmax`),
     unchecked; `bias` (``[V]``) and `softcap`: the model's head transforms, applied before
-    `edits` (the logits' `LogitEdits`, codes ``[B, V]``) in stage 1's epilogue; `config`:
+    `edits` (`LogitEdits` of the B rows) in stage 1's epilogue; `config`:
     tiles of stage 1 (None: `default_config`)."""
     check_device(hidden)
     head = dict(bias=bias, softcap=softcap)
     if edits is None:
         out = _launch(hidden, weight, None, None, 1, config, **head)
-    else:  # one greedy parameter row per row: each reads its own penalty
+    else:  # one greedy parameter row per row: each reads its own penalties
         num_rows = hidden.shape[0]
         positions = torch.zeros(num_rows, dtype=torch.int64, device=hidden.device)
         greedy = SamplingParams.create(num_rows, do_sample=False, seed=0, device=hidden.device)
@@ -90,7 +91,7 @@ def fused_sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingPar
     """One token per row of ``hidden [B, D]`` (see `flashspec.sampling.sample`), unchecked,
     with its logprob and the log-sum-exp, which every caller wants (the engine reports
     logprobs): stage 1 computes the log-sum-exp unless every row has a top-k below V.
-    `bias`, `softcap` and `edits` (codes ``[B, V]``) as in `fused_argmax`."""
+    `bias`, `softcap` and `edits` as in `fused_argmax`."""
     check_device(hidden)
     out = _launch(hidden, weight, params, positions, 1, config, edits=edits, bias=bias,
                   softcap=softcap)
@@ -104,7 +105,8 @@ def fused_verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch
                  config: TileConfig | None = None) -> VerifyOutput:
     """Verification of ``draft_tokens [B, G]`` against ``hidden [B, G+1, D]`` (see
     `flashspec.sampling.verify`), unchecked; `edits`: `LogitEdits` with codes
-    ``[B, G+1, V]``, one row per position; `bias` and `softcap` as in `fused_argmax`."""
+    ``[B, G+1, V]``, one row per position, and counts before the first position (stage 1
+    adds each position's drafts before it); `bias` and `softcap` as in `fused_argmax`."""
     check_device(hidden)
     batch_size, num_positions, dim = hidden.shape
     num_drafts = num_positions - 1
@@ -202,8 +204,11 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
     With `drafts` (``[R // rows_per_param, rows_per_param - 1]``, -1 padded), row r also
     verifies draft ``drafts[r // rows_per_param, r % rows_per_param]`` (none on the last).
     With `bias` (``[V]``) and `softcap` every row's logits are the model's (``+ bias``, then
-    ``softcap * tanh(logits / softcap)``); then, with `edits`, row r's are edited by codes
-    row r (codes ``[..., V]`` holding R rows) and penalty ``edits.penalty[r // rows_per_param]``."""
+    ``softcap * tanh(logits / softcap)``); then, with `edits` (`LogitEdits`), row r's are
+    edited by codes row r (codes ``[..., V]`` holding R rows), the per-row values of batch row
+    ``r // rows_per_param`` (penalties, counts, a ``[B, V]`` bias; a ``[B, G+1, V]`` bias:
+    row r) and, with counts and `drafts`, the drafts before position r % rows_per_param
+    (`epilogue._edited_logits`)."""
     num_rows, dim = hidden.shape
     vocab_size = weight.shape[0]
     verify = drafts is not None
@@ -286,7 +291,8 @@ def _launch_tiles(hidden, weight, row, summaries, candidates, drafts, draft_s, b
     """Stage 1 through the Triton kernel (`lm_head.lm_head_tiles_kernel`): the per-(row, vocab
     tile) `summaries` (best, best_id, best_s, tile_max, tile_sum, bad) and `candidates`; with
     `noise` the best is the Gumbel-max of sampled rows, with `leave_out_drafts` it leaves each
-    row's draft out and writes the draft's logit to `draft_s`. With `race` (and `noise`),
+    row's draft out and writes the draft's logit to `draft_s` (`drafts`: ``[B, G]`` in
+    verification, whose counts edits read them too). With `race` (and `noise`),
     `bounds` holds each row's race bound (int32 order keys, `race.NO_BOUND` at first), and
     a tile's best is -inf where the bound already beats it (or only a lower score, also
     below the bound, where one column of the row escapes it: `race._race_leaders`). The
@@ -302,14 +308,13 @@ def _launch_tiles(hidden, weight, row, summaries, candidates, drafts, draft_s, b
     descriptors = tma_descriptors(hidden, weight, config, interleave)
     tma = descriptors is not None
     hidden_desc, weight_desc = descriptors if tma else (hidden, weight)
-    codes, penalty = ((edits.codes.reshape(num_rows, vocab_size).contiguous(), edits.penalty)
-                      if edits is not None else (drafts, draft_s))  # unused without edits
+    edit_pointers, edit_flags = edit_arguments(edits, num_rows, vocab_size, draft_s)
     lm_head.lm_head_tiles_kernel[grid](
         hidden, weight, hidden_desc, weight_desc, row["do_sample"], row["temperature"], row["seed"], row["position"],
-        *summaries, candidates, drafts, draft_s, bounds, codes, penalty,
+        *summaries, candidates, drafts, draft_s, bounds, *edit_pointers,
         draft_s if bias is None else bias, 1.0 if softcap is None else softcap,
         num_rows, vocab_size, dim, hidden.stride(0), weight.stride(0), num_vt, rows_per_param,
-        SAMPLE=noise, LSE=need_lse, CAND=cand, DRAFT=leave_out_drafts, EDITS=edits is not None,
+        SAMPLE=noise, LSE=need_lse, CAND=cand, DRAFT=leave_out_drafts, **edit_flags,
         BIAS=bias is not None, SOFTCAP=softcap is not None,
         IEEE_DOT=hidden.dtype == torch.float32, INTERLEAVE=interleave,
         EVEN_V=vocab_size % config.block_v == 0, EVEN_D=dim % config.block_d == 0, TMA=tma,
