@@ -141,16 +141,16 @@ def test_allowed_tokens_fused_exact_and_speculation_invariant(spelling, sampling
 
 
 def test_allowed_tokens_fn_with_a_fallback_option_is_exact_there():
-    """With an option only the materialized path runs (sequence_bias), the mask is applied
-    there, where transformers applies its prefix constraint."""
+    """With an option only the materialized path runs (encoder_repetition_penalty), the mask
+    is applied there, where transformers applies its prefix constraint."""
     from transformers import LogitsProcessorList
 
     ids, mask = left_pad(PROMPTS)
-    bias = [[[7], 2.0]]
     with pytest.warns(UserWarning, match="materialized path"):
-        out = flash(target(), ids, mask, seed=SEED, **SAMPLING, sequence_bias=bias,
+        out = flash(target(), ids, mask, seed=SEED, **SAMPLING, encoder_repetition_penalty=1.5,
                     allowed_tokens_fn=_allowed_bitmask).sequences
-    processors = LogitsProcessorList([lp.SequenceBiasLogitsProcessor(bias), _Constrained(),
+    processors = LogitsProcessorList([lp.EncoderRepetitionPenaltyLogitsProcessor(1.5, ids),
+                                      _Constrained(),
                                       lp.TemperatureLogitsWarper(SAMPLING["temperature"])])
     assert_reference_tokens(out, ids, mask, processors, row_seeds(SEED, 3), True)
 

@@ -188,7 +188,7 @@ def test_qwen25_instruct_generation_config_runs_fused():
 
 def test_unfused_options_keep_the_materialized_path_and_name_the_fused_ones():
     ids, mask = left_pad(PROMPTS[:1])
-    for kwargs, named in ((dict(bad_words_ids=[[92, 62]], sequence_bias=[[[7], 2.0]]),
+    for kwargs, named in ((dict(bad_words_ids=[[92, 62]], encoder_repetition_penalty=1.5),
                            "`bad_words_ids`=\\[\\[92, 62\\]\\]"),
                           (dict(repetition_penalty=1.2, forced_eos_token_id=[7, 8]),
                            "`repetition_penalty`=1.2")):
@@ -436,7 +436,8 @@ def test_slot_edits_key_and_generation_follow_the_edits():
         flash(target(), ids, mask, seed=SEED, max_new_tokens=2, **SAMPLING, **kwargs)
         slot, = [s for s in cached_engine(target().get_decoder()).slots.values()
                  if s.batch_size == rows]
-        assert slot.edits_key() == key, kwargs
+        edits_key = slot.edits_key()
+        assert (edits_key and edits_key[:5]) == key, kwargs   # the rest: additive edits, none here
         moves.append(0 if generation is None else slot.generation - generation)
         grew.append(slot.edit_state.context.shape[1] > columns)
     # Words' buffers: (0, 1) -> (2, 3) at call 6 and back at call 9; the n-gram context grows

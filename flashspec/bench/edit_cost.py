@@ -19,6 +19,10 @@ taken in turn with the other calls':
   of the vocabulary), and the making of their codes;
 * ``sample_head`` / ``verify_head``: without codes, with a Gemma-2-style head (an LM-head
   bias and softcap 30, applied in the kernels' epilogue): what a model's head transforms cost;
+* ``sample_vllm`` / ``verify_vllm``: the codes above plus vLLM's additive edits (a
+  ``logit_bias`` of `--bad-words` random tokens, float32 ``[B, V]``, and presence / frequency
+  penalties over the counts of `--context` // 8 random generated tokens, int32 ``[B, V]``):
+  4 + 4 more bytes read per logit than codes alone, no bar of their own;
 * ``sample_triton`` / ``verify_triton``: without codes, on the Triton stage 1 (on Hopper the
   default table gives every call, with codes or not, the warp-specialized Gluon stage 1 above
   32 truncated rows): the codes' cost in the Triton kernel.
@@ -57,20 +61,31 @@ QWEN25_INSTRUCT = dict(temperature=0.7, top_k=20, top_p=0.8)
 PENALTY = 1.05
 TIMINGS = ("sample", "sample_triton", "sample_edits", "codes_sample", "verify", "verify_triton",
            "verify_edits", "codes_verify", "sample_mask", "codes_sample_mask", "verify_mask",
-           "codes_verify_mask", "sample_head", "verify_head")
+           "codes_verify_mask", "sample_head", "verify_head", "sample_vllm", "verify_vllm")
 SOFTCAP = 30.0   # Gemma-2's final_logit_softcapping
 
 
 def edit_state(batch: int, vocab: int, context: int, bad_words: int, device,
-               generator: torch.Generator):
+               generator: torch.Generator, additive: bool = False):
     """An `EditState` of `batch` rows: a repetition penalty over a random context of
-    `context` tokens and `bad_words` random banned tokens."""
+    `context` tokens and `bad_words` random banned tokens; with `additive`, also a
+    ``logit_bias`` of `bad_words` other random tokens and presence / frequency penalties over
+    `context` // 8 random generated tokens."""
+    from flashspec.generation.additive import AdditiveEdits
     from flashspec.generation.edits import EditRules, EditState
 
-    banned = torch.randperm(vocab, generator=generator)[:bad_words].tolist()
-    rules = EditRules(penalty=PENALTY, banned=tuple(sorted(banned)))
+    chosen = torch.randperm(vocab, generator=generator)[:2 * bad_words].tolist()
+    rules = EditRules(penalty=PENALTY, banned=tuple(sorted(chosen[:bad_words])))
+    vllm = None
+    if additive:
+        bias = {token: 1.0 + 0.01 * k for k, token in enumerate(chosen[bad_words:])}
+        vllm = AdditiveEdits.of_call(bias, 0.5, 0.3, batch, vocab)
     state = EditState(batch, vocab, torch.device(device))
-    state.load(rules, torch.randint(0, vocab, (batch, context), generator=generator).to(device))
+    state.load(rules, torch.randint(0, vocab, (batch, context), generator=generator).to(device),
+               vllm)
+    if additive:
+        generated = torch.randint(0, vocab, (batch, max(context // 8, 1)), generator=generator)
+        state.absorb(generated.to(device), torch.ones_like(generated, dtype=torch.bool).to(device))
     return state
 
 
@@ -95,6 +110,8 @@ def calls(dim: int, vocab: int, batch: int, num_drafts: int, context: int, bad_w
     verify_mask = pack(allowed).to(device)
     mask_sample_edits = state.sample_edits(generated, sample_mask)
     mask_verify_edits = state.verify_edits(generated, drafts, verify_mask)
+    vllm = edit_state(batch, vocab, context, bad_words, device, g, additive=True)
+    vllm_sample_edits, vllm_verify_edits = vllm.sample_edits(generated), vllm.verify_edits(generated, drafts)
     last = hidden[:, -1].contiguous()
     head = dict(bias=(torch.randn(vocab, generator=g) * 0.1).to(device, torch.bfloat16),
                 softcap=SOFTCAP)
@@ -120,6 +137,10 @@ def calls(dim: int, vocab: int, batch: int, num_drafts: int, context: int, bad_w
         "codes_verify_mask": partial(state.verify_edits, generated, drafts, verify_mask),
         "sample_head": partial(fused_sample, last, weight, params, positions, **head),
         "verify_head": partial(fused_verify, hidden, weight, drafts, params, positions, **head),
+        "sample_vllm": partial(fused_sample, last, weight, params, positions,
+                               edits=vllm_sample_edits),
+        "verify_vllm": partial(fused_verify, hidden, weight, drafts, params, positions,
+                               edits=vllm_verify_edits),
     }
 
 
@@ -175,24 +196,28 @@ def run(dim: int, vocab: int, batch_sizes: list[int], num_drafts: int, context: 
             "x_verify_mask_step": (ms["verify_mask"] + ms["codes_verify_mask"]) / ms["verify"],
             "x_sample_head": ms["sample_head"] / ms["sample"],
             "x_verify_head": ms["verify_head"] / ms["verify"],
+            "x_sample_vllm": ms["sample_vllm"] / ms["sample"],
+            "x_verify_vllm": ms["verify_vllm"] / ms["verify"],
         })
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
     print(f"{'B':>4} {'G':>2} {'sample':>8} {'+edits':>8} {'x':>6} {'x tt':>6} {'x step':>7} "
-          f"{'x mask':>7} {'x head':>7} {'verify':>8} {'+edits':>8} {'x':>6} {'x tt':>6} "
-          f"{'x step':>7} {'x mask':>7} {'x head':>7}   (ms; x tt: against the Triton stage 1 "
-          "without codes; x step: with the making of the codes; x mask: the step with an "
-          "allowed-token bitmask too; x head: bias + softcap, no codes)")
+          f"{'x mask':>7} {'x head':>7} {'x vllm':>7} {'verify':>8} {'+edits':>8} {'x':>6} "
+          f"{'x tt':>6} {'x step':>7} {'x mask':>7} {'x head':>7} {'x vllm':>7}   (ms; x tt: "
+          "against the Triton stage 1 without codes; x step: with the making of the codes; "
+          "x mask: the step with an allowed-token bitmask too; x head: bias + softcap, no "
+          "codes; x vllm: the kernel with codes, logit_bias and presence / frequency penalties)")
     for row in rows:
         ms = row["ms"]
         print(f"{row['B']:>4} {row['G']:>2} {ms['sample']:8.4f} {ms['sample_edits']:8.4f} "
               f"{row['x_sample']:6.3f} {row['x_sample_triton']:6.3f} {row['x_sample_step']:7.3f} "
-              f"{row['x_sample_mask_step']:7.3f} {row['x_sample_head']:7.3f} {ms['verify']:8.4f} "
+              f"{row['x_sample_mask_step']:7.3f} {row['x_sample_head']:7.3f} "
+              f"{row['x_sample_vllm']:7.3f} {ms['verify']:8.4f} "
               f"{ms['verify_edits']:8.4f} {row['x_verify']:6.3f} {row['x_verify_triton']:6.3f} "
               f"{row['x_verify_step']:7.3f} {row['x_verify_mask_step']:7.3f} "
-              f"{row['x_verify_head']:7.3f}")
+              f"{row['x_verify_head']:7.3f} {row['x_verify_vllm']:7.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,8 +35,14 @@ position's bans; a verification step's position j adds the drafts before j (its 
 and the bans at t + j, so every position is edited as plain decoding would edit it, and
 seeded tokens stay the same with and without speculation.
 
-Still on the materialized path (`processing`): ``sequence_bias`` (additive) and every other
-processor (`plan`).
+Additive edits ride with the codes (`LogitEdits.bias`, `.counts`): single-token
+``sequence_bias`` and flashspec's ``logit_bias`` as one float32 bias per (row, token), vLLM's
+presence and frequency penalties (`additive`) from each row's count of every generated token,
+which the slot keeps; a verification position adds the drafts before it to the counts in the
+kernel, so plain and speculative steps compute the same float32 logits.
+
+Still on the materialized path (`processing`): multi-token ``sequence_bias`` and every
+other processor (`plan`).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import torch
 from transformers.generation import logits_process as lp
 
 from ..params import BAN, KEEP, PENALIZE, LogitEdits
+from .additive import AdditiveEdits
 from .allowed import unpack
 
 # The warpers that `SamplingParams` makes (the kernels' temperature and truncation).
@@ -55,7 +62,7 @@ _FUSED_WARPERS = (lp.TemperatureLogitsWarper, lp.TopKLogitsWarper, lp.TopPLogits
 # The options whose processors `EditRules` takes, when their values are fusable.
 FUSED_OPTIONS = ("repetition_penalty", "bad_words_ids", "suppress_tokens",
                  "begin_suppress_tokens", "min_length", "min_new_tokens", "no_repeat_ngram_size",
-                 "forced_bos_token_id", "forced_eos_token_id")
+                 "forced_bos_token_id", "forced_eos_token_id", "sequence_bias")
 _FORCING = (lp.ForcedBOSTokenLogitsProcessor, lp.ForcedEOSTokenLogitsProcessor)
 MAX_FORCED = 2    # forced tokens a call holds (transformers makes one BOS and one EOS rule)
 FORCED_ROW = 4    # `EditState.ban_rows`' row that bans every token
@@ -77,7 +84,9 @@ class EditRules:
     context holds: the padded prompt and the new tokens), `forced` ((generated count, token,
     banned) in the order transformers applies them: every other token banned at that count,
     the token itself too where `banned`, because a processor after the forcing one bans it;
-    at the same count the later one wins).
+    at the same count the later one wins), `bias` (single-token ``sequence_bias``: (token,
+    bias) pairs), `bias_words` (longer ``sequence_bias`` entries, (tokens, bias), in
+    transformers' order: the last token's bias where the context ends with the others).
     Token ids outside the vocabulary are dropped, as ``torch.isin`` in transformers'
     processors ignores them."""
 
@@ -91,6 +100,8 @@ class EditRules:
     ngram: int = 0
     context_columns: int = 0
     forced: tuple[tuple[int, int, bool], ...] = ()
+    bias: tuple[tuple[int, float], ...] = ()
+    bias_words: tuple[tuple[tuple[int, ...], float], ...] = ()
 
     def bans_tokens(self) -> bool:
         """Whether some position bans some token (not only a repetition penalty)."""
@@ -120,7 +131,8 @@ class EditRules:
         return rules if len(rules.forced) <= MAX_FORCED else None
 
     def _merged(self, penalty=None, banned=(), begin_banned=(), begin_count=NEVER, eos=(),
-                min_count=0, words=(), ngram=0, context_columns=0, forced=()) -> "EditRules":
+                min_count=0, words=(), ngram=0, context_columns=0, forced=(),
+                bias=(), bias_words=()) -> "EditRules":
         return EditRules(
             penalty=self.penalty if penalty is None else penalty,
             banned=tuple(sorted({*self.banned, *banned})),
@@ -129,7 +141,8 @@ class EditRules:
             eos=tuple(sorted({*self.eos, *eos})), min_count=max(self.min_count, min_count),
             words=tuple(sorted({*self.words, *words})), ngram=ngram or self.ngram,
             context_columns=max(self.context_columns, context_columns),
-            forced=self.forced + tuple(forced))
+            forced=self.forced + tuple(forced), bias=self.bias + tuple(bias),
+            bias_words=self.bias_words + tuple(bias_words))
 
 
 def _ids(values, vocab_size: int) -> tuple[int, ...]:
@@ -169,6 +182,14 @@ def _rule_of(processor, prompt_width: int, vocab_size: int, max_new_tokens: int)
     if type(processor) is lp.NoRepeatNGramLogitsProcessor:
         return dict(ngram=processor.ngram_size,
                     context_columns=prompt_width + max_new_tokens)
+    if type(processor) is lp.SequenceBiasLogitsProcessor:
+        # Ids outside the vocabulary make transformers' processor raise: its path says so.
+        entries = [(tuple(int(i) for i in ids), float(value))
+                   for ids, value in processor.sequence_bias.items()]
+        if any(not 0 <= i < vocab_size for ids, _ in entries for i in ids):
+            return None
+        return dict(bias=tuple(sorted((ids[0], value) for ids, value in entries if len(ids) == 1)),
+                    bias_words=tuple(entry for entry in entries if len(entry[0]) > 1))
     return None
 
 
@@ -227,9 +248,12 @@ class EditState:
         position_bans: bool (host): some ban depends on the position. Without one, without
             words and without n-grams, a sampling step's codes are `base` itself (no pass
             over ``[B, V]``: Qwen2.5-Instruct's repetition penalty costs no step of its own).
-        words / word_ends: int64 ``[K, M+1]`` / ``[K]``: the multi-token bad words, each
-            one's tokens but the last right-aligned after `SOME_TOKEN` and `ANY_TOKEN`s, and
-            the last tokens (M: the longest such prefix; K = 0 without words).
+        words / word_ends: int64 ``[K, M+1]`` / ``[K]``: the multi-token bad words, then the
+            multi-token ``sequence_bias`` entries (in transformers' order), each one's tokens
+            but the last right-aligned after `SOME_TOKEN` and `ANY_TOKEN`s, and the last
+            tokens (M: the longest such prefix; K = 0 without words); `word_bias`: float32
+            ``[K]``, the entries' biases (0 for bad words); `biased_words` (host): the
+            indices of the bias entries.
         tail: int64 ``[B, M+1]``: each row's last M+1 context tokens (`NO_TOKEN` before its
             padded prompt), which the words are matched against.
         ngram: int (host): ``no_repeat_ngram_size`` where it needs matching (n >= 2), else 0.
@@ -237,6 +261,12 @@ class EditState:
             context as transformers' input_ids hold it (the padded prompt, pad tokens
             included, then the emitted tokens; `NO_TOKEN` after), C the power of two (at
             least `MIN_CONTEXT`) that holds the call's prompt and new tokens; else ``[B, 1]``.
+        bias: float32 ``[B, V]`` or None: single-token ``sequence_bias`` plus the row's
+            ``logit_bias`` (`additive`), made at the first call that has one and kept (captured
+            graphs read it); `biased` (host): the call has one.
+        counts: int32 ``[B, V]`` or None: each token's count among the row's generated
+            tokens, for vLLM's penalties `presence` / `frequency` (float64 ``[B]``), kept as
+            `bias` is; `penalized` (host): the call has them.
     """
 
     def __init__(self, batch_size: int, vocab_size: int, device: torch.device):
@@ -255,19 +285,26 @@ class EditState:
         self.forces = False
         self.words = torch.zeros(0, 1, **long)
         self.word_ends = torch.zeros(0, **long)
+        self.word_bias = torch.zeros(0, dtype=torch.float32, device=device)
+        self.biased_words: list[int] = []
         self.tail = torch.zeros(batch_size, 1, **long)
         self.ngram = 0
         self.context = torch.full((batch_size, 1), NO_TOKEN, **long)
         self.context_length = torch.zeros(batch_size, **long)
+        self.bias = self.counts = None
+        self.biased = self.penalized = False
+        self.presence = torch.zeros(batch_size, dtype=torch.float64, device=device)
+        self.frequency = torch.zeros(batch_size, dtype=torch.float64, device=device)
 
-    def load(self, rules: EditRules, input_ids: torch.Tensor) -> bool:
-        """The call's `rules` for rows whose left-padded prompts are `input_ids` ``[B, L]``
-        (padding tokens are context too, as in stock's ``input_ids``). Returns whether the
-        steps' buffers changed: other buffers for the words or the n-gram context (steps
-        captured before do not read them)."""
+    def load(self, rules: EditRules, input_ids: torch.Tensor,
+             additive: AdditiveEdits | None = None) -> bool:
+        """The call's `rules` and `additive` edits for rows whose left-padded prompts are
+        `input_ids` ``[B, L]`` (padding tokens are context too, as in stock's ``input_ids``).
+        Returns whether the steps' buffers changed: other buffers for the words or the
+        n-gram context (steps captured before do not read them)."""
         device = self.base.device
         position_bans = rules.min_count > 0 or rules.begin_count != NEVER or bool(rules.forced)
-        replaced = self._load_words(rules.words)
+        replaced = self._load_words(rules.words, rules.bias_words)
         replaced = self._load_context(rules, input_ids.shape[1]) or replaced
         self.position_bans = position_bans
         self.forces = bool(rules.forced)
@@ -291,21 +328,50 @@ class EditState:
         self.tail.fill_(NO_TOKEN)
         self.context.fill_(NO_TOKEN)
         self.context_length.zero_()
-        self.absorb(input_ids, torch.ones_like(input_ids, dtype=torch.bool))
+        self._load_additive(rules, additive, input_ids.shape[0])
+        self.absorb(input_ids, torch.ones_like(input_ids, dtype=torch.bool), generated=False)
         return replaced
 
-    def _load_words(self, words: tuple[tuple[int, ...], ...]) -> bool:
+    def _load_additive(self, rules: EditRules, additive: AdditiveEdits | None, rows: int) -> None:
+        batch, vocab = self.base.shape
+        self.biased = (bool(rules.bias or rules.bias_words)
+                       or (additive is not None and additive.has_bias))
+        if self.biased:
+            bias = torch.zeros(batch, vocab, dtype=torch.float32)
+            if rules.bias:
+                tokens, values = zip(*rules.bias)
+                bias[:, list(tokens)] = torch.tensor(values, dtype=torch.float32)
+            if additive is not None and additive.has_bias:
+                bias[:rows] += additive.bias_rows(rows, vocab, "cpu")
+            if self.bias is None:
+                self.bias = torch.empty(batch, vocab, dtype=torch.float32, device=self.base.device)
+            self.bias.copy_(bias)
+        self.penalized = additive is not None and additive.has_penalties
+        if self.penalized:
+            if self.counts is None:
+                self.counts = torch.zeros(batch, vocab, dtype=torch.int32, device=self.base.device)
+            self.counts.zero_()
+            self.presence.zero_()[:rows] = torch.tensor(additive.presence, dtype=torch.float64)
+            self.frequency.zero_()[:rows] = torch.tensor(additive.frequency, dtype=torch.float64)
+
+    def _load_words(self, words: tuple[tuple[int, ...], ...],
+                    bias_words: tuple[tuple[tuple[int, ...], float], ...]) -> bool:
+        self.biased_words = list(range(len(words), len(words) + len(bias_words)))
+        biases = [0.0] * len(words) + [value for _, value in bias_words]
+        words = tuple(words) + tuple(ids for ids, _ in bias_words)
         longest = max((len(word) - 1 for word in words), default=0)
         rows = [[ANY_TOKEN] * (longest - len(word) + 1) + [SOME_TOKEN, *word[:-1]]
                 for word in words]
         device = self.base.device
         prefixes = torch.tensor(rows, dtype=torch.long, device=device).view(len(words), longest + 1)
         ends = torch.tensor([word[-1] for word in words], dtype=torch.long, device=device)
+        biases = torch.tensor(biases, dtype=torch.float32, device=device)
         if prefixes.shape == self.words.shape:
             self.words.copy_(prefixes)
             self.word_ends.copy_(ends)
+            self.word_bias.copy_(biases)
             return False
-        self.words, self.word_ends = prefixes, ends
+        self.words, self.word_ends, self.word_bias = prefixes, ends, biases
         self.tail = self.tail.new_empty(self.tail.shape[0], longest + 1)
         return True
 
@@ -327,13 +393,22 @@ class EditState:
         engine's graph key): position bans, forced positions, the n-gram size, the words' and
         (with n-grams) the context's buffer shapes."""
         return (self.position_bans, self.forces, self.ngram, tuple(self.words.shape),
-                tuple(self.context.shape) if self.ngram else None)
+                tuple(self.context.shape) if self.ngram else None, self.biased,
+                tuple(self.biased_words), self.penalized)
 
-    def absorb(self, tokens: torch.Tensor, written: torch.Tensor) -> None:
+    def kernel_inputs(self) -> tuple[str, ...]:
+        """The inputs of the steps' `LogitEdits` beyond the codes, which select the fused
+        kernels' variants (`samplers.compile_variants`)."""
+        return ("codes", *(("position bias" if self.biased_words else "bias",) if self.biased else ()),
+                *(("counts",) if self.penalized else ()))
+
+    def absorb(self, tokens: torch.Tensor, written: torch.Tensor, generated: bool = True) -> None:
         """Tokens ``[B, W]`` where `written` (the first few of each row) joined the rows'
-        contexts."""
+        contexts: `generated` ones, or the prompts (which vLLM's penalties do not count)."""
         codes = written.to(torch.uint8) * self.context_code
         self.base.scatter_reduce_(1, tokens.clamp_min(0), codes, reduce="amax")
+        if self.penalized and generated:
+            self.counts.scatter_add_(1, tokens.clamp_min(0), written.to(torch.int32))
         if self.word_ends.numel():
             joined = torch.cat([self.tail, tokens], dim=1)
             kept = written.sum(dim=1, keepdim=True) + torch.arange(self.tail.shape[1],
@@ -352,10 +427,11 @@ class EditState:
         """The edits of each row's next token, after `generated` ``[B]`` tokens; `allowed`:
         int32 ``[B, 1, ceil(V / 32)]``, each row's allowed tokens (`allowed.py`), or None."""
         if allowed is None and not (self.position_bans or self.word_ends.numel() or self.ngram):
-            return LogitEdits(self.base, self.penalty)
+            return self._edits(self.base)
         no_drafts = generated.new_empty(generated.shape[0], 0)
-        codes = self.verify_edits(generated, no_drafts, allowed).codes[:, 0]
-        return LogitEdits(codes, self.penalty)
+        edits = self.verify_edits(generated, no_drafts, allowed)
+        bias = edits.bias[:, 0] if edits.bias is not None and edits.bias.dim() == 3 else edits.bias
+        return edits._replace(codes=edits.codes[:, 0], bias=bias)
 
     def verify_edits(self, generated: torch.Tensor, drafts: torch.Tensor,
                      allowed: torch.Tensor | None = None) -> LogitEdits:
@@ -380,13 +456,28 @@ class EditState:
                                  forced_row=FORCED_ROW, allowed=allowed)
         else:
             codes = self._context_codes(drafts, counts, allowed)
+        bias = self.bias if self.biased else None
         if self.word_ends.numel() or self.ngram:
             # Position j's last context tokens: the row's, then its first j drafts.
             is_draft = (drafts >= 0).long().cumprod(dim=1).bool()
             drafted = torch.where(is_draft, drafts, NO_TOKEN)
             windows = torch.cat([self.tail, drafted], dim=1).unfold(1, self.tail.shape[1], 1)
-            codes = self._with_ngram_bans(self._with_word_bans(codes, windows), drafted)
-        return LogitEdits(self._with_forced_tokens(codes, counts), self.penalty)
+            matches = self._word_matches(windows)
+            codes = self._with_ngram_bans(self._with_word_bans(codes, matches), drafted)
+            if self.biased_words:
+                bias = self._position_bias(matches)
+        return self._edits(self._with_forced_tokens(codes, counts), bias)
+
+    def _edits(self, codes: torch.Tensor, bias: torch.Tensor | None = None) -> LogitEdits:
+        """`LogitEdits` of `codes` with the call's penalty and additive edits: `bias`, or the
+        rows' own (a verification's counts are those before its first position: the
+        kernels add the drafts)."""
+        if bias is None and self.biased:
+            bias = self.bias
+        return LogitEdits(codes, self.penalty, bias=bias,
+                          counts=self.counts if self.penalized else None,
+                          presence=self.presence if self.penalized else None,
+                          frequency=self.frequency if self.penalized else None)
 
     def _context_codes(self, drafts: torch.Tensor, counts: torch.Tensor,
                        allowed: torch.Tensor | None) -> torch.Tensor:
@@ -405,16 +496,35 @@ class EditState:
             codes.masked_fill_(~unpack(allowed, codes.shape[-1]), BAN)
         return codes
 
-    def _with_word_bans(self, codes: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
-        """`codes` ``[..., V]`` with each multi-token bad word's last token banned where the
-        context's last tokens `windows` ``[..., M+1]`` end with the rest of the word."""
-        if not self.word_ends.numel():
-            return codes
+    def _word_matches(self, windows: torch.Tensor) -> torch.Tensor:
+        """Bool ``[..., K]``: where the context's last tokens `windows` ``[..., M+1]`` end
+        with the rest of word k (a word longer than the context never matches, as in
+        transformers)."""
         context = windows[..., None, :]
-        match = ((context == self.words) | (self.words == ANY_TOKEN)
-                 | ((self.words == SOME_TOKEN) & (context >= 0))).all(dim=-1)   # [..., K]
-        ends = self.word_ends.expand(match.shape)
-        return codes.scatter_reduce_(-1, ends, match.to(torch.uint8) * BAN, reduce="amax")
+        return ((context == self.words) | (self.words == ANY_TOKEN)
+                | ((self.words == SOME_TOKEN) & (context >= 0))).all(dim=-1)
+
+    def _with_word_bans(self, codes: torch.Tensor, matches: torch.Tensor) -> torch.Tensor:
+        """`codes` ``[..., V]`` with each multi-token bad word's last token banned where it
+        matches (`_word_matches`)."""
+        if len(self.biased_words) == self.word_ends.numel():
+            return codes
+        banned = matches.to(torch.uint8) * BAN
+        if self.biased_words:
+            banned[..., self.biased_words] = 0
+        ends = self.word_ends.expand(matches.shape)
+        return codes.scatter_reduce_(-1, ends, banned, reduce="amax")
+
+    def _position_bias(self, matches: torch.Tensor) -> torch.Tensor:
+        """float32 ``[B, G+1, V]``: the rows' bias plus, entry by entry in transformers'
+        order, each multi-token ``sequence_bias`` entry's bias on its last token where it
+        matches (`_word_matches` ``[B, G+1, K]``), as transformers adds them."""
+        batch, positions = matches.shape[:2]
+        bias = self.bias[:, None, :].expand(batch, positions, -1).clone()
+        for k in self.biased_words:     # one entry per add: the same sums in the same order
+            added = torch.where(matches[..., k], self.word_bias[k], 0.0)
+            bias.index_add_(-1, self.word_ends[k:k + 1], added[..., None])
+        return bias
 
     def _with_ngram_bans(self, codes: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
         """`codes` ``[B, G+1, V]`` with the tokens banned that would complete an n-gram of
@@ -480,12 +590,14 @@ class EditState:
 
     def tensors(self) -> list[torch.Tensor]:
         """What a step writes (a graph capture's warm-up must restore it)."""
-        return [self.base, self.tail, self.context, self.context_length]
+        return [self.base, self.tail, self.context, self.context_length,
+                *([self.counts] if self.counts is not None else [])]
 
     def nbytes(self) -> int:
         return (self.base.numel() + self.ban_rows.numel()
                 + 8 * (self.tail.numel() + self.words.numel() + self.word_ends.numel()
-                       + self.context.numel()))
+                       + self.context.numel())
+                + sum(4 * t.numel() for t in (self.bias, self.counts) if t is not None))
 
 
 def bans_every_token(edits: LogitEdits, tokens: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:

@@ -403,10 +403,10 @@ class Engine:
             LOG.info("compiled %s in %.1f s", event.what, event.seconds)
 
     @staticmethod
-    def _kernel_key(slot: Slot) -> tuple[int, bool]:
+    def _kernel_key(slot: Slot) -> tuple[int, tuple]:
         """The fused kernels' variants a slot's steps select beyond the sampling setting: its
-        rows and whether the call edits logits (`Slot.edits`)."""
-        return slot.batch_size, slot.edits is not None
+        rows and the logit edits' inputs of the call (`Slot.edits`; empty: none)."""
+        return slot.batch_size, slot.edits.kernel_inputs() if slot.edits is not None else ()
 
     def _prefill(self, slot: Slot, drafter, prompt) -> Report:
         """Eager: the decoders read the prompts and the target samples each row's first

@@ -21,7 +21,8 @@ from .outputs import FlashGenerateOutput
 from .plan import StockDelegation, plan_generation
 
 SAMPLERS = ("flash", "materialized")
-_FLASH_OPTIONS = ("seed", "output_logprobs", "drafter", "invariant", "allowed_tokens_fn")
+_FLASH_OPTIONS = ("seed", "output_logprobs", "drafter", "invariant", "allowed_tokens_fn",
+                  "logit_bias", "presence_penalty", "frequency_penalty")
 
 
 class FlashGenerationMixin(GenerationMixin):
@@ -59,6 +60,13 @@ class FlashGenerationMixin(GenerationMixin):
             the warpers), in the fused kernels as edit codes; it must be a function of its
             arguments (speculation asks it for drafted contexts). Steps that ask it run
             without CUDA graphs.
+        logit_bias: vLLM's and OpenAI's ``{token id: bias}`` (finite floats), for every row,
+            or a list with one such dict (or None) per row: added to the model's logits
+            before every other edit (with transformers' ``sequence_bias``).
+        presence_penalty, frequency_penalty: vLLM's penalties (a float, or one per row):
+            ``logit - frequency_penalty * c - presence_penalty * (c > 0)``, c the token's
+            count among the row's generated tokens (not the prompt, as vLLM counts), after
+            transformers' repetition penalty and before the bans, temperature and warpers.
 
     ``sampler="materialized"`` runs the same engine with the ``[B, V]`` logits computed
     in the model's dtype and sampled by torch ops: the baseline the fused kernels are
@@ -87,10 +95,13 @@ class FlashGenerationMixin(GenerationMixin):
 
     def generate(self, inputs=None, generation_config=None, *args, sampler=None, seed=None,
                  output_logprobs=False, drafter=None, invariant=False, allowed_tokens_fn=None,
-                 **kwargs):
+                 logit_bias=None, presence_penalty=None, frequency_penalty=None, **kwargs):
         started = time.monotonic()            # max_time counts from here
+        additive = dict(logit_bias=logit_bias, presence_penalty=presence_penalty,
+                        frequency_penalty=frequency_penalty)
         given = _flash_options_given(seed=seed, output_logprobs=output_logprobs, drafter=drafter,
-                                     invariant=invariant, allowed_tokens_fn=allowed_tokens_fn)
+                                     invariant=invariant, allowed_tokens_fn=allowed_tokens_fn,
+                                     **additive)
         if sampler is None:
             name = next(iter(given), None)
             if name is not None:
@@ -112,7 +123,8 @@ class FlashGenerationMixin(GenerationMixin):
         with torch.no_grad():
             plan = plan_generation(self, inputs, generation_config, seed=seed,
                                    output_logprobs=output_logprobs, drafter=drafter,
-                                   allowed_tokens_fn=allowed_tokens_fn, started=started, **kwargs)
+                                   allowed_tokens_fn=allowed_tokens_fn, started=started,
+                                   **additive, **kwargs)
             if isinstance(plan, StockDelegation):
                 _check_stock_call(plan, seed, given)
                 warnings.warn(f"sampler='{sampler}' defers this call to stock transformers "
@@ -134,11 +146,12 @@ class FlashGenerationMixin(GenerationMixin):
                                    logprobs=logprobs, flash_stats=generated.stats)
 
 
-def _flash_options_given(seed, output_logprobs, drafter, invariant, allowed_tokens_fn) -> list[str]:
-    """The flashspec options (`_FLASH_OPTIONS`, in that order) a call sets."""
+def _flash_options_given(seed, output_logprobs, drafter, invariant, **others) -> list[str]:
+    """The flashspec options (`_FLASH_OPTIONS`, in that order) a call sets; `others`: those
+    that are set when not None."""
     given = dict(seed=seed is not None, output_logprobs=bool(output_logprobs),
                  drafter=drafter is not None, invariant=invariant is not False,
-                 allowed_tokens_fn=allowed_tokens_fn is not None)
+                 **{name: value is not None for name, value in others.items()})
     return [name for name in _FLASH_OPTIONS if given[name]]
 
 

@@ -50,6 +50,7 @@ from ..params import SamplingParams
 from .arguments import (Sources, check_eval_mode, check_options, checked_input_ids,
                         merged_values)
 from .drafters import AssistantDrafter, Drafter, PromptLookupDrafter
+from .additive import AdditiveEdits, with_additive
 from .allowed import AllowedTokens
 from .edits import FUSED_OPTIONS, EditRules
 from .heads import OutputHead, check_decoder, check_logits, model_hooks, output_head
@@ -143,6 +144,7 @@ class GenerationPlan:
     return_dict_in_generate: bool
     processing: LogitsProcessing | None = None   # the materialized path's edits, if any
     edits: EditRules | None = None     # the fused path's logit edits, if any
+    additive: AdditiveEdits | None = None   # the fused path's logit_bias and vLLM penalties
     allowed: AllowedTokens | None = None   # the fused path's allowed-token masks, if any
 
 
@@ -160,11 +162,14 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
                     stopping_criteria=None, prefix_allowed_tokens_fn=None, synced_gpus=None,
                     assistant_model=None, streamer=None, negative_prompt_ids=None,
                     negative_prompt_attention_mask=None, custom_generate=None, seed=None,
-                    output_logprobs=False, drafter=None, allowed_tokens_fn=None, started=None,
+                    output_logprobs=False, drafter=None, allowed_tokens_fn=None, logit_bias=None,
+                    presence_penalty=None, frequency_penalty=None, started=None,
                     **kwargs) -> GenerationPlan | StockDelegation:
     """`generate()`'s arguments as a `GenerationPlan`, a `StockDelegation`, or a ValueError
     or TypeError naming what cannot run. `drafter`: a `Drafter` of the caller's own (instead
     of an assistant or prompt lookup), with `num_assistant_tokens` drafts per step.
+    `logit_bias`, `presence_penalty`, `frequency_penalty`: vLLM's additive edits
+    (`additive.AdditiveEdits.of_call`).
     `started`: the call's `time.monotonic()` (`max_time` counts from it; default: now)."""
     started = time.monotonic() if started is None else started
     if not isinstance(output_logprobs, bool):
@@ -253,6 +258,8 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
     processing = edits = None
     allowed = AllowedTokens.of_call(prefix_allowed_tokens_fn, allowed_tokens_fn, input_ids,
                                     pad_token_id, head.vocab_size)
+    additive = AdditiveEdits.of_call(logit_bias, presence_penalty, frequency_penalty, batch_size,
+                                     head.vocab_size)
 
     def processors_with(prefix_fn):
         return model._get_logits_processor(
@@ -276,6 +283,8 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
                                          else allowed.prefix_fn)
             allowed = None
         params = SamplingParams.create(batch_size, do_sample=sampling, seed=seed, device=device)
+        processors = with_additive(processors, additive, input_length)
+        additive = None
         processing = LogitsProcessing(processors, head, input_ids, pad_token_id, tuple(reasons),
                                       keep_scores=bool(config.output_scores),
                                       keep_logits=bool(config.output_logits))
@@ -287,8 +296,8 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
         params = SamplingParams.create(batch_size, **options.sampling, seed=seed, device=device)
         if head.logit_scale != 1.0:
             params = dataclasses.replace(params, temperature=params.temperature / head.logit_scale)
-        if allowed is not None and edits is None:
-            edits = EditRules()              # the masks are codes, made with the others
+        if (allowed is not None or additive is not None) and edits is None:
+            edits = EditRules()   # the masks are codes and the additive edits ride with them
         if allowed is not None:
             allowed.forced = frozenset((count, token) for count, token, banned in edits.forced
                                        if not banned)
@@ -328,7 +337,7 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
         max_time=_time_left(config.max_time, started),
         streamer=streamer, output_logprobs=output_logprobs,
         return_dict_in_generate=bool(config.return_dict_in_generate), processing=processing,
-        edits=edits, allowed=allowed)
+        edits=edits, additive=additive, allowed=allowed)
 
 
 def _time_left(max_time, started: float) -> float | None:

@@ -118,22 +118,33 @@ def kernel_settings(vocab_size: int) -> dict[str, dict]:
             "top-k of V": dict(top_k=vocab_size)}
 
 
-def compile_variants(weight: torch.Tensor, rows: int, width: int, edits: bool = False, *,
+def compile_variants(weight: torch.Tensor, rows: int, width: int, edits: bool | tuple = False, *,
                      bias: torch.Tensor | None = None, softcap: float | None = None) -> None:
     """Run the fused `sample` (``width == 0``) or `verify` of `width` drafts for `rows` rows
     with every setting of `kernel_settings` on zeros, so that Triton compiles (or loads from
     its disk cache) each variant now: a later call that only changes its sampling setting
     then compiles nothing. With `edits`, the variants that apply logit edits (codes that
-    change nothing); with `bias` / `softcap`, those that apply the head's transforms.
-    Eager, outside any graph."""
+    change nothing; `edits` a tuple of `edits.EditState.kernel_inputs`' names adds a bias of
+    zeros, per row or per position, and zero counts); with `bias` / `softcap`, those that
+    apply the head's transforms. Eager, outside any graph."""
     hidden = weight.new_zeros(rows, width + 1, weight.shape[1]) if width else \
         weight.new_zeros(rows, weight.shape[1])
     positions = torch.zeros(rows, dtype=torch.long, device=weight.device)
     no_edits = None
     if edits:
-        codes = torch.zeros(*hidden.shape[:-1], weight.shape[0], dtype=torch.uint8,
-                            device=weight.device)
-        no_edits = LogitEdits(codes, torch.ones(rows, dtype=torch.float64, device=weight.device))
+        inputs = edits if isinstance(edits, tuple) else ("codes",)
+        device, vocab = weight.device, weight.shape[0]
+        codes = torch.zeros(*hidden.shape[:-1], vocab, dtype=torch.uint8, device=device)
+        ones = torch.ones(rows, dtype=torch.float64, device=device)
+        no_edits = LogitEdits(codes, ones)
+        if "bias" in inputs or "position bias" in inputs:
+            shape = hidden.shape[:-1] if "position bias" in inputs else (rows,)
+            no_edits = no_edits._replace(
+                bias=torch.zeros(*shape, vocab, dtype=torch.float32, device=device))
+        if "counts" in inputs:
+            no_edits = no_edits._replace(
+                counts=torch.zeros(rows, vocab, dtype=torch.int32, device=device),
+                frequency=ones, presence=ones)
     for setting in kernel_settings(weight.shape[0]).values():
         sampler = FusedSampler(weight, SamplingParams.create(rows, device=weight.device, **setting),
                                bias=bias, softcap=softcap)

@@ -264,22 +264,22 @@ class Slot:
         self.call_params = _with_flags(self.params, params)
         self.processing = plan.processing
         self.allowed = plan.allowed
-        self._load_edits(plan.edits, input_ids)
+        self._load_edits(plan.edits, input_ids, plan.additive)
         self.heuristic = plan.schedule == "heuristic" and plan.drafter is not None
         for entry in self.caches:
             entry.cache.reset()
         return input_ids, (mask.cumsum(dim=1) - 1).clamp_min(0), mask.bool()
 
-    def _load_edits(self, rules, input_ids: torch.Tensor) -> None:
-        """The call's fused edits (`edits.EditRules`, or None) for the padded prompts
-        `input_ids`. Steps with and without edits, with and without position bans, read the
+    def _load_edits(self, rules, input_ids: torch.Tensor, additive=None) -> None:
+        """The call's fused edits (`edits.EditRules`, or None; `additive.AdditiveEdits`, or
+        None) for the padded prompts `input_ids`. Steps with and without edits, with and without position bans, read the
         same buffers and differ in the graph key (`edits_key`), so their graphs live side by
         side; a call that needs other buffers for its bad words bumps the buffers'
         generation, so its steps are captured anew."""
         if rules is not None and self.edit_state is None:
             self.edit_state = EditState(self.batch_size, self.engine.head.vocab_size, self.device)
         edits = self.edit_state if rules is not None else None
-        if edits is not None and edits.load(rules, input_ids):
+        if edits is not None and edits.load(rules, input_ids, additive):
             self.generation += 1
         self.edits = edits
 
