@@ -99,7 +99,7 @@ class _AttachedAssistant(AttachedDrafter):
     @property
     def sampler(self):
         """The LM-head operations of this call's sampler kind (its argmax)."""
-        return self.slot.sampler(self.head.weight)
+        return self.slot.sampler(self.head.weight, self.head.shards)
 
     def start(self, prompt) -> None:
         self.slot.forward_prompt(self.runner, self.cache, *prompt)

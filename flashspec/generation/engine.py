@@ -120,7 +120,9 @@ class Engine:
         self.timed = False                        # this call has a max_time: it captures nothing
         self.uncompiled = False                   # this call runs uncompiled (`needs_compiling`)
         self.device = head.weight.device
-        self.graphs_enabled = self.device.type == "cuda"
+        # A tensor-parallel model's steps run eagerly: its layers' collectives are not
+        # compiled or captured here.
+        self.graphs_enabled = self.device.type == "cuda" and head.shards is None
         self.pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
         self._pool_anchor = _anchor(self.pool, self.device) if self.graphs_enabled else None
         self.weight_storage = _weight_storage(head)
@@ -162,13 +164,16 @@ class Engine:
         return next(decoder.parameters()).dtype
 
     def sampler(self, weight: torch.Tensor, slot: Slot, bias: torch.Tensor | None = None,
-                softcap: float | None = None):
+                softcap: float | None = None, shards=None):
         """The LM-head operations on `weight` (with the head transforms `bias` and `softcap`):
         the fused kernels on CUDA, except in an uncompiled call, which takes the materialized
         backend (torch ops, nothing to compile; exact for logits rounded to the model's
-        dtype, as stock's are)."""
+        dtype, as stock's are). A tensor-parallel head (`shards`: `weight` is this rank's
+        rows) exchanges per-row summaries with the other ranks (`flashspec.parallel`)."""
         params = slot.call_params
         head = dict(bias=bias, softcap=softcap)
+        if shards is not None:
+            return samplers.ParallelSampler(weight, params, shards, **head)
         cuda = self.device.type == "cuda"
         fused = self.sampler_kind == "fused" and cuda and weight.dtype != torch.float64
         if fused and not self.uncompiled:
@@ -185,7 +190,7 @@ class Engine:
         if slot.processing is not None:
             return slot.processing.sampler(slot)
         return self.sampler(self.head.weight, slot, bias=self.head.bias,
-                            softcap=self.head.softcap)
+                            softcap=self.head.softcap, shards=self.head.shards)
 
     def memory(self) -> dict:
         """What the engine holds on the device: per slot its rows, KV columns and bytes, and

@@ -29,6 +29,13 @@ on the model itself (its `forward` is never called) and global module hooks are 
 `model_hooks`, for the caller to hand the call to stock transformers. Both are looked up on
 every call (a few dictionary reads).
 
+A tensor-parallel model (``from_pretrained(..., tp_plan="auto")`` under torchrun: a DTensor
+LM-head weight split over the vocabulary, transformers' ``colwise`` / ``colwise_gather_output``)
+keeps its split: `OutputHead.weight` is this rank's rows and `OutputHead.shards` their place
+(`flashspec.parallel.VocabShards`); the samplers then exchange per-row summaries
+(`flashspec.parallel`), and `head_logits` gathers the logits where the materialized path
+needs them all. A replicated head is used whole; any other layout is refused.
+
 Any other transform (a model-specific multiplier, say) is caught by `check_logits`, which
 runs the model's own forward on one token and compares its logits with `head_logits`, within
 the rounding of the model's dtype; it runs again when the head's weight, its hooks or the
@@ -42,8 +49,10 @@ import dataclasses
 import weakref
 
 import torch
+import torch.distributed as dist
 
 from .. import reference
+from ..parallel import VocabShards
 from .kv_cache import ATTENTION, layer_kinds
 
 _CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -55,7 +64,8 @@ class OutputHead:
     ``[V, D]``, the positive factor s the model multiplies its logits by, its LM-head bias
     ``[V]`` and softcap c (``c * tanh(logits / c)``), which the fused kernels apply, and the
     LM-head module when hooks on it must run (`hooks` names them; only the materialized
-    path runs them)."""
+    path runs them). With `shards` (a tensor-parallel head), `weight` and `bias` are this
+    rank's rows of the vocabulary."""
 
     decoder: torch.nn.Module
     weight: torch.Tensor
@@ -64,10 +74,11 @@ class OutputHead:
     softcap: float | None = None
     module: torch.nn.Module | None = None
     hooks: tuple[str, ...] = ()
+    shards: VocabShards | None = None
 
     @property
     def vocab_size(self) -> int:
-        return self.weight.shape[0]
+        return self.shards.vocab_size if self.shards is not None else self.weight.shape[0]
 
     def unfused_transforms(self) -> tuple[str, ...]:
         """The head's transforms that only the materialized path reproduces, as reasons for
@@ -126,10 +137,38 @@ def output_head(model, role: str, greedy_only: bool = False) -> OutputHead:
             "get_decoder() returned the model itself); sampler='flash' needs it to skip the LM "
             "head"
         )
-    return OutputHead(decoder=decoder, weight=head.weight.contiguous(), logit_scale=scale,
+    weight, bias, shards = _local_head(head.weight, bias, role, name)
+    return OutputHead(decoder=decoder, weight=weight.contiguous(), logit_scale=scale,
                       bias=None if bias is None else bias.detach(),
                       softcap=None if softcap is None else float(softcap),
-                      module=head if hooks else None, hooks=hooks)
+                      module=head if hooks else None, hooks=hooks, shards=shards)
+
+
+def _local_head(weight: torch.Tensor, bias, role: str, name: str):
+    """``(weight, bias, shards)``: a DTensor head as this rank's rows and their
+    `VocabShards` (split over the vocabulary), or whole (replicated); plain tensors as they
+    are, with no shards."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(weight, DTensor):
+        return weight, bias, None
+    mesh, placements = weight.device_mesh, tuple(weight.placements)
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+    if all(isinstance(p, Replicate) for p in placements):
+        return local(weight), local(bias), None
+    if mesh.ndim != 1 or placements != (Shard(0),) \
+            or (isinstance(bias, DTensor) and tuple(bias.placements) != (Shard(0),)):
+        raise ValueError(
+            f"`{role}` ({name}) has a distributed LM head laid out as {placements} over a "
+            f"{mesh.ndim}-d device mesh; sampler='flash' runs heads split over the vocabulary "
+            "on a 1-d mesh (tp_plan 'colwise' / 'colwise_gather_output' for lm_head) or "
+            "replicated; run generate() without sampler='flash'")
+    shards = VocabShards.chunked(weight.shape[0], group=mesh.get_group())
+    weight = weight.to_local()
+    if weight.shape[0] != shards.size:
+        raise ValueError(f"`{role}` ({name}): this rank holds {weight.shape[0]} rows of the LM "
+                         f"head, not the {shards.size} of DTensor's split of {shards.vocab_size}")
+    return weight, local(bias), shards
 
 
 def model_hooks(model) -> tuple[str, ...]:
@@ -165,9 +204,21 @@ def head_logits(head: OutputHead, hidden: torch.Tensor) -> torch.Tensor:
         logits = logits if logits.dtype == torch.float64 else logits.float()
     else:
         logits = reference.compute_logits(hidden, head.weight, bias=head.bias)
+        if head.shards is not None:
+            logits = _gathered(logits, head.shards)
     if head.logit_scale != 1.0:
         logits = logits * head.logit_scale
     return reference.softcapped(logits, head.softcap)
+
+
+def _gathered(local: torch.Tensor, shards: VocabShards) -> torch.Tensor:
+    """Every rank's logits ``[..., V_r]`` side by side, ``[..., V]`` (one all-gather; shards
+    padded to the largest)."""
+    width = max(shards.sizes)
+    padded = torch.nn.functional.pad(local, (0, width - local.shape[-1])).contiguous()
+    parts = [torch.empty_like(padded) for _ in shards.sizes]
+    dist.all_gather(parts, padded, group=shards.group)
+    return torch.cat([part[..., :size] for part, size in zip(parts, shards.sizes)], dim=-1)
 
 
 def check_logits(model, head: OutputHead, token_ids: torch.Tensor, role: str = "model") -> None:
@@ -189,7 +240,10 @@ def check_logits(model, head: OutputHead, token_ids: torch.Tensor, role: str = "
         size = hidden.double().abs() @ head.weight.double().abs().T
         if head.bias is not None:
             size = size + head.bias.double().abs()
-        size = float(size.max()) * head.logit_scale
+        size = size.max()
+        if head.shards is not None:    # every rank decides alike (each holds part of the head)
+            dist.all_reduce(size, op=dist.ReduceOp.MAX, group=head.shards.group)
+        size = float(size) * head.logit_scale
     if not bool(torch.isfinite(logits).all()):
         return                 # not comparable; the sampler reports non-finite logits itself
     error = float((logits - ours).abs().max())

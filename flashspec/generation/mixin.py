@@ -131,6 +131,11 @@ class FlashGenerationMixin(GenerationMixin):
                               f"generate(): {plan.reason}", UserWarning, stacklevel=2)
             else:
                 kind = "fused" if sampler == "flash" else "materialized"
+                if plan.head.shards is not None and (invariant or kind == "materialized"):
+                    raise ValueError(
+                        f"{'`invariant=True`' if invariant else 'sampler=' + repr(sampler)} is "
+                        "not supported with a tensor-parallel model (its LM head split over "
+                        "the ranks): use sampler='flash' without invariant")
                 if invariant:
                     check_supported([plan.head.decoder, *getattr(plan.drafter, "decoders", ())])
                 generated = engine_for(plan, kind, invariant).run(plan)

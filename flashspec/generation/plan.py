@@ -210,6 +210,8 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
     check_eval_mode(model)
     head = output_head(model, "model")
     check_decoder(head.decoder, "model")
+    if head.shards is not None:
+        _check_tensor_parallel(config, source)
     sampling = options.sampling["do_sample"]
     # The values as given (transformers later derives min_length from min_new_tokens).
     reasons = _materialized_reasons(config, head, sampling, logits_processor, source)
@@ -304,6 +306,9 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
         if edits is not None and (edits.bans_tokens() or allowed is not None) and sampling:
             _check_banning_temperature(params, source("temperature"))
 
+    if head.shards is not None and seed is None:
+        _same_seeds_on_every_rank(params, head)
+
     stop_criteria = None
     if config.stop_strings:
         if tokenizer is None:
@@ -338,6 +343,25 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
         streamer=streamer, output_logprobs=output_logprobs,
         return_dict_in_generate=bool(config.return_dict_in_generate), processing=processing,
         edits=edits, additive=additive, allowed=allowed)
+
+
+def _check_tensor_parallel(config: GenerationConfig, source: Sources) -> None:
+    """Refuse what ranks could decide differently: every rank must take the same steps."""
+    if config.max_time is not None:
+        raise ValueError(f"`max_time`={config.max_time!r} ({source('max_time')}) is not supported "
+                         "with a tensor-parallel model: each rank would read its own clock and "
+                         "stop at another step; pass max_time=None, or bound the call with "
+                         "max_new_tokens")
+
+
+def _same_seeds_on_every_rank(params: SamplingParams, head: OutputHead) -> None:
+    """Seeds drawn from each rank's torch generator (no `seed` given) become rank 0's: the
+    ranks sample together."""
+    import torch.distributed as dist
+
+    group = head.shards.group
+    dist.broadcast(params.seed, src=dist.get_global_rank(group, 0) if group is not None else 0,
+                   group=group)
 
 
 def _time_left(max_time, started: float) -> float | None:

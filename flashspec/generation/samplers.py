@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from .. import reference, sampling
+from .. import parallel, reference, sampling
 # The engine reads the status codes here.
 from ..outputs import NEEDS_COMPLETION, NO_TOKEN_LEFT, NON_FINITE  # noqa: F401
 from ..params import LogitEdits, SamplingParams
@@ -84,6 +84,47 @@ class MaterializedSampler(_Sampler):
 
 class FusedSampler(_Sampler):
     backend = "fused"
+
+
+class ParallelSampler(_Sampler):
+    """The three operations on a tensor-parallel head: `weight` (and `bias`) are this rank's
+    rows of the vocabulary, `shards` their place; `flashspec.parallel` exchanges per-row
+    summaries with the other ranks, which make the same calls, and returns one process's
+    results on every rank (completing uncertified truncations itself: no row comes back
+    `NEEDS_COMPLETION`). The step's edits cover the whole vocabulary: each call passes this
+    rank's columns."""
+
+    backend = "parallel"
+
+    def __init__(self, weight: torch.Tensor, params: SamplingParams, shards, *,
+                 bias: torch.Tensor | None = None, softcap: float | None = None):
+        super().__init__(weight, params, bias=bias, softcap=softcap)
+        self.shards = shards
+
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        return parallel.argmax(hidden, self.weight, shards=self.shards, check=False,
+                               **self.head).tokens
+
+    def sample(self, hidden: torch.Tensor, positions: torch.Tensor,
+               edits: LogitEdits | None = None):
+        out = parallel.sample(hidden, self.weight, self.params, positions, shards=self.shards,
+                              edits=self._local(edits), check=False, **self.head)
+        return out.tokens, out.logprobs, out.status
+
+    def verify(self, hidden: torch.Tensor, drafts: torch.Tensor, positions: torch.Tensor,
+               edits: LogitEdits | None = None):
+        out = parallel.verify(hidden, self.weight, drafts, self.params, positions,
+                              shards=self.shards, edits=self._local(edits), check=False,
+                              **self.head)
+        return out.num_accepted, out.tokens, out.logprobs, out.accept_probs, out.status
+
+    def _local(self, edits: LogitEdits | None) -> LogitEdits | None:
+        if edits is None:
+            return None
+        offset, size = self.shards.offset, self.shards.size
+        return edits._replace(**{name: getattr(edits, name)[..., offset:offset + size]
+                                 for name in ("codes", "bias", "counts")
+                                 if getattr(edits, name) is not None})
 
 
 def complete_sample(sampler, hidden: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,

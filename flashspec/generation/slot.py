@@ -163,10 +163,11 @@ class Slot:
             self.drafters[drafter.key] = drafter.attach(self)
         return self.drafters[drafter.key]
 
-    def sampler(self, weight: torch.Tensor):
-        """The LM-head operations on `weight` for this slot's rows (their parameters are the
-        slot's buffers, with the current call's kernel flags)."""
-        return self.engine.sampler(weight, self)
+    def sampler(self, weight: torch.Tensor, shards=None):
+        """The LM-head operations on `weight` (this rank's rows with `shards`) for this
+        slot's rows (their parameters are the slot's buffers, with the current call's kernel
+        flags)."""
+        return self.engine.sampler(weight, self, shards=shards)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor a step writes besides the KV entries (which a step rewrites with the

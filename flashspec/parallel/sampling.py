@@ -292,9 +292,9 @@ def _check_edits(edits, hidden, shards) -> None:
 
 def _flat_edits(edits, drafts: torch.Tensor, shards: VocabShards):
     """Verification's `edits` one row per position, their per-token counts (where they have
-    them) counting the drafts this shard holds, by shard column."""
-    if getattr(edits, "counts", None) is None:
-        return edits.flat()
+    them) counting the drafts this shard holds, by shard column. The drafts say how many
+    positions there are, also for edits that hold nothing per position (a ``[B, V]`` bias
+    alone)."""
     column = drafts - shards.offset
     here = (drafts >= 0) & (column >= 0) & (column < shards.size)
     return edits.flat(torch.where(here, column, -1))

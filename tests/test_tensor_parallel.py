@@ -1,0 +1,172 @@
+"""`generate(sampler="flash")` on a tensor-parallel transformers model: a tiny Llama loaded
+with ``from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))`` (the
+``tp_plan="auto"`` of transformers before 5.18) on 2 and 3 gloo ranks (transformers' DTensor
+split: attention heads and MLP columns per rank, the LM head over the vocabulary), as
+torchrun would start it.
+
+Each rank runs every case and checks it against the same model loaded whole in its own
+process: the seeded and greedy tokens are the same (plain, prompt lookup, an assistant
+replicated on every rank and a tensor-parallel one; truncation; fused logit edits; the
+materialized path), greedy equals stock transformers' tensor-parallel generate, seeds drawn
+without `seed` agree across ranks, and what ranks could decide differently is refused.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
+from transformers.distributed import DistributedConfig
+
+import flashspec
+
+# Heads divisible by 2 and 3; a vocabulary too (transformers' colwise_gather_output asks it).
+VOCAB = 1002
+COLLECTIVE_TIMEOUT_S, SPAWN_TIMEOUT_S = 60, 240
+PROMPTS = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [0, 0, 0, 9, 10, 11, 9, 10, 11, 9]])
+MASK = (PROMPTS != 0).long()
+MASK[0] = 1
+
+CASES = {
+    "greedy": dict(do_sample=False),
+    "sampled": dict(do_sample=True, temperature=0.9, top_k=0),
+    "truncated": dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.8),
+    "min_p": dict(do_sample=True, min_p=0.05, top_k=0),
+    "prompt lookup": dict(do_sample=True, temperature=0.9, top_k=0, prompt_lookup_num_tokens=3),
+    "edits": dict(do_sample=True, temperature=0.9, top_k=0, repetition_penalty=3.0,
+                  bad_words_ids=[[7], [9, 10]], no_repeat_ngram_size=2, presence_penalty=0.5,
+                  frequency_penalty=-1.0, logit_bias={11: 8.0, 5: -1.0, 400: 6.0}),
+}
+
+
+class Unchanged(LogitsProcessor):
+    """Changes nothing: the call runs on the materialized path (logits gathered)."""
+
+    def __call__(self, input_ids, scores):
+        return scores
+
+
+def _save_tiny(path: str, seed: int, layers: int) -> None:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=96, intermediate_size=192,
+                         num_hidden_layers=layers, num_attention_heads=6, num_key_value_heads=6,
+                         max_position_embeddings=256, tie_word_embeddings=False,
+                         pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)         # peaked enough that sampling decides something
+    model.save_pretrained(path)
+
+
+def _generate(model, **kwargs):
+    device = model.device
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model.generate(PROMPTS.to(device), attention_mask=MASK.to(device),
+                              max_new_tokens=12, **kwargs).cpu()
+
+
+def _cases(rank: int, world_size: int, folder: str) -> dict:
+    cuda = torch.cuda.is_available()
+    split = dict(distributed_config=DistributedConfig(tp_plan="auto"), dtype=torch.float32)
+    whole_on = dict(dtype=torch.float32, device_map=f"cuda:{rank}" if cuda else None)
+    target = flashspec.from_pretrained(f"{folder}/target", **split)
+    whole = flashspec.from_pretrained(f"{folder}/target", **whole_on)
+    draft = flashspec.from_pretrained(f"{folder}/draft", **whole_on)
+    draft_split = flashspec.from_pretrained(f"{folder}/draft", **split)
+    head = target.lm_head.weight
+    assert head.to_local().shape[0] == VOCAB // world_size
+    report = {}
+    cases = dict(CASES)
+    cases["assistant"] = dict(CASES["sampled"], assistant_model=draft, num_assistant_tokens=3)
+    cases["tensor-parallel assistant"] = dict(CASES["truncated"], assistant_model=draft_split)
+    cases["materialized path"] = dict(CASES["sampled"],
+                                      logits_processor=LogitsProcessorList([Unchanged()]))
+    for name, kwargs in cases.items():
+        split = _generate(target, sampler="flash", seed=7, **kwargs)
+        one = _generate(whole, sampler="flash", seed=7,
+                        **{k: (draft if v is draft_split else v) for k, v in kwargs.items()})
+        assert torch.equal(split, one), (name, split.tolist(), one.tolist())
+        report[name] = split[:, PROMPTS.shape[1]:].tolist()
+    # Greedy: stock transformers' own tensor-parallel generate.
+    assert torch.equal(_generate(target, sampler="flash", do_sample=False),
+                       _generate(target, do_sample=False))
+    # Seeds drawn from each rank's own generator: rank 0's are used everywhere, on the fused
+    # path and on the materialized one (where each rank draws from all the logits).
+    for extra in ({}, dict(logits_processor=LogitsProcessorList([Unchanged()]))):
+        torch.manual_seed(100)
+        rank0_seeds = flashspec.params.row_seeds(None, len(PROMPTS)).to(whole.device)
+        torch.manual_seed(100 + rank)
+        drawn = _generate(target, sampler="flash", do_sample=True, top_k=0, **extra)
+        assert torch.equal(drawn, _generate(whole, sampler="flash", do_sample=True, top_k=0,
+                                            seed=rank0_seeds, **extra)), extra
+    for kwargs, message in ((dict(max_time=5.0), "`max_time`=5.0"),
+                            (dict(invariant=True), "`invariant=True` is not supported"),
+                            (dict(sampler="materialized"), "sampler='materialized' is not supported")):
+        kwargs.setdefault("sampler", "flash")
+        with pytest.raises(ValueError, match=message):
+            _generate(target, **kwargs)
+    return report
+
+
+def _worker(rank: int, world_size: int, init_file: str, folder: str, report_file: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    backend = "gloo"
+    if torch.cuda.is_available():     # a rank per GPU, NCCL, fp32 without TF32
+        torch.cuda.set_device(rank)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        backend = "nccl"
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    try:
+        report = _cases(rank, world_size, folder)
+        if rank == 0:
+            with open(report_file, "w") as f:
+                json.dump(report, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp_models")
+    _save_tiny(str(path / "target"), 0, 2)
+    _save_tiny(str(path / "draft"), 1, 1)
+    return str(path)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_tensor_parallel_generate_equals_one_process(world_size, folder, tmp_path):
+    """On CPU (gloo); on a machine with GPUs, the same on one GPU per rank (NCCL): there the
+    engine's steps run eagerly and the LM head by torch ops on each rank's rows."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs")
+    report_file = str(tmp_path / "report.json")
+    mp.set_forkserver_preload([__name__])
+    context = mp.start_processes(_worker, args=(world_size, str(tmp_path / "init"), folder,
+                                                report_file),
+                                 nprocs=world_size, join=False, start_method="forkserver")
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world_size} ranks still running after {SPAWN_TIMEOUT_S} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    with open(report_file) as f:
+        report = json.load(f)
+    # The cases decide different tokens (each compares something the option decides).
+    assert report["greedy"] != report["sampled"] != report["truncated"]
+    assert report["edits"] != report["sampled"]
