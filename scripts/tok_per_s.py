@@ -79,6 +79,29 @@ With greedy decoding every row records whether its tokens equal the hf row's of 
 (B, decoding) (bf16 near-ties may legitimately differ). A variant that fails is recorded
 with its error and the run goes on.
 
+Under torchrun (WORLD_SIZE > 1), the target is tensor-parallel: loaded with
+``DistributedConfig(tp_plan="auto")`` over the default process group (initialized here if
+needed: gloo on CPU, NCCL on CUDA with the device of LOCAL_RANK), the draft whole on every
+rank (replicated); random-init models are built once by rank 0 and loaded from a temporary
+folder (flashspec.bench.pairs). Every rank runs every call; rank 0 alone prints and writes.
+The stock variants run transformers' own tensor-parallel generate (``hf_static_compile``
+excepted: not measured there), the flash ones ``sampler="flash"`` on the split target
+(``flash_self``: as its own assistant; ``flash_draft``: with the replicated draft);
+flashspec refuses the materialized sampler with a tensor-parallel model, so those variants
+are skipped, saying so. A variant that fails on one rank alone leaves the others waiting
+in a collective (until the group's 30-minute timeout). Each flash row then reports what
+flashspec's vocab-parallel LM head sent between ranks in its last call
+(``flashspec.parallel.stats()``, reset before each call): the bytes each rank contributed,
+per step (one exchange: an LM-head call of the target, or of the split target drafting for
+itself) and per row and step (a verification counts each verified position as a row),
+beside the summary layout's bytes per row of each operation (argmax, sample, verify) at the
+row's decoding; the pair gives what all-gathering the logits would send per row instead. The
+layers' own all-reduces (transformers') are not counted. The weight bandwidth (bw) counts
+the weights one rank reads.
+
+    PYTHONPATH=. torchrun --nproc_per_node 2 scripts/tok_per_s.py \\
+        --random-init llama-3.1-8b,llama-3.2-1b --decoding greedy,sample  # on 2 GPUs
+
 Defaults depend on the device. On CUDA: B 1,4,16, prompt 128 + 256 new tokens, 3 timed
 calls, bf16. On CPU: B 1,4, prompt 64 + 64 new tokens, 1 timed call, fp32, so that the
 default run (tiny pair, every variant, greedy, G=5) takes about 30 s on 2 idle cores.
@@ -92,13 +115,13 @@ Run (from the repository root):
     PYTHONPATH=. python scripts/tok_per_s.py --target Qwen/Qwen3-8B --draft Qwen/Qwen3-0.6B \\
         --prompts code_edit --decoding greedy,sample                      # downloads
 
-Writes to --out ``tok_per_s.json`` (device, versions, date, args with the defaults
-resolved, decodings, prompts, copy bandwidth, pairs, and one row per pair, B, decoding, G
-and variant) and ``tok_per_s.png`` (with matplotlib: a panel per pair, bars of tok/s grouped
-by (B, decoding)), and prints a table last. Progress goes to stderr: a bar over all runs
-(tqdm, on a terminal; else a line as each run starts), and each row's figures as one JSON
-line as soon as it is measured (a run cut short keeps them). Offline unless --target/--draft
-name hub models that are not cached.
+Writes to --out ``tok_per_s.json`` (device, world size and backend, versions, date, args
+with the defaults resolved, decodings, prompts, copy bandwidth, pairs, and one row per pair,
+B, decoding, G and variant) and ``tok_per_s.png`` (with matplotlib: a panel per pair, bars
+of tok/s grouped by (B, decoding)), and prints a table last. Progress goes to stderr: a bar
+over all runs (tqdm, on a terminal; else a line as each run starts), and each row's figures
+as one JSON line as soon as it is measured (a run cut short keeps them). Offline unless
+--target/--draft name hub models that are not cached.
 """
 
 from __future__ import annotations
@@ -110,11 +133,13 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import transformers
 
 from flashspec.bench.cli import (Progress, names, positive_int, positive_ints,
                                  random_init_shapes, resolve_device)
-from flashspec.bench.pairs import DTYPES, PAIRS, PairSpec
+from flashspec.bench.pairs import (DTYPES, PAIRS, PairSpec, init_tensor_parallel,
+                                   torchrun_world_size)
 from flashspec.bench.prompt_sets import PROMPT_SETS
 from flashspec.bench.random_init import WEIGHTS, config_names
 from flashspec.bench.timing import copy_bandwidth_gbps
@@ -260,6 +285,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      f"{', '.join(trained)} has trained weights")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
+    if args.device == "cpu" and torch.cuda.is_available() and torchrun_world_size() > 1:
+        parser.error("--device cpu under torchrun: transformers puts a tensor-parallel model on "
+                     "the GPU of LOCAL_RANK when there is one; leave --device auto")
     args.device = resolve_device(args.device)
     for field, value in DEVICE_DEFAULTS[args.device].items():
         if getattr(args, field) is None:
@@ -267,26 +295,52 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+class Silent:
+    """`Progress` of the ranks other than 0: nothing printed."""
+
+    def _nothing(self, *args) -> None:
+        pass
+
+    write = start = finish = close = _nothing
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the comparison; returns the exit code (argparse exits with 2 on bad arguments)."""
     args = parse_args(argv)
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    copy_gbps = copy_bandwidth_gbps(args.device)
-    specs = pair_specs(args)
-    progress = Progress(len(specs) * len(plan_runs(args)))
-    pairs, rows = {}, []
-    for spec in specs:
-        pairs[spec.label], pair_rows = run_pair(spec, args, args.device, copy_gbps, progress)
-        rows += pair_rows
-    progress.close()
-    report = build_report(args, args.device, copy_gbps, pairs, rows)
+    group_given = dist.is_available() and dist.is_initialized()
+    tensor_parallel = init_tensor_parallel(args.device)
+    try:
+        report = run(args, tensor_parallel)
+    finally:
+        if tensor_parallel is not None and not group_given:
+            dist.destroy_process_group()
+    if report is None:                                   # not rank 0
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tok_per_s.json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out / 'tok_per_s.json'}")
     write_plot(report, args.out / "tok_per_s.png")
     print_table(report)
     return 0
+
+
+def run(args: argparse.Namespace, tensor_parallel) -> dict | None:
+    """The report, on rank 0 (the only one); None on the other ranks."""
+    rank = 0 if tensor_parallel is None else tensor_parallel.rank
+    copy_gbps = copy_bandwidth_gbps(args.device)
+    specs = pair_specs(args)
+    progress = Progress(len(specs) * len(plan_runs(args))) if rank == 0 else Silent()
+    pairs, rows = {}, []
+    for spec in specs:
+        pairs[spec.label], pair_rows = run_pair(spec, args, args.device, copy_gbps, progress,
+                                                tensor_parallel)
+        rows += pair_rows
+    progress.close()
+    if rank != 0:
+        return None
+    return build_report(args, args.device, copy_gbps, pairs, rows, tensor_parallel)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
 """scripts/tok_per_s.py and its library (flashspec.bench: pairs, timing, tok_per_s,
 tok_per_s_report): the command line's refusals, the pair specs, the expected-tok/s
-arithmetic, and tiny CPU runs (built-in pair, fp32; a random-init model without a draft) with
-their JSON schema."""
+arithmetic, and tiny CPU runs (built-in pair, fp32; a random-init model without a draft; a
+random-init pair under torchrun on 2 gloo ranks) with their JSON schema."""
 
 import importlib.util
 import json
 import numbers
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -192,6 +195,7 @@ def test_report_header(report):
     assert report["versions"]["torch"] == torch.__version__
     assert {"transformers", "triton", "flashspec", "python"} <= set(report["versions"])
     assert report["date"].endswith("+00:00")
+    assert (report["world_size"], report["backend"]) == (1, None)
     assert report["args"]["variants"] == VARIANTS
     assert report["args"]["num_drafts"] == NUM_DRAFTS
     assert report["decodings"] == {
@@ -203,6 +207,8 @@ def test_report_header(report):
     pair = report["pairs"]["tiny"]
     assert pair["target"] == "tiny_pair/target" and pair["draft"] == "tiny_pair/draft"
     assert pair["target_weight_bytes"] > pair["draft_weight_bytes"] > 0
+    assert pair["target_weight_bytes_per_rank"] == pair["target_weight_bytes"]
+    assert pair["logits_gather_bytes_per_row"] is None
 
 
 def test_one_row_per_setting(report):
@@ -250,6 +256,7 @@ def test_rows_that_ran(report):
         assert row["tok_s"] == pytest.approx(row["batch_size"] * NEW_TOKENS / row["seconds"][0])
         assert all(value is None or _positive(value) for value in row["ratio"].values())
         assert row["step_ms"] is None and row["expected_tok_s"] is None     # no graphs on CPU
+        assert row["exchange"] is None                                        # one process
         plain = row["variant"] in ("hf", "flash_plain")
         assert _positive(row["weight_bandwidth_fraction"]) if plain else (
             row["weight_bandwidth_fraction"] is None)
@@ -323,7 +330,9 @@ def test_random_init_without_a_draft(tmp_path, capsys):
         "weights": "random init, peaked (flashspec.bench.random_init.peak_weights)",
         "vocab_size": 512,
         "target_weight_bytes": report["pairs"]["small"]["target_weight_bytes"],
-        "draft_weight_bytes": None}}
+        "draft_weight_bytes": None,
+        "target_weight_bytes_per_rank": report["pairs"]["small"]["target_weight_bytes"],
+        "logits_gather_bytes_per_row": None}}
     status = {row["variant"]: row["status"] for row in report["rows"]}
     assert status["hf"] == status["flash_self"] == "ok"
     assert status["flash_draft"].startswith("skipped: no draft model")
@@ -331,3 +340,104 @@ def test_random_init_without_a_draft(tmp_path, capsys):
     lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()
              if line.startswith("{")]
     assert [line["variant"] for line in lines] == ["hf", "flash_self", "flash_draft"]
+
+
+# Under torchrun: a 1-layer Llama (heads and vocabulary divisible by 2: transformers'
+# colwise_gather_output LM head needs it), split over 2 gloo ranks; the draft replicated.
+TP_CONFIG = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64,
+             "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": False}
+TP_BATCH_SIZES, TP_NEW_TOKENS = [1, 2], 4
+TP_STOCK = ["hf", "hf_static_compile", "hf_assisted", "hf_lookup"]
+TP_FLASH = ["flash_plain", "flash_self", "flash_draft", "flash_draft_materialized",
+            "flash_lookup"]
+TORCHRUN_TIMEOUT_S = 180
+
+
+@pytest.fixture(scope="module")
+def torchrun_run(tmp_path_factory):
+    """The script under torchrun, 2 ranks on CPU: (stdout, report, the temporary folder the
+    ranks ran with)."""
+    root = tmp_path_factory.mktemp("tok_per_s_tp")
+    config = root / "tp" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps(TP_CONFIG))
+    temp, out = root / "tmp", root / "out"
+    temp.mkdir()
+    repository = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TMPDIR": str(temp), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(repository),
+                                                       os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", "2", str(repository / "scripts" / "tok_per_s.py"),
+               "--random-init", f"{config},{config}",
+               "--batch-sizes", ",".join(map(str, TP_BATCH_SIZES)),
+               "--new-tokens", str(TP_NEW_TOKENS), "--prompt-length", "8", "--num-drafts", "2",
+               "--decoding", "greedy,sample", "--reps", "1", "--device", "cpu",
+               "--variants", ",".join(TP_STOCK + TP_FLASH), "--out", str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False,
+                          timeout=TORCHRUN_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout, json.loads((out / "tok_per_s.json").read_text()), temp
+
+
+def test_torchrun_report_header(torchrun_run):
+    stdout, report, temp = torchrun_run
+    assert (report["world_size"], report["backend"]) == (2, "gloo")
+    pair = report["pairs"]["tp"]
+    assert pair["logits_gather_bytes_per_row"] == 512 // 2 * 4            # fp32 logits
+    assert 0 < pair["target_weight_bytes_per_rank"] < pair["target_weight_bytes"]
+    assert pair["draft_weight_bytes"] == pair["target_weight_bytes"]      # replicated
+    assert not list(temp.glob("flashspec_*"))   # the random-init models' folder is deleted
+    # Rank 0 alone writes and prints.
+    assert stdout.count("wrote ") == 1 and "cpu, 2 ranks (gloo)" in stdout
+    assert any(line.split()[:5] == ["tp", "2", "greedy", "-", "flash_plain"]
+               and line.split()[-2] == "16.0" for line in stdout.splitlines()), stdout
+
+
+def test_torchrun_rows(torchrun_run):
+    _, report, _ = torchrun_run
+    rows = {(row["batch_size"], row["decoding"], row["variant"]): row for row in report["rows"]}
+    assert set(rows) == {(batch, decoding, name) for batch in TP_BATCH_SIZES
+                         for decoding in DECODINGS for name in TP_STOCK + TP_FLASH}
+    for (batch, decoding, name), row in rows.items():
+        if name in ("hf_static_compile", "flash_draft_materialized"):
+            assert row["status"].startswith("skipped: ") and "tensor-parallel" in row["status"]
+            continue
+        if batch > 1 and name in ("hf_assisted", "hf_lookup"):
+            assert row["status"].startswith("skipped: stock assisted generation")
+            continue
+        assert row["status"] == "ok" and _positive(row["tok_s"])
+        # fp32: greedy flash rows (and stock assisted, lookup) give stock TP generate's tokens.
+        assert row["same_tokens_as_hf"] is (
+            None if name == "hf" or decoding == "sample" else True)
+        exchange = row["exchange"]
+        if name in TP_STOCK:
+            assert exchange is None            # stock gathers the logits instead
+            continue
+        if batch == 1 and name in ("flash_draft", "flash_lookup"):
+            assert _positive(row["ratio"]["vs_stock_assisted"])
+        assert exchange["bytes"] == exchange["summary_bytes"] > 0
+        assert exchange["rows_retried"] == exchange["rows_completed"] == 0
+        assert exchange["bytes_per_step"] == exchange["bytes"] / exchange["calls"]
+        assert exchange["bytes_per_row_per_step"] == exchange["bytes"] / exchange["rows"]
+
+
+@pytest.mark.parametrize("decoding, sample_bytes", [
+    ("greedy", 16),
+    # top-k 20: the rows send max(32, 20 + 1) candidate keys of 8 bytes after their 16.
+    ("sample", 16 + 32 * 8)])
+def test_torchrun_plain_steps_send_the_sample_summary(torchrun_run, decoding, sample_bytes):
+    """One exchange per generated token (the prefill's included), each the `sample` summary
+    of every row."""
+    _, report, _ = torchrun_run
+    for batch in TP_BATCH_SIZES:
+        (row,) = [row for row in report["rows"] if (row["batch_size"], row["decoding"],
+                                                    row["variant"]) == (batch, decoding,
+                                                                        "flash_plain")]
+        exchange = row["exchange"]
+        assert exchange["summary_bytes_per_row"] == {"argmax": 8, "sample": sample_bytes,
+                                                     "verify": sample_bytes + 4}
+        assert (exchange["calls"], exchange["rows"]) == (TP_NEW_TOKENS, TP_NEW_TOKENS * batch)
+        assert exchange["bytes_per_row_per_step"] == sample_bytes
+        assert exchange["bytes_per_step"] == sample_bytes * batch

@@ -1,13 +1,28 @@
 """The model pairs (target + draft, same vocabulary) that scripts/tok_per_s.py times: the
 presets, and loading one with trained weights (hub id or folder) or random weights at real
-shapes (`flashspec.bench.random_init`), prepared for exact-length generations (no EOS)."""
+shapes (`flashspec.bench.random_init`), prepared for exact-length generations (no EOS).
+
+Under torchrun (`init_tensor_parallel`), `load_pair` loads the target tensor-parallel
+(``DistributedConfig(tp_plan="auto")``: transformers splits attention heads and MLP columns
+over the ranks, the LM head over the vocabulary) and the draft whole on every rank. That path
+reads a folder, so random-init models are built once, by rank 0 (seeded, in the target
+dtype, peaked if asked), saved into a temporary folder that every rank loads, and deleted
+once loaded.
+"""
 
 from __future__ import annotations
 
+import datetime
+import os
+import shutil
+import tempfile
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
+from transformers.distributed import DistributedConfig
 
 import flashspec
 from flashspec.assets import tiny_pair_path
@@ -36,6 +51,35 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 SEED = 0
 PAD_TOKEN_ID = 0
+# Collectives of a tensor-parallel run give up after this long (a rank that failed alone).
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+class TensorParallel(NamedTuple):
+    """The process group a torchrun run loads its targets over (the default group)."""
+
+    world_size: int
+    rank: int
+    backend: str
+
+
+def torchrun_world_size() -> int:
+    """WORLD_SIZE as torchrun sets it; 1 outside torchrun."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_tensor_parallel(device: str) -> TensorParallel | None:
+    """Under torchrun (WORLD_SIZE > 1): the default process group, initialized here unless
+    it already is (gloo on CPU; NCCL on CUDA, this process's device set from LOCAL_RANK
+    first). None outside torchrun."""
+    if torchrun_world_size() <= 1:
+        return None
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                                timeout=COLLECTIVE_TIMEOUT)
+    return TensorParallel(dist.get_world_size(), dist.get_rank(), dist.get_backend())
 
 
 def _prepare(model):
@@ -47,35 +91,83 @@ def _prepare(model):
     return model
 
 
-def _load_model(name: str, random_init: bool, device: str, dtype: torch.dtype):
-    if random_init:
-        return random_model(name, device, dtype, seed=SEED)
-    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
+def _random_model(name: str, device: str, dtype: torch.dtype, weights: str):
+    model = random_model(name, device, dtype, seed=SEED)
+    return peak_weights(model) if weights == "peaked" else model
 
 
-def load_pair(spec: PairSpec, device: str, dtype: torch.dtype, weights: str = "random"):
+def _load_one_process(spec: PairSpec, device: str, dtype: torch.dtype, weights: str) -> list:
+    if spec.random_init:
+        return [_random_model(name, device, dtype, weights) for name in _names(spec)]
+    return [AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
+            for name in _names(spec)]
+
+
+def _load_tensor_parallel(spec: PairSpec, device: str, dtype: torch.dtype, weights: str) -> list:
+    """The target split over the default group's ranks, the draft whole on each; random-init
+    models through a temporary folder that rank 0 writes (a collective: every rank calls)."""
+    folder = [None]
+    if spec.random_init:
+        if dist.get_rank() == 0:
+            folder[0] = tempfile.mkdtemp(prefix="flashspec_tok_per_s_")
+            for role, name in zip(("target", "draft"), _names(spec)):
+                model = _random_model(name, device, dtype, weights)
+                model.save_pretrained(os.path.join(folder[0], role))
+                del model
+        dist.broadcast_object_list(folder, src=0)
+    paths = ([os.path.join(folder[0], role) for role in ("target", "draft")[:len(_names(spec))]]
+             if spec.random_init else _names(spec))
+    try:
+        models = [AutoModelForCausalLM.from_pretrained(
+            paths[0], dtype=dtype, distributed_config=DistributedConfig(tp_plan="auto"))]
+        models += [AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+                   for path in paths[1:]]
+    finally:
+        if spec.random_init:
+            dist.barrier()               # every rank has read the folder
+            if dist.get_rank() == 0:
+                shutil.rmtree(folder[0], ignore_errors=True)
+    return models
+
+
+def _names(spec: PairSpec) -> list[str]:
+    return [name for name in (spec.target, spec.draft) if name is not None]
+
+
+def load_pair(spec: PairSpec, device: str, dtype: torch.dtype, weights: str = "random",
+              tensor_parallel: bool = False):
     """(flashspec-wrapped target, draft or None, description); `weights` "peaked" applies
-    `peak_weights` to random-init models."""
+    `peak_weights` to random-init models. With `tensor_parallel` (under torchrun, after
+    `init_tensor_parallel`; a collective), the target is split over the default group's
+    ranks and the draft replicated (see the module docstring)."""
     if weights not in WEIGHTS:
         raise ValueError(f"`weights`={weights!r} is not allowed: use one of "
                          f"{', '.join(WEIGHTS)}")
     if not spec.random_init and weights != "random":
         raise ValueError(f"`weights`={weights!r} applies to random-init pairs; {spec.label!r} "
                          "has trained weights")
-    models = [_prepare(_load_model(name, spec.random_init, device, dtype))
-              for name in (spec.target, spec.draft) if name is not None]
-    if weights == "peaked":
-        models = [peak_weights(model) for model in models]
+    load = _load_tensor_parallel if tensor_parallel else _load_one_process
+    models = [_prepare(model) for model in load(spec, device, dtype, weights)]
     target, draft = flashspec.wrap(models[0]), models[1] if len(models) > 1 else None
+    vocab_size = target.config.vocab_size
+    world_size = dist.get_world_size() if tensor_parallel else 1
     description = {"target": model_name(spec.target),
                    "draft": None if draft is None else model_name(spec.draft),
                    "weights": WEIGHTS[weights] if spec.random_init else "trained",
-                   "vocab_size": target.config.vocab_size,
+                   "vocab_size": vocab_size,
                    "target_weight_bytes": weight_bytes(target),
-                   "draft_weight_bytes": None if draft is None else weight_bytes(draft)}
+                   "draft_weight_bytes": None if draft is None else weight_bytes(draft),
+                   "target_weight_bytes_per_rank": weight_bytes(target, local=True),
+                   # What all-gathering the logits (stock's colwise_gather_output LM head)
+                   # sends per row and step from each rank: its vocabulary shard's logits.
+                   "logits_gather_bytes_per_row": (
+                       -(-vocab_size // world_size) * dtype.itemsize if tensor_parallel
+                       else None)}
     return target, draft, description
 
 
-def weight_bytes(model) -> int:
-    """Bytes of the parameters; `parameters()` yields a tied embedding once."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+def weight_bytes(model, local: bool = False) -> int:
+    """Bytes of the parameters (`local`: this rank's shards of a tensor-parallel model's);
+    `parameters()` yields a tied embedding once."""
+    return sum(p.to_local().nbytes if local and isinstance(p, DTensor)
+               else p.numel() * p.element_size() for p in model.parameters())

@@ -1,11 +1,15 @@
 """The tok/s sweep of scripts/tok_per_s.py: its variants (stock and flashspec generate()
 settings), the runs of a pair, one row per (B, decoding, G, variant) with the ratios between
 rows, and the JSON report. The script's docstring describes what each variant and figure is.
+
+Under torchrun every rank runs every call (the target's layers and flashspec's LM-head
+exchange are collectives); rank 0's rows are the report.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -18,11 +22,13 @@ from typing import Callable, NamedTuple
 
 import torch
 import transformers
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, GenerationConfig
 
 import flashspec
+from flashspec import parallel
 from flashspec.bench.cli import Progress, package_version
-from flashspec.bench.pairs import DTYPES, PAD_TOKEN_ID, SEED, PairSpec, load_pair
+from flashspec.bench.pairs import (DTYPES, PAD_TOKEN_ID, SEED, PairSpec, TensorParallel,
+                                   load_pair)
 from flashspec.bench.prompt_sets import PROMPT_SETS, encode_prompts, load_prompts
 from flashspec.bench.timing import expected_tok_s, step_ms, timed_calls
 
@@ -42,6 +48,19 @@ MATERIALIZED_TWIN = {"flash_self": "flash_self_materialized",
                      "flash_draft": "flash_draft_materialized",
                      "flash_lookup": "flash_lookup_materialized"}
 
+# What a tensor-parallel target (under torchrun) does not run, and why. Stock assisted
+# generation and prompt lookup run there (at B=1, as everywhere), giving the flash rows
+# their stock twins.
+_MATERIALIZED_REFUSED = ("skipped: flashspec refuses sampler='materialized' with a "
+                         "tensor-parallel target (it would gather the logits)")
+TENSOR_PARALLEL_SKIPS = {
+    "hf_static_compile": "skipped: not measured with a tensor-parallel target (transformers' "
+                         "compiled static-cache generate over DTensor layers)",
+    "flash_self_materialized": _MATERIALIZED_REFUSED,
+    "flash_draft_materialized": _MATERIALIZED_REFUSED,
+    "flash_lookup_materialized": _MATERIALIZED_REFUSED,
+}
+
 
 class Skipped(Exception):
     """A variant that cannot run in this setting; its message is the row's status."""
@@ -49,13 +68,15 @@ class Skipped(Exception):
 
 class Case(NamedTuple):
     """One (pair, B, G) setting, as the variants see it; `num_drafts` None for plain rows
-    and `draft` None for a pair without a draft model."""
+    and `draft` None for a pair without a draft model; `tensor_parallel` when the target is
+    split over torchrun's ranks."""
 
     target: torch.nn.Module
     draft: torch.nn.Module | None
     batch_size: int
     num_drafts: int | None
     cuda: bool
+    tensor_parallel: bool = False
 
 
 class Variant(NamedTuple):
@@ -197,17 +218,50 @@ def _sequences(output) -> torch.Tensor:
     return output if torch.is_tensor(output) else output.sequences
 
 
-def run_variant(name: str, case: Case, inputs: dict, args: argparse.Namespace) -> tuple[dict, torch.Tensor | None]:
-    """The row of `name` (without ratios), and its last call's sequences (None if it did not run)."""
+def summary_bytes_per_row(case: Case, decoding: str) -> dict:
+    """Bytes each rank sends per row (per verified position) in `flashspec.parallel`'s
+    exchange of each operation, at `decoding`'s parameters and the target's vocabulary
+    split (`flashspec.parallel.summary_layout`; a retry or completion, rare, adds more)."""
+    config = GenerationConfig(**DECODINGS[decoding])
+    params = flashspec.SamplingParams.from_generation_config(config, case.batch_size)
+    shards = parallel.VocabShards.chunked(case.target.config.vocab_size)
+    return {op: parallel.summary_layout(op, shards, params).bytes_per_row
+            for op in ("argmax", "sample", "verify")}
+
+
+def exchange_figures(stats: parallel.ExchangeStats, case: Case, decoding: str) -> dict:
+    """A call's `flashspec.parallel` counters (this rank's contribution; it receives
+    world_size - 1 times as much), and per step (one exchange: an LM-head call of the
+    target or of a tensor-parallel assistant; a retry counts as one more) and per row and
+    step (a row of a sampling or drafting step, a verified position of a verification)."""
+    sent = stats.summary_bytes + stats.completion_bytes
+    return {**dataclasses.asdict(stats), "bytes": sent,
+            "bytes_per_step": _ratio(sent, stats.calls),
+            "bytes_per_row_per_step": _ratio(sent, stats.rows),
+            "summary_bytes_per_row": summary_bytes_per_row(case, decoding)}
+
+
+def run_variant(name: str, case: Case, inputs: dict, args: argparse.Namespace,
+                decoding: str) -> tuple[dict, torch.Tensor | None]:
+    """The row of `name` (without ratios), and its last call's sequences (None if it did not
+    run). With a tensor-parallel target, a flash row's "exchange" gives the bytes the ranks
+    exchanged in its last call (`exchange_figures`)."""
     row = {"variant": name, "status": "ok", "first_call_seconds": None, "seconds": None,
-           "tok_s": None, "flash_stats": None, "step_ms": None, "expected_tok_s": None}
+           "tok_s": None, "flash_stats": None, "step_ms": None, "expected_tok_s": None,
+           "exchange": None}
     variant = VARIANTS[name]
+    exchanged = [None]
     try:
+        if case.tensor_parallel and name in TENSOR_PARALLEL_SKIPS:
+            raise Skipped(TENSOR_PARALLEL_SKIPS[name])
         kwargs = variant.kwargs(case)
 
         def generate():
             torch.manual_seed(SEED)          # stock sampling draws from torch's generator
-            return case.target.generate(**inputs, **kwargs)
+            parallel.reset_stats()
+            output = case.target.generate(**inputs, **kwargs)
+            exchanged[0] = parallel.stats()
+            return output
 
         first_call, seconds, output = timed_calls(generate, args.reps, case.cuda)
     except Skipped as skipped:
@@ -228,6 +282,8 @@ def run_variant(name: str, case: Case, inputs: dict, args: argparse.Namespace) -
     row["tok_s"] = case.batch_size * args.new_tokens / statistics.median(seconds)
     if variant.engine_sampler is not None:
         row["flash_stats"] = _summary(output.flash_stats)
+        if case.tensor_parallel:
+            row["exchange"] = exchange_figures(exchanged[0], case, decoding)
         verify_width = 0 if case.num_drafts is None else min(case.num_drafts, args.new_tokens - 1)
         if case.cuda:
             row["step_ms"] = step_ms(case.target, variant.engine_sampler, verify_width)
@@ -245,7 +301,7 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 def add_ratios(rows: list[dict], target_bytes: int, copy_gbps: float) -> None:
     """Ratios between the rows of one (pair, B, decoding), twins matched on G, and the plain
-    rows' weight bandwidth."""
+    rows' weight bandwidth (`target_bytes`: what one rank reads per forward)."""
     tok_s = {(row["variant"], row["num_drafts"]): row["tok_s"] for row in rows}
     for row in rows:
         name, num_drafts = row["variant"], row["num_drafts"]
@@ -286,11 +342,12 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
 
 
 ROW_LINE_KEYS = ("pair", "batch_size", "decoding", "num_drafts", "variant", "status", "tok_s",
-                 "step_ms", "flash_stats", "same_tokens_as_hf")
+                 "step_ms", "flash_stats", "exchange", "same_tokens_as_hf")
 
 
 def run_group(pair: str, runs: list[Run], target, draft, prompts: Prompts,
-              args: argparse.Namespace, cuda: bool, progress: Progress) -> list[dict]:
+              args: argparse.Namespace, cuda: bool, progress: Progress,
+              tensor_parallel: bool = False) -> list[dict]:
     """The rows of one (pair, B, decoding), hf first, without ratios."""
     batch, decoding = runs[0].batch_size, runs[0].decoding
     inputs = {"input_ids": prompts.input_ids, "attention_mask": prompts.attention_mask,
@@ -301,8 +358,8 @@ def run_group(pair: str, runs: list[Run], target, draft, prompts: Prompts,
     for run in runs:
         progress.start(f"{pair} B={batch} {decoding} "
                        f"{'' if run.num_drafts is None else f'G={run.num_drafts} '}{run.variant}")
-        case = Case(target, draft, batch, run.num_drafts, cuda)
-        row, sequences = run_variant(run.variant, case, inputs, args)
+        case = Case(target, draft, batch, run.num_drafts, cuda, tensor_parallel)
+        row, sequences = run_variant(run.variant, case, inputs, args, decoding)
         row = {"pair": pair, "batch_size": batch, "decoding": decoding,
                "num_drafts": run.num_drafts, **row, "prompts": prompts.description,
                "same_tokens_as_hf": None}
@@ -318,9 +375,13 @@ def run_group(pair: str, runs: list[Run], target, draft, prompts: Prompts,
 
 
 def run_pair(spec: PairSpec, args: argparse.Namespace, device: str, copy_gbps: float,
-             progress: Progress) -> tuple[dict, list[dict]]:
+             progress: Progress, tensor_parallel: TensorParallel | None = None
+             ) -> tuple[dict, list[dict]]:
+    """The pair's description and rows; with `tensor_parallel` (a collective: every rank
+    calls it), the target split over its ranks (`flashspec.bench.pairs.load_pair`)."""
     progress.write(f"loading pair {spec.label} ...")
-    target, draft, description = load_pair(spec, device, DTYPES[args.dtype], args.weights)
+    target, draft, description = load_pair(spec, device, DTYPES[args.dtype], args.weights,
+                                           tensor_parallel=tensor_parallel is not None)
     tokenizer = (None if args.prompts == RANDOM_PROMPTS
                  else AutoTokenizer.from_pretrained(spec.target))
     runs, rows = plan_runs(args), []
@@ -331,8 +392,8 @@ def run_pair(spec: PairSpec, args: argparse.Namespace, device: str, copy_gbps: f
             group_runs = [run for run in runs
                           if run.batch_size == batch and run.decoding == decoding]
             group = run_group(spec.label, group_runs, target, draft, prompts, args,
-                              device == "cuda", progress)
-            add_ratios(group, description["target_weight_bytes"], copy_gbps)
+                              device == "cuda", progress, tensor_parallel is not None)
+            add_ratios(group, description["target_weight_bytes_per_rank"], copy_gbps)
             rows += group
     del target, draft
     gc.collect()         # the engine cached on the decoder refers back to it: a cycle
@@ -342,9 +403,13 @@ def run_pair(spec: PairSpec, args: argparse.Namespace, device: str, copy_gbps: f
 
 
 def build_report(args: argparse.Namespace, device: str, copy_gbps: float, pairs: dict,
-                 rows: list[dict]) -> dict:
+                 rows: list[dict], tensor_parallel: TensorParallel | None = None) -> dict:
+    """The JSON report; `tensor_parallel` gives its "world_size" and "backend" (1 and None
+    for one process)."""
     return {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "world_size": 1 if tensor_parallel is None else tensor_parallel.world_size,
+        "backend": None if tensor_parallel is None else tensor_parallel.backend,
         "versions": {"torch": torch.__version__, "triton": package_version("triton"),
                      "transformers": transformers.__version__,
                      "flashspec": flashspec.__version__, "python": sys.version.split()[0]},

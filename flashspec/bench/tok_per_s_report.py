@@ -62,7 +62,7 @@ def _plot_pair(ax, report: dict, pair: str) -> None:
     described = report["pairs"][pair]
     ax.set(yscale="log", ylabel="tokens / s",
            title=f"{pair}: {described['target']} + {described['draft'] or 'no draft'} "
-                 f"({described['weights']}); {report['device']}, "
+                 f"({described['weights']}); {report['device']}{_ranks_text(report)}, "
                  f"{report['prompts']['source']} prompts")
     low, high = ax.get_ylim()
     ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))  # not 10^2
@@ -109,8 +109,16 @@ tok/s = B * new tokens / median s; 1st s = seconds of the first call (compilatio
 capture included); x_stc, x_hf = / hf_static_compile, / hf; x_stk = / the stock
 twin (assisted or lookup, same G); x_mat = fused / materialized (same G); acc = accepted /
 drafted; len = tokens per target forward; exp@1 = tok/s the step graphs allow at acceptance 1;
-bw = weight bytes read per s / copy bandwidth; ms/step = GPU ms of the captured plain step, or
-of a round of G drafts and the verification of G drafts."""
+bw = weight bytes read per s / copy bandwidth; B/row = bytes each rank sent per row per step
+in flashspec's LM-head exchange (tensor-parallel runs; a verified position is a row);
+ms/step = GPU ms of the captured plain step, or of a round of G drafts and the verification
+of G drafts."""
+
+
+def _ranks_text(report: dict) -> str:
+    """", 2 ranks (gloo)" for a tensor-parallel run; "" for one process."""
+    world_size = report["world_size"]
+    return "" if world_size == 1 else f", {world_size} ranks ({report['backend']})"
 
 
 def print_table(report: dict) -> None:
@@ -118,15 +126,16 @@ def print_table(report: dict) -> None:
     decodings = "; ".join(
         "greedy" if name == "greedy" else "sample (T={temperature}, top-k {top_k}, top-p {top_p}, "
         "seed {seed})".format(**values) for name, values in report["decodings"].items())
-    print(f"\n{report['device']}, copy bandwidth {report['copy_gbps']:.0f} GB/s, {args['dtype']}, "
-          f"{decodings}; {report['prompts']['source']} prompts of {args['prompt_length']} "
+    print(f"\n{report['device']}{_ranks_text(report)}, copy bandwidth "
+          f"{report['copy_gbps']:.0f} GB/s, {args['dtype']}, {decodings}; "
+          f"{report['prompts']['source']} prompts of {args['prompt_length']} "
           f"tokens{'' if args['prompts'] == RANDOM_PROMPTS else ' at most'} + "
           f"{args['new_tokens']} new tokens; G in {','.join(map(str, args['num_drafts']))}")
     print(TABLE_LEGEND)
     width = max([4] + [len(row["pair"]) for row in report["rows"]])
     print(f"{'pair':{width}} {'B':>3} {'dec':6} {'G':>2} {'variant':25} {'tok/s':>9} {'1st s':>6} "
           f"{'x_stc':>6} {'x_hf':>6} {'x_stk':>6} {'x_mat':>6} {'acc':>5} {'len':>5} "
-          f"{'exp@1':>9} {'bw':>5}  ms/step")
+          f"{'exp@1':>9} {'bw':>5} {'B/row':>6}  ms/step")
     for row in report["rows"]:
         head = (f"{row['pair']:{width}} {row['batch_size']:3d} {row['decoding']:6} "
                 f"{_fmt(row['num_drafts'], 2)} {row['variant']:25}")
@@ -135,9 +144,11 @@ def print_table(report: dict) -> None:
             continue
         ratio, stats = row["ratio"], row["flash_stats"] or {}
         expected = (row["expected_tok_s"] or {}).get("all_accepted")
+        sent = (row["exchange"] or {}).get("bytes_per_row_per_step")
         print(f"{head} {_fmt(row['tok_s'], 9, 1)} {_fmt(row['first_call_seconds'], 6, 1)} "
               f"{_fmt(ratio['vs_hf_static_compile'], 6, 2)} "
               f"{_fmt(ratio['vs_hf'], 6, 2)} {_fmt(ratio['vs_stock_assisted'], 6, 2)} "
               f"{_fmt(ratio['vs_materialized'], 6, 2)} {_fmt(stats.get('acceptance_rate'), 5, 2)} "
               f"{_fmt(stats.get('mean_accepted_length'), 5, 2)} {_fmt(expected, 9, 1)} "
-              f"{_fmt(row['weight_bandwidth_fraction'], 5, 2)}  {_steps_text(row['step_ms'])}")
+              f"{_fmt(row['weight_bandwidth_fraction'], 5, 2)} {_fmt(sent, 6, 1)}  "
+              f"{_steps_text(row['step_ms'])}")
