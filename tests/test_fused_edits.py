@@ -208,10 +208,12 @@ def test_edits_are_checked():
     penalty = torch.ones(2, dtype=torch.float64, device=DEVICE)
     with pytest.raises(ValueError, match=r"uint8 tensor of shape \[2, 10\]"):
         sampling.sample(hidden, weight, params, positions, backend="reference",
-                        edits=LogitEdits(torch.zeros(2, 9, dtype=torch.uint8), penalty))
+                        edits=LogitEdits(torch.zeros(2, 9, dtype=torch.uint8, device=DEVICE),
+                                         penalty))
     with pytest.raises(ValueError, match="float64 tensor of shape"):
         sampling.sample(hidden, weight, params, positions, backend="reference",
-                        edits=LogitEdits(torch.zeros(2, 10, dtype=torch.uint8), penalty.float()))
+                        edits=LogitEdits(torch.zeros(2, 10, dtype=torch.uint8, device=DEVICE),
+                                         penalty.float()))
 
 
 @seed(0)

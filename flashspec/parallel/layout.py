@@ -51,7 +51,10 @@ class VocabShards:
         """The layout of shards whose sizes each rank knows only for itself: one all-gather
         of `size` (this rank's LM-head rows) over `group`. A collective: every rank calls it."""
         world_size = dist.get_world_size(group)
-        mine = torch.tensor([size], dtype=torch.int64)
+        # NCCL moves CUDA tensors only.
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if dist.get_backend(group) == "nccl" else torch.device("cpu"))
+        mine = torch.tensor([size], dtype=torch.int64, device=device)
         sizes = [torch.empty_like(mine) for _ in range(world_size)]
         dist.all_gather(sizes, mine, group=group)
         return cls(tuple(int(s) for s in sizes), dist.get_rank(group), group)
