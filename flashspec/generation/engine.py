@@ -120,9 +120,10 @@ class Engine:
         self.timed = False                        # this call has a max_time: it captures nothing
         self.uncompiled = False                   # this call runs uncompiled (`needs_compiling`)
         self.device = head.weight.device
-        # A tensor-parallel model's steps run eagerly: its layers' collectives are not
-        # compiled or captured here.
-        self.graphs_enabled = self.device.type == "cuda" and head.shards is None
+        # A tensor-parallel model's steps run eagerly (its layers' collectives are not
+        # compiled or captured here), and so do those of a model spread over devices.
+        self.graphs_enabled = (self.device.type == "cuda" and head.shards is None
+                               and not head.spread)
         self.pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
         self._pool_anchor = _anchor(self.pool, self.device) if self.graphs_enabled else None
         self.weight_storage = _weight_storage(head)

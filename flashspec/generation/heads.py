@@ -36,6 +36,10 @@ keeps its split: `OutputHead.weight` is this rank's rows and `OutputHead.shards`
 (`flashspec.parallel`), and `head_logits` gathers the logits where the materialized path
 needs them all. A replicated head is used whole; any other layout is refused.
 
+A model that accelerate placed over several devices, or partly offloaded to the CPU or disk
+(``device_map=...``: its layers move their inputs and load their weights in patched
+forwards), runs as it is, eagerly: `OutputHead.spread` says so.
+
 Any other transform (a model-specific multiplier, say) is caught by `check_logits`, which
 runs the model's own forward on one token and compares its logits with `head_logits`, within
 the rounding of the model's dtype; it runs again when the head's weight, its hooks or the
@@ -65,7 +69,8 @@ class OutputHead:
     ``[V]`` and softcap c (``c * tanh(logits / c)``), which the fused kernels apply, and the
     LM-head module when hooks on it must run (`hooks` names them; only the materialized
     path runs them). With `shards` (a tensor-parallel head), `weight` and `bias` are this
-    rank's rows of the vocabulary."""
+    rank's rows of the vocabulary. `spread`: accelerate placed the model over several devices
+    (or offloaded part of it)."""
 
     decoder: torch.nn.Module
     weight: torch.Tensor
@@ -75,6 +80,7 @@ class OutputHead:
     module: torch.nn.Module | None = None
     hooks: tuple[str, ...] = ()
     shards: VocabShards | None = None
+    spread: bool = False
 
     @property
     def vocab_size(self) -> int:
@@ -141,7 +147,9 @@ def output_head(model, role: str, greedy_only: bool = False) -> OutputHead:
     return OutputHead(decoder=decoder, weight=weight.contiguous(), logit_scale=scale,
                       bias=None if bias is None else bias.detach(),
                       softcap=None if softcap is None else float(softcap),
-                      module=head if hooks else None, hooks=hooks, shards=shards)
+                      module=head if hooks else None, hooks=hooks, shards=shards,
+                      spread=len({str(d) for d in (getattr(model, "hf_device_map", None)
+                                                   or {}).values()}) > 1)
 
 
 def _local_head(weight: torch.Tensor, bias, role: str, name: str):

@@ -503,6 +503,13 @@ def _drafter(head: OutputHead, assistant_model, config, requested: dict, source:
 
     draft = output_head(assistant_model, "assistant_model", greedy_only=True)
     check_decoder(draft.decoder, "assistant_model")
+    if draft.spread and not head.spread:
+        raise ValueError("`assistant_model` is placed over several devices (its device_map) "
+                         "but the model is not; load the assistant on the model's LM-head "
+                         f"device ({head.weight.device})")
+    if draft.shards is not None and head.shards is None:
+        raise ValueError("`assistant_model` is tensor-parallel but the model is not; load the "
+                         "assistant whole (without tp_plan)")
     if draft.vocab_size != head.vocab_size:
         raise ValueError(
             f"`assistant_model` has a vocabulary of {draft.vocab_size} tokens but the model has "

@@ -1,0 +1,85 @@
+"""`generate(sampler="flash")` on a model that accelerate placed with a ``device_map``: a
+layer offloaded to disk (on CPU), or layers over two GPUs (where there are two). The engine
+runs the model's layers, whose patched forwards move inputs and load weights, eagerly: the
+tokens equal those of the same model loaded whole, in every mode.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import flashspec
+
+from test_generate import _quiet_single_threaded  # noqa: F401 - the module's autouse fixture
+
+PROMPTS = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [0, 0, 0, 9, 10, 11, 9, 10, 11, 9]])
+MASK = (PROMPTS != 0).long()
+MASK[0] = 1
+MODES = {
+    "greedy": dict(do_sample=False),
+    "sampled": dict(do_sample=True, temperature=0.9, top_k=20, top_p=0.9),
+    "prompt lookup": dict(do_sample=True, temperature=0.9, top_k=0, prompt_lookup_num_tokens=3),
+    "self-drafted": dict(do_sample=True, temperature=0.9, top_k=0, num_assistant_tokens=3),
+    "edits": dict(do_sample=True, temperature=0.9, top_k=0, repetition_penalty=1.5,
+                  no_repeat_ngram_size=2, frequency_penalty=0.5),
+}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, pad_token_id=0, bos_token_id=None,
+                         eos_token_id=None)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    path = str(tmp_path_factory.mktemp("device_map") / "model")
+    model.save_pretrained(path)
+    return path
+
+
+def _generate(model, mode: str, **kwargs):
+    extra = dict(MODES[mode])
+    if "num_assistant_tokens" in extra:
+        extra["assistant_model"] = model
+    device = model.lm_head.weight.device
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model.generate(PROMPTS.to(device), attention_mask=MASK.to(device), max_new_tokens=12,
+                              sampler="flash", seed=3, **extra, **kwargs).cpu()
+
+
+def _assert_same_tokens(placed, whole):
+    for mode in MODES:
+        assert torch.equal(_generate(placed, mode), _generate(whole, mode)), mode
+
+
+def test_a_layer_offloaded_to_disk(folder, tmp_path):
+    placement = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+                 "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # accelerate: parameters on the meta device
+        placed = flashspec.from_pretrained(folder, dtype=torch.float32, device_map=placement,
+                                           offload_folder=str(tmp_path))
+    whole = flashspec.from_pretrained(folder, dtype=torch.float32)
+    assert flashspec.generation.heads.output_head(placed, "model").spread
+    assert not flashspec.generation.heads.output_head(whole, "model").spread
+    _assert_same_tokens(placed, whole)
+
+
+@pytest.mark.gpu
+def test_layers_over_two_gpus(folder):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    placement = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1,
+                 "model.norm": 1, "model.rotary_emb": 1, "lm_head": 1}
+    placed = flashspec.from_pretrained(folder, dtype=torch.float32, device_map=placement)
+    whole = flashspec.from_pretrained(folder, dtype=torch.float32, device_map="cuda:1")
+    _assert_same_tokens(placed, whole)
