@@ -369,7 +369,7 @@ class LogitEdits(NamedTuple):
                              "the drafts before it")
         per_row = lambda t: None if t is None else t.repeat_interleave(positions)  # noqa: E731
         counts = self.counts
-        if counts is not None:
+        if counts is not None and drafts is not None:   # (one position alone: no drafts before it)
             counts = (counts[:, None, :] + drafted_counts(drafts, counts.shape[-1])).flatten(0, 1)
         bias = self.bias
         if bias is not None and bias.dim() == 2:

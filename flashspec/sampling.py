@@ -101,7 +101,7 @@ def argmax(hidden: torch.Tensor, weight: torch.Tensor, *, edits: LogitEdits | No
         (True, [0, 0])
     """
     check_lm_head(hidden, weight, hidden_dims=2)
-    _check_edits(edits, hidden, weight.shape[0], check)
+    check_edits(edits, hidden, weight.shape[0], check)
     head = _checked_head(bias, softcap, weight)
     implementation = _implementation(backend, hidden, config)
     if implementation == "fused":
@@ -152,7 +152,7 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
     """
     check_lm_head(hidden, weight, hidden_dims=2)
     check_sampling_inputs(hidden, params, positions, check_values=check)
-    _check_edits(edits, hidden, weight.shape[0], check)
+    check_edits(edits, hidden, weight.shape[0], check)
     head = _checked_head(bias, softcap, weight)
     implementation = _implementation(backend, hidden, config)
     if implementation != "fused":
@@ -227,7 +227,7 @@ def verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tenso
     check_lm_head(hidden, weight, hidden_dims=3)
     check_draft_tokens(draft_tokens, hidden, weight.shape[0], check_values=check)
     check_sampling_inputs(hidden, params, positions, hidden.shape[1], check_values=check)
-    _check_edits(edits, hidden, weight.shape[0], check)
+    check_edits(edits, hidden, weight.shape[0], check)
     head = _checked_head(bias, softcap, weight)
     if acceptance not in ACCEPTANCE_MODES:
         raise ValueError(f"`acceptance`={acceptance!r} is not allowed: use one of "
@@ -289,7 +289,7 @@ def _checked_head(bias: torch.Tensor | None, softcap, weight: torch.Tensor) -> d
     return dict(bias=bias, softcap=softcap)
 
 
-def _check_edits(edits: LogitEdits | None, hidden: torch.Tensor, vocab_size: int,
+def check_edits(edits: LogitEdits | None, hidden: torch.Tensor, vocab_size: int,
                  check_values: bool = True) -> None:
     """`edits` is None or a `LogitEdits` whose tensors fit `hidden` ``[B, D]`` or
     ``[B, G+1, D]``, `vocab_size` and `hidden`'s device (`LogitEdits` gives each shape and

@@ -35,6 +35,7 @@ ROW_BIAS = [{7: 3.0, 101: -4.0}, None, {20: 2.5, 53: -1.5, 9: 1.0}]
 SEQUENCE_BIAS = [[[101], -4.0], [[31, 38], 5.0], [[38, 31], -3.0], [[15], 2.0], [[62, 23, 21], 4.0],
                  [[23, 21], 1.5], [[16, 113], -2.5], [[7], 3.0]]
 SEQUENCES = [entry for entry in SEQUENCE_BIAS if len(entry[0]) > 1]
+INFINITE_BIAS = [[[31], float("-inf")], [[62, 23], float("-inf")], [[15], 2.0], [[16, 113], 3.0]]
 ORDER_BIAS = {5: 6.0, 6: 6.0, 9: 6.0, 10: 6.0, 53: 6.0, 20: 6.0}
 
 
@@ -95,10 +96,15 @@ OPTIONS = {
                        ReferencePenalties(w, 0.7, 0.9), lp.SuppressTokensLogitsProcessor([65])]),
     # Strong enough, and long enough, that another order draws other tokens (the test
     # after next): negative penalties make generated tokens compete.
+    # (Bad words too: transformers' NoBadWordsLogitsProcessor is a SequenceBiasLogitsProcessor
+    # that comes after the repetition penalty, which must not move the bias there.)
     "order": (dict(logit_bias=ORDER_BIAS, repetition_penalty=3.0, frequency_penalty=-1.5,
-                   presence_penalty=-1.0, max_new_tokens=40),
+                   presence_penalty=-1.0, bad_words_ids=[[99]], max_new_tokens=40),
               lambda w: [ReferenceBias([ORDER_BIAS] * 3), lp.RepetitionPenaltyLogitsProcessor(3.0),
-                         ReferencePenalties(w, -1.0, -1.5)]),
+                         ReferencePenalties(w, -1.0, -1.5), lp.NoBadWordsLogitsProcessor([[99]])]),
+    # transformers' way to ban: an infinite negative bias, single tokens and sequences.
+    "sequence_bias -inf": (dict(sequence_bias=INFINITE_BIAS),
+                           lambda w: [lp.SequenceBiasLogitsProcessor(INFINITE_BIAS)]),
 }
 
 
@@ -199,6 +205,38 @@ def test_greedy_logit_bias_equals_stock_sequence_bias():
         assert torch.equal(out.sequences, expected), mode
 
 
+def test_greedy_infinite_sequence_bias_equals_stock():
+    """transformers bans with a bias of -inf: the fused path bans those tokens too."""
+    ids, mask = left_pad(PROMPTS)
+    kwargs = dict(do_sample=False, max_new_tokens=12, sequence_bias=INFINITE_BIAS)
+    expected = target().generate(ids, attention_mask=mask, **kwargs)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "sampler='flash' runs this call")
+        for mode in ("plain", "self", "lookup"):
+            assert torch.equal(flash(target(), ids, mask, mode, **kwargs).sequences, expected), mode
+
+
+def test_a_padded_batch_bucket_loads_the_call_rows():
+    """On CUDA a slot pads the call's rows to its bucket: the call's values go to its rows,
+    zeros to the rest."""
+    from flashspec.generation.additive import AdditiveEdits
+    from flashspec.generation.edits import EditRules, EditState
+
+    state = EditState(4, VOCAB, torch.device("cpu"))
+    edits = AdditiveEdits.of_call([{7: 1.0}, None, {9: -2.0}], [0.5, 0.0, 1.0], 0.25, 3, VOCAB)
+    state.load(EditRules(), torch.ones(4, 5, dtype=torch.long), edits)
+    assert state.presence.tolist() == [0.5, 0.0, 1.0, 0.0]
+    assert state.frequency.tolist() == [0.25, 0.25, 0.25, 0.0]
+    assert state.bias[0, 7] == 1.0 and state.bias[2, 9] == -2.0 and int(state.bias[3].count_nonzero()) == 0
+
+
+def test_zero_penalties_and_no_bias_are_no_edits():
+    from flashspec.generation.additive import AdditiveEdits
+
+    assert AdditiveEdits.of_call(None, 0.0, [0.0, 0.0], 2, VOCAB) is None
+    assert AdditiveEdits.of_call([None, {}], None, None, 2, VOCAB) is None
+
+
 def test_greedy_penalties_equal_the_materialized_path():
     for option in ("penalties per row", "all"):
         assert torch.equal(run(option, sampled=False), run(option, materialized=True, sampled=False))
@@ -216,6 +254,8 @@ def test_greedy_penalties_equal_the_materialized_path():
     (dict(frequency_penalty=[1.0, 2.0]), r"`frequency_penalty` has 2 entries"),
     (dict(frequency_penalty="high"), r"`frequency_penalty` must be one value"),
     (dict(presence_penalty=True), r"`presence_penalty`=True"),
+    (dict(presence_penalty=1e39), r"`presence_penalty`=1e\+39 is not allowed: it must be a number "
+                                  "finite in float32"),
 ])
 def test_bad_values_are_refused_by_name(kwargs, message):
     ids, mask = left_pad(PROMPTS)

@@ -49,10 +49,14 @@ def _generate(model, mode: str, **kwargs):
     if "num_assistant_tokens" in extra:
         extra["assistant_model"] = model
     device = model.lm_head.weight.device
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return model.generate(PROMPTS.to(device), attention_mask=MASK.to(device), max_new_tokens=12,
-                              sampler="flash", seed=3, **extra, **kwargs).cpu()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = model.generate(PROMPTS.to(device), attention_mask=MASK.to(device), max_new_tokens=12,
+                             sampler="flash", seed=3, **extra, **kwargs).cpu()
+    messages = [str(w.message) for w in caught]
+    assert not any("defers this call to stock" in m or "materialized path" in m
+                   for m in messages), messages    # the engine's fused path ran
+    return out
 
 
 def _assert_same_tokens(placed, whole):

@@ -399,9 +399,11 @@ def test_no_repeat_ngram_codes_equal_transformers(batch, size, width, generated,
 
 
 def test_goodness_of_fit_with_edits():
-    """Many seeds of one edited row (penalized context, bans): the fused kernels' tokens
-    follow transformers' processed distribution (chi-squared). Truncation with edits is
-    pinned pathwise above; this samples the whole vocabulary, the Gumbel race's path."""
+    """Many seeds of one edited row (a logit bias, penalized context, vLLM's penalties over
+    generated counts, bans): the fused kernels' tokens follow the processed distribution of
+    transformers' processors and vLLM's rule, in their order (chi-squared). Truncation with
+    edits is pinned pathwise above; this samples the whole vocabulary, the Gumbel race's
+    path."""
     from flashspec.bench.statistics import assert_samples_match
 
     g = torch.Generator().manual_seed(12)
@@ -410,19 +412,26 @@ def test_goodness_of_fit_with_edits():
     codes = torch.zeros(vocab_size, dtype=torch.uint8)
     codes[:12] = PENALIZE
     codes[[2, 20, 30]] = BAN
+    bias = torch.zeros(vocab_size)
+    bias[[5, 13, 40]] = torch.tensor([1.5, -2.0, 0.75])
+    counts = torch.zeros(vocab_size, dtype=torch.int32)
+    counts[[5, 6, 13, 41]] = torch.tensor([1, 3, 2, 1], dtype=torch.int32)
     params = SamplingParams.create(samples, temperature=0.8,
                                    seed=torch.arange(samples, device=DEVICE), device=DEVICE)
-    edits = LogitEdits(codes.expand(samples, -1).contiguous().to(DEVICE),
-                       torch.full((samples,), 1.6, dtype=torch.float64, device=DEVICE))
+    rows = lambda t: t.expand(samples, -1).contiguous().to(DEVICE)  # noqa: E731
+    per_row = lambda value: torch.full((samples,), value, dtype=torch.float64, device=DEVICE)  # noqa: E731
+    edits = LogitEdits(rows(codes), per_row(1.6), bias=rows(bias), counts=rows(counts),
+                       frequency=per_row(0.4), presence=per_row(-0.3))
     positions = torch.zeros(samples, dtype=torch.long, device=DEVICE)
     config = kernels.TileConfig(block_v=32, block_r=64, block_d=16)
     tokens = sampling.sample(hidden.expand(samples, -1).contiguous(), weight, params, positions,
                              edits=edits, backend="fused", config=config).tokens
     logits = reference.compute_logits(hidden.double().cpu(), weight.double().cpu())
-    scores = lp.LogitsProcessorList([
-        lp.RepetitionPenaltyLogitsProcessor(1.6), lp.SuppressTokensLogitsProcessor([2, 20, 30]),
-        lp.TemperatureLogitsWarper(0.8),
-    ])(torch.arange(12)[None], logits)
+    scores = lp.SequenceBiasLogitsProcessor({(5,): 1.5, (13,): -2.0, (40,): 0.75})(None, logits)
+    scores = lp.RepetitionPenaltyLogitsProcessor(1.6)(torch.arange(12)[None], scores)
+    scores = scores - 0.4 * counts.double() + 0.3 * (counts > 0).double()
+    scores = lp.LogitsProcessorList([lp.SuppressTokensLogitsProcessor([2, 20, 30]),
+                                     lp.TemperatureLogitsWarper(0.8)])(None, scores)
     assert_samples_match(tokens, scores.softmax(dim=-1)[0], what="fused sample with edits")
 
 

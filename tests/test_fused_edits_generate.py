@@ -437,7 +437,8 @@ def test_slot_edits_key_and_generation_follow_the_edits():
         slot, = [s for s in cached_engine(target().get_decoder()).slots.values()
                  if s.batch_size == rows]
         edits_key = slot.edits_key()
-        assert (edits_key and edits_key[:5]) == key, kwargs   # the rest: additive edits, none here
+        assert (edits_key and edits_key[:5]) == key, kwargs
+        assert edits_key is None or edits_key[5:] == (False, (), False)  # no additive edits
         moves.append(0 if generation is None else slot.generation - generation)
         grew.append(slot.edit_state.context.shape[1] > columns)
     # Words' buffers: (0, 1) -> (2, 3) at call 6 and back at call 9; the n-gram context grows

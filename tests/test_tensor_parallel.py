@@ -43,8 +43,11 @@ CASES = {
     "prompt lookup": dict(do_sample=True, temperature=0.9, top_k=0, prompt_lookup_num_tokens=3),
     "edits": dict(do_sample=True, temperature=0.9, top_k=0, repetition_penalty=3.0,
                   bad_words_ids=[[7], [9, 10]], no_repeat_ngram_size=2, presence_penalty=0.5,
-                  frequency_penalty=-1.0, logit_bias={11: 8.0, 5: -1.0, 400: 6.0}),
+                  frequency_penalty=-1.0, logit_bias={11: 8.0, 5: -1.0, 400: 6.0},
+                  sequence_bias=[[[11, 5], 3.0]]),
 }
+# Verification with every kind of edit: codes, a per-position bias, counts and the drafts.
+CASES["edits, prompt lookup"] = dict(CASES["edits"], prompt_lookup_num_tokens=3)
 
 
 class Unchanged(LogitsProcessor):
@@ -67,11 +70,21 @@ def _save_tiny(path: str, seed: int, layers: int) -> None:
 
 
 def _generate(model, **kwargs):
+    """The call's tokens; on a tensor-parallel model with sampler="flash", also that it ran
+    on the engine's fused path, exchanging summaries (no fallback, no deferral to stock)."""
     device = model.device
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return model.generate(PROMPTS.to(device), attention_mask=MASK.to(device),
-                              max_new_tokens=12, **kwargs).cpu()
+    split = hasattr(model.lm_head.weight, "placements") and kwargs.get("sampler") == "flash"
+    flashspec.parallel.reset_stats()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = model.generate(PROMPTS.to(device), attention_mask=MASK.to(device),
+                             max_new_tokens=12, **kwargs).cpu()
+    messages = [str(w.message) for w in caught]
+    assert not any("defers this call to stock" in m for m in messages), messages
+    if split and "logits_processor" not in kwargs:
+        assert not any("materialized path" in m for m in messages), messages
+        assert flashspec.parallel.stats().calls > 0
+    return out
 
 
 def _cases(rank: int, world_size: int, folder: str) -> dict:

@@ -331,3 +331,30 @@ def test_ranks_return_one_process_results(world_size, tmp_path):
     for layout in ("chunked", "uneven"):
         top_p = report[f"{layout}/top_p/2"]
         assert top_p["rows_retried"] > top_p["rows_completed"] > 0, top_p
+
+
+def test_edits_are_checked_as_flashspec_sampling_checks_them(tmp_path):
+    """This rank's columns of the edits get `flashspec.sampling`'s checks, with the shard's
+    size for the vocabulary (before any collective: a group of one process is enough)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
+                            world_size=1)
+    try:
+        _assert_edits_checked()
+    finally:
+        dist.destroy_process_group()
+
+
+def _assert_edits_checked():
+    shards = VocabShards((300,), 0)
+    hidden, weight = torch.zeros(2, 8), torch.zeros(300, 8)
+    params = flashspec.SamplingParams.create(2, seed=0)
+    positions = torch.zeros(2, dtype=torch.long)
+    codes = torch.zeros(2, 300, dtype=torch.uint8)
+    penalty = torch.ones(2, dtype=torch.float64)
+    bad = {"penalty": (LogitEdits(codes, None), "`edits.codes`"),
+           "shard": (LogitEdits(torch.zeros(2, 299, dtype=torch.uint8), penalty), r"\[2, 300\]"),
+           "counts": (LogitEdits(codes, penalty, counts=torch.full((2, 300), -1, dtype=torch.int32),
+                                 frequency=penalty, presence=penalty), "counts")}
+    for name, (edits, match) in bad.items():
+        with pytest.raises(ValueError, match=match):
+            parallel.sample(hidden, weight, params, positions, shards=shards, edits=edits)

@@ -14,7 +14,11 @@ runs them, placed in transformers' processor order:
 
 The fused kernels apply them in stage 1's epilogue (`params.LogitEdits`, loaded by
 `edits.EditState`); the materialized path runs `LogitBias` and `OutputPenalties`, processors
-of transformers' kind, at those places in transformers' list (`with_additive`).
+of transformers' kind, at those places in transformers' list (`with_additive`). Values are
+rounded to float32 once (`as_float32`), which both paths use. One difference remains: the
+fused path sums ``sequence_bias`` and ``logit_bias`` into one float32 bias before adding it,
+the materialized path adds one after the other, so with both set the last bit can differ
+and a near-tie go another way.
 """
 
 from __future__ import annotations
@@ -55,7 +59,8 @@ class AdditiveEdits:
     @classmethod
     def of_call(cls, logit_bias, presence_penalty, frequency_penalty, batch_size: int,
                 vocab_size: int) -> "AdditiveEdits | None":
-        """The options as given to `generate`, checked; None when none is set.
+        """The options as given to `generate`, checked (values rounded to float32); None when
+        none changes a logit (unset, zero penalties, empty biases).
 
         `logit_bias`: ``{token: bias}`` for every row, or a list of one such dict (or None)
         per row; `presence_penalty` / `frequency_penalty`: a float for every row, or one per
@@ -68,9 +73,10 @@ class AdditiveEdits:
                                lambda value: _checked_penalty("presence_penalty", value))
         frequency = _row_values("frequency_penalty", frequency_penalty, batch_size, numbers.Real,
                                 lambda value: _checked_penalty("frequency_penalty", value))
-        return cls(bias=tuple(row or () for row in bias),
-                   presence=tuple(row or 0.0 for row in presence),
-                   frequency=tuple(row or 0.0 for row in frequency))
+        edits = cls(bias=tuple(row or () for row in bias),
+                    presence=tuple(row or 0.0 for row in presence),
+                    frequency=tuple(row or 0.0 for row in frequency))
+        return edits if edits.has_bias or edits.has_penalties else None
 
     def bias_rows(self, rows: int, vocab_size: int, device) -> torch.Tensor:
         """float32 ``[rows, V]``: each row's bias (zeros past the call's rows)."""
@@ -104,11 +110,18 @@ def _wrong_entry(name: str, entry, kind):
                     f"{type(entry).__name__} {entry!r}")
 
 
+def as_float32(value) -> float:
+    """`value` rounded to float32, as vLLM holds its penalties and biases and the kernels
+    apply them (inf where float32 overflows): both of flashspec's paths use this value."""
+    return float(torch.tensor(float(value), dtype=torch.float32))
+
+
 def _checked_penalty(name: str, value) -> float:
-    if isinstance(value, bool) or not math.isfinite(float(value)):
-        raise ValueError(f"`{name}`={value!r} is not allowed: it must be a finite number "
-                         "(vLLM's range is [-2, 2]; 0 leaves the logits as they are)")
-    return float(value)
+    if isinstance(value, bool) or not math.isfinite(float(value)) \
+            or not math.isfinite(as_float32(value)):
+        raise ValueError(f"`{name}`={value!r} is not allowed: it must be a number finite in "
+                         "float32 (vLLM's range is [-2, 2]; 0 leaves the logits as they are)")
+    return as_float32(value)
 
 
 def _checked_bias(bias: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
@@ -119,11 +132,11 @@ def _checked_bias(bias: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
             raise ValueError(f"`logit_bias` has token {token!r}: token ids must be ints in "
                              f"[0, {vocab_size}) (the model's vocabulary)")
         if isinstance(value, bool) or not isinstance(value, numbers.Real) \
-                or not math.isfinite(value) or not math.isfinite(float(torch.tensor(float(value)))):
+                or not math.isfinite(value) or not math.isfinite(as_float32(value)):
             raise ValueError(f"`logit_bias`[{token}]={value!r} is not allowed: a bias must be a "
-                             "finite float32 number (to exclude a token use suppress_tokens or "
-                             "bad_words_ids)")
-        entries.append((int(token), float(value)))
+                             "number finite in float32 (to exclude a token use suppress_tokens "
+                             "or bad_words_ids)")
+        entries.append((int(token), as_float32(value)))
     return tuple(sorted(entries))
 
 
@@ -169,11 +182,14 @@ def with_additive(processors: LogitsProcessorList, edits: AdditiveEdits | None,
     if edits is None:
         return processors
     processors = LogitsProcessorList(processors)
+    # Exact types: transformers' NoBadWordsLogitsProcessor, which comes after the repetition
+    # penalty, is a SequenceBiasLogitsProcessor.
     if edits.has_bias:
         at = next((i + 1 for i, p in enumerate(processors)
-                   if isinstance(p, lp.SequenceBiasLogitsProcessor)), 0)
+                   if type(p) is lp.SequenceBiasLogitsProcessor), 0)
         processors.insert(at, LogitBias(edits))
     if edits.has_penalties:
-        before = [i for i, p in enumerate(processors) if isinstance(p, (*_BEFORE_PENALTIES, LogitBias))]
+        before = [i for i, p in enumerate(processors)
+                  if type(p) in (*_BEFORE_PENALTIES, LogitBias)]
         processors.insert(before[-1] + 1 if before else 0, OutputPenalties(edits, prompt_width))
     return processors

@@ -41,19 +41,23 @@ presence and frequency penalties (`additive`) from each row's count of every gen
 which the slot keeps; a verification position adds the drafts before it to the counts in the
 kernel, so plain and speculative steps compute the same float32 logits.
 
-Still on the materialized path (`processing`): multi-token ``sequence_bias`` and every
-other processor (`plan`).
+Multi-token ``sequence_bias`` entries add their bias per position, where the position's
+context (drafts included) ends with the entry's prefix, in transformers' order; an entry of
+-inf is a ban (a single token, or a bad word), as in transformers.
+
+Still on the materialized path (`processing`): every other processor (`plan`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from transformers.generation import logits_process as lp
 
 from ..params import BAN, KEEP, PENALIZE, LogitEdits
-from .additive import AdditiveEdits
+from .additive import AdditiveEdits, as_float32
 from .allowed import unpack
 
 # The warpers that `SamplingParams` makes (the kernels' temperature and truncation).
@@ -183,13 +187,22 @@ def _rule_of(processor, prompt_width: int, vocab_size: int, max_new_tokens: int)
         return dict(ngram=processor.ngram_size,
                     context_columns=prompt_width + max_new_tokens)
     if type(processor) is lp.SequenceBiasLogitsProcessor:
-        # Ids outside the vocabulary make transformers' processor raise: its path says so.
+        # Ids outside the vocabulary make transformers' processor raise, and a bias of +inf,
+        # NaN or beyond float32 makes non-finite scores: its path says so. A bias of -inf is
+        # transformers' own way to ban (what its bad words are): a ban here.
         entries = [(tuple(int(i) for i in ids), float(value))
                    for ids, value in processor.sequence_bias.items()]
         if any(not 0 <= i < vocab_size for ids, _ in entries for i in ids):
             return None
-        return dict(bias=tuple(sorted((ids[0], value) for ids, value in entries if len(ids) == 1)),
-                    bias_words=tuple(entry for entry in entries if len(entry[0]) > 1))
+        if any(not (value == float("-inf") or math.isfinite(as_float32(value)))
+               for _, value in entries):
+            return None
+        added = [(ids, value) for ids, value in entries if value != float("-inf")]
+        banned = [ids for ids, value in entries if value == float("-inf")]
+        return dict(bias=tuple(sorted((ids[0], value) for ids, value in added if len(ids) == 1)),
+                    bias_words=tuple(entry for entry in added if len(entry[0]) > 1),
+                    banned=tuple(ids[0] for ids in banned if len(ids) == 1),
+                    words=tuple(ids for ids in banned if len(ids) > 1))
     return None
 
 
@@ -328,12 +341,15 @@ class EditState:
         self.tail.fill_(NO_TOKEN)
         self.context.fill_(NO_TOKEN)
         self.context_length.zero_()
-        self._load_additive(rules, additive, input_ids.shape[0])
+        self._load_additive(rules, additive)
         self.absorb(input_ids, torch.ones_like(input_ids, dtype=torch.bool), generated=False)
         return replaced
 
-    def _load_additive(self, rules: EditRules, additive: AdditiveEdits | None, rows: int) -> None:
+    def _load_additive(self, rules: EditRules, additive: AdditiveEdits | None) -> None:
+        """The call's biases and vLLM penalties; `additive` holds the call's rows, the first
+        of the slot's (the rest pad a batch bucket: their values are never used)."""
         batch, vocab = self.base.shape
+        rows = len(additive.presence) if additive is not None else 0
         self.biased = (bool(rules.bias or rules.bias_words)
                        or (additive is not None and additive.has_bias))
         if self.biased:

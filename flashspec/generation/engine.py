@@ -135,8 +135,8 @@ class Engine:
         self.graphs: dict = {}
         self.graph_bytes = 0
         self.last_call_graphs: dict = {}          # step key -> graph replayed by the last call
-        # (rows, with logit edits) -> step widths (0: sampling) whose kernels are compiled
-        self.compiled_kernels: dict[tuple[int, bool], set[int]] = {}
+        # (rows, the edits' kernel inputs) -> step widths (0: sampling) compiled for them
+        self.compiled_kernels: dict[tuple[int, tuple], set[int]] = {}
         self.memory_budget = getattr(head.decoder, _BUDGET_ATTRIBUTE, None)
         if self.memory_budget is None and self.device.type == "cuda":
             self.memory_budget = int(0.5 * torch.cuda.mem_get_info(self.device)[0])

@@ -57,6 +57,7 @@ import torch.distributed as dist
 
 from .. import reference
 from ..parallel import VocabShards
+from ..parallel.exchange import all_gather_vocab
 from .kv_cache import ATTENTION, layer_kinds
 
 _CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -143,13 +144,26 @@ def output_head(model, role: str, greedy_only: bool = False) -> OutputHead:
             "get_decoder() returned the model itself); sampler='flash' needs it to skip the LM "
             "head"
         )
+    if head.weight.is_meta:
+        raise ValueError(f"`{role}` ({name}) has its LM head offloaded (its weight is on the meta "
+                         "device: the device_map sends lm_head to disk or to a CPU that "
+                         "accelerate offloads); sampler='flash' reads the LM head's weight "
+                         "itself: map lm_head to a device")
     weight, bias, shards = _local_head(head.weight, bias, role, name)
     return OutputHead(decoder=decoder, weight=weight.contiguous(), logit_scale=scale,
                       bias=None if bias is None else bias.detach(),
                       softcap=None if softcap is None else float(softcap),
                       module=head if hooks else None, hooks=hooks, shards=shards,
-                      spread=len({str(d) for d in (getattr(model, "hf_device_map", None)
-                                                   or {}).values()}) > 1)
+                      spread=_spread(model))
+
+
+def _spread(model) -> bool:
+    """Whether accelerate placed `model` over several devices or offloaded part of it (its
+    device_map names 0 and "cuda:0" alike)."""
+    places = set()
+    for place in (getattr(model, "hf_device_map", None) or {}).values():
+        places.add(str(torch.device("cuda", place) if isinstance(place, int) else place))
+    return len(places) > 1
 
 
 def _local_head(weight: torch.Tensor, bias, role: str, name: str):
@@ -213,20 +227,10 @@ def head_logits(head: OutputHead, hidden: torch.Tensor) -> torch.Tensor:
     else:
         logits = reference.compute_logits(hidden, head.weight, bias=head.bias)
         if head.shards is not None:
-            logits = _gathered(logits, head.shards)
+            logits = all_gather_vocab(logits, head.shards)
     if head.logit_scale != 1.0:
         logits = logits * head.logit_scale
     return reference.softcapped(logits, head.softcap)
-
-
-def _gathered(local: torch.Tensor, shards: VocabShards) -> torch.Tensor:
-    """Every rank's logits ``[..., V_r]`` side by side, ``[..., V]`` (one all-gather; shards
-    padded to the largest)."""
-    width = max(shards.sizes)
-    padded = torch.nn.functional.pad(local, (0, width - local.shape[-1])).contiguous()
-    parts = [torch.empty_like(padded) for _ in shards.sizes]
-    dist.all_gather(parts, padded, group=shards.group)
-    return torch.cat([part[..., :size] for part, size in zip(parts, shards.sizes)], dim=-1)
 
 
 def check_logits(model, head: OutputHead, token_ids: torch.Tensor, role: str = "model") -> None:

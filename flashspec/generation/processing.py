@@ -1,6 +1,6 @@
 """The exact materialized path: a call's logit edits that the fused kernels do not make.
 
-Transformers' logits processors that are not fused (sequence_bias, encoder_*, ... a user's
+Transformers' logits processors that are not fused (encoder_*, exponential decay, ... a user's
 `logits_processor`; the fused ones too when one of those is set), the warpers flashspec does
 not fuse (typical_p, epsilon_cutoff, eta_cutoff, top_h), watermarking, a softcap after a
 logit scale and `output_scores` / `output_logits` run here, inside the same engine and its

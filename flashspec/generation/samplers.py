@@ -108,23 +108,15 @@ class ParallelSampler(_Sampler):
     def sample(self, hidden: torch.Tensor, positions: torch.Tensor,
                edits: LogitEdits | None = None):
         out = parallel.sample(hidden, self.weight, self.params, positions, shards=self.shards,
-                              edits=self._local(edits), check=False, **self.head)
+                              edits=self.shards.local_edits(edits), check=False, **self.head)
         return out.tokens, out.logprobs, out.status
 
     def verify(self, hidden: torch.Tensor, drafts: torch.Tensor, positions: torch.Tensor,
                edits: LogitEdits | None = None):
         out = parallel.verify(hidden, self.weight, drafts, self.params, positions,
-                              shards=self.shards, edits=self._local(edits), check=False,
-                              **self.head)
+                              shards=self.shards, edits=self.shards.local_edits(edits),
+                              check=False, **self.head)
         return out.num_accepted, out.tokens, out.logprobs, out.accept_probs, out.status
-
-    def _local(self, edits: LogitEdits | None) -> LogitEdits | None:
-        if edits is None:
-            return None
-        offset, size = self.shards.offset, self.shards.size
-        return edits._replace(**{name: getattr(edits, name)[..., offset:offset + size]
-                                 for name in ("codes", "bias", "counts")
-                                 if getattr(edits, name) is not None})
 
 
 def complete_sample(sampler, hidden: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,

@@ -273,10 +273,10 @@ class Slot:
 
     def _load_edits(self, rules, input_ids: torch.Tensor, additive=None) -> None:
         """The call's fused edits (`edits.EditRules`, or None; `additive.AdditiveEdits`, or
-        None) for the padded prompts `input_ids`. Steps with and without edits, with and without position bans, read the
-        same buffers and differ in the graph key (`edits_key`), so their graphs live side by
-        side; a call that needs other buffers for its bad words bumps the buffers'
-        generation, so its steps are captured anew."""
+        None) for the padded prompts `input_ids`. Steps with and without edits, with and
+        without position bans, read the same buffers and differ in the graph key
+        (`edits_key`), so their graphs live side by side; a call that needs other buffers
+        for its bad words bumps the buffers' generation, so its steps are captured anew."""
         if rules is not None and self.edit_state is None:
             self.edit_state = EditState(self.batch_size, self.engine.head.vocab_size, self.device)
         edits = self.edit_state if rules is not None else None

@@ -64,13 +64,19 @@ def count_retried(batch_rows: int) -> None:
 
 def all_gather_logits(logits: torch.Tensor, shards: VocabShards, batch_rows: int) -> torch.Tensor:
     """The whole vocabulary's logits ``[k, V]`` from each rank's shard of them ``[k, V_r]``
-    (padded to the largest shard for the collective); `batch_rows` of the caller's rows
-    are counted as completed."""
-    widest = max(shards.sizes)
-    padded = torch.nn.functional.pad(logits, (0, widest - logits.shape[1]))
-    gathered = padded.new_empty(shards.world_size * padded.shape[0], widest)
-    _all_gather(gathered, padded.contiguous(), group=shards.group)
+    (`all_gather_vocab`); `batch_rows` of the caller's rows are counted as completed."""
     _stats.rows_completed += batch_rows
-    _stats.completion_bytes += padded.numel() * padded.element_size()
-    parts = gathered.view(shards.world_size, *padded.shape)
-    return torch.cat([parts[r, :, :size] for r, size in enumerate(shards.sizes)], dim=-1)
+    _stats.completion_bytes += logits.shape[0] * max(shards.sizes) * logits.element_size()
+    return all_gather_vocab(logits, shards)
+
+
+def all_gather_vocab(part: torch.Tensor, shards: VocabShards) -> torch.Tensor:
+    """``[..., V]``: each rank's ``[..., V_r]`` side by side in rank order (one all-gather,
+    shards padded to the largest). Not counted: what the materialized path of `generate`
+    gathers goes through here too."""
+    widest = max(shards.sizes)
+    padded = torch.nn.functional.pad(part, (0, widest - part.shape[-1])).contiguous()
+    gathered = padded.new_empty(shards.world_size, *padded.shape)
+    # gloo takes the output as the parts concatenated along the first dimension.
+    _all_gather(gathered.view(-1, *padded.shape[1:]), padded, group=shards.group)
+    return torch.cat([gathered[r, ..., :size] for r, size in enumerate(shards.sizes)], dim=-1)

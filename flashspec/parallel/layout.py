@@ -96,6 +96,15 @@ class VocabShards:
     def size(self) -> int:
         return self.sizes[self.rank]
 
+    def local_edits(self, edits):
+        """This rank's columns of a `LogitEdits` over the whole vocabulary (its per-token
+        fields: codes, bias, counts), or None."""
+        if edits is None:
+            return None
+        return edits._replace(**{name: self.local(getattr(edits, name), dim=-1)
+                                 for name in ("codes", "bias", "counts")
+                                 if getattr(edits, name) is not None})
+
     def local(self, full: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """This rank's slice of `full` along `dim` (a full LM-head weight ``[V, D]``, a bias
         ``[V]``, edit codes ``[..., V]`` with ``dim=-1``), contiguous."""

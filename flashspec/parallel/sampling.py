@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .. import reference
+from ..sampling import check_edits
 from ..checks import (NonFiniteLogitsError, check_draft_tokens, check_lm_head,
                       check_sampling_inputs)
 from ..outputs import NON_FINITE, OK, ArgmaxOutput, SampleOutput, VerifyOutput
@@ -50,8 +51,6 @@ from .merge import merge_argmax, merge_rows
 from .summary import DEFAULT_CANDIDATES
 
 ACCEPTANCE_MODES = ("strict", "probabilistic")
-# Fields of `LogitEdits` with one value per (row, token): each rank passes its shard of them.
-_PER_TOKEN_EDITS = ("codes", "bias", "counts")
 
 
 def argmax(hidden: torch.Tensor, weight: torch.Tensor, *, shards: VocabShards,
@@ -74,7 +73,7 @@ def argmax(hidden: torch.Tensor, weight: torch.Tensor, *, shards: VocabShards,
         >>> shards = VocabShards.chunked(full_weight.shape[0])
         >>> out = flashspec.parallel.argmax(hidden, shards.local(full_weight), shards=shards)
     """
-    _check(hidden, weight, shards, 2, edits, bias, softcap)
+    _check(hidden, weight, shards, 2, edits, bias, softcap, check=check)
     layout = summary.summary_layout("argmax", shards)
     words = shard.summaries(hidden, weight, layout, None, None, shards, edits=edits, bias=bias,
                             softcap=softcap)
@@ -108,7 +107,7 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
         >>> out = flashspec.parallel.sample(hidden, shards.local(full_weight), params,
         ...                                 positions, shards=shards)
     """
-    _check(hidden, weight, shards, 2, edits, bias, softcap, candidates)
+    _check(hidden, weight, shards, 2, edits, bias, softcap, candidates, check=check)
     check_sampling_inputs(hidden, params, positions, check_values=check)
     layout = summary.summary_layout("sample", shards, params, candidates)
     head = {"bias": bias, "softcap": softcap}
@@ -152,7 +151,7 @@ def verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tenso
     Returns:
         `VerifyOutput`, the same on every rank.
     """
-    _check(hidden, weight, shards, 3, edits, bias, softcap, candidates)
+    _check(hidden, weight, shards, 3, edits, bias, softcap, candidates, check=check)
     check_draft_tokens(draft_tokens, hidden, shards.vocab_size, check_values=check)
     check_sampling_inputs(hidden, params, positions, hidden.shape[1], check_values=check)
     if acceptance not in ACCEPTANCE_MODES:
@@ -241,8 +240,9 @@ def _completed(merged, exact, batch_rows: torch.Tensor, layout: summary.SummaryL
 
 
 def _check(hidden, weight, shards, hidden_dims, edits, bias, softcap,
-           candidates: int = DEFAULT_CANDIDATES) -> None:
-    """The shapes, dtypes and layout of a call (no device read)."""
+           candidates: int = DEFAULT_CANDIDATES, check: bool = True) -> None:
+    """The shapes, dtypes and layout of a call; with `check`, the edits' values too (one
+    device read, as `flashspec.sampling`'s)."""
     if not isinstance(shards, VocabShards):
         raise ValueError(f"`shards` must be a flashspec.parallel.VocabShards, got "
                          f"{type(shards).__name__}")
@@ -270,24 +270,8 @@ def _check(hidden, weight, shards, hidden_dims, edits, bias, softcap,
                                 <= torch.finfo(torch.float32).max):
         raise ValueError(f"`softcap` must be a positive float within float32's normal range, "
                          f"got {softcap!r}")
-    if edits is not None:
-        _check_edits(edits, hidden, shards)
-
-
-def _check_edits(edits, hidden, shards) -> None:
-    """`edits` is a `LogitEdits` whose per-token fields hold this rank's shard of the
-    vocabulary and one row per batch row (their dtypes and values are the reference's)."""
-    if not isinstance(edits, LogitEdits):
-        raise ValueError(f"`edits` must be a flashspec.params.LogitEdits, got "
-                         f"{type(edits).__name__}")
-    for name in _PER_TOKEN_EDITS:
-        field = getattr(edits, name, None)
-        if field is not None and (not torch.is_tensor(field) or field.dim() < 2
-                                  or field.shape[0] != hidden.shape[0]
-                                  or field.shape[-1] != shards.size):
-            got = tuple(field.shape) if torch.is_tensor(field) else type(field).__name__
-            raise ValueError(f"`edits.{name}` must hold this rank's shard of the vocabulary, "
-                             f"[{hidden.shape[0]}, ..., {shards.size}], got {got}")
+    # This rank's columns of the edits: `flashspec.sampling`'s checks with the shard's size.
+    check_edits(edits, hidden, shards.size, check)
 
 
 def _flat_edits(edits, drafts: torch.Tensor, shards: VocabShards):
