@@ -283,8 +283,9 @@ def test_flashspec_options_are_refused_by_stock(name):
 
 GPU_BIAS = [{9: 1.5}, None, {9: -1.0, 11: 2.0}, {}]
 GPU_SEQUENCES = [[[7], 2.0], [[30, 31], 3.0], [[31, 7], -2.0]]
+# A bad word beside the sequences: bans and biases share the words' matching, in graphs.
 GPU_ADDITIVE = dict(sequence_bias=GPU_SEQUENCES, logit_bias=GPU_BIAS, repetition_penalty=1.3,
-                    presence_penalty=0.5, frequency_penalty=-0.4)
+                    presence_penalty=0.5, frequency_penalty=-0.4, bad_words_ids=[[40, 41]])
 
 
 def _gpu_reference_processors(row: int, width: int) -> LogitsProcessorList:
@@ -292,7 +293,8 @@ def _gpu_reference_processors(row: int, width: int) -> LogitsProcessorList:
     return LogitsProcessorList([lp.SequenceBiasLogitsProcessor(GPU_SEQUENCES),
                                 ReferenceBias([GPU_BIAS[row]]),
                                 lp.RepetitionPenaltyLogitsProcessor(1.3),
-                                ReferencePenalties(width, 0.5, -0.4)])
+                                ReferencePenalties(width, 0.5, -0.4),
+                                lp.NoBadWordsLogitsProcessor([[40, 41]])])
 
 
 @pytest.mark.gpu

@@ -265,8 +265,8 @@ class EditState:
             multi-token ``sequence_bias`` entries (in transformers' order), each one's tokens
             but the last right-aligned after `SOME_TOKEN` and `ANY_TOKEN`s, and the last
             tokens (M: the longest such prefix; K = 0 without words); `word_bias`: float32
-            ``[K]``, the entries' biases (0 for bad words); `biased_words` (host): the
-            indices of the bias entries.
+            ``[K]``, the entries' biases (0 for bad words); `word_bans`: bool ``[K]``, the bad
+            words; `biased_words` (host): the indices of the bias entries.
         tail: int64 ``[B, M+1]``: each row's last M+1 context tokens (`NO_TOKEN` before its
             padded prompt), which the words are matched against.
         ngram: int (host): ``no_repeat_ngram_size`` where it needs matching (n >= 2), else 0.
@@ -299,6 +299,7 @@ class EditState:
         self.words = torch.zeros(0, 1, **long)
         self.word_ends = torch.zeros(0, **long)
         self.word_bias = torch.zeros(0, dtype=torch.float32, device=device)
+        self.word_bans = torch.zeros(0, dtype=torch.bool, device=device)
         self.biased_words: list[int] = []
         self.tail = torch.zeros(batch_size, 1, **long)
         self.ngram = 0
@@ -382,12 +383,14 @@ class EditState:
         prefixes = torch.tensor(rows, dtype=torch.long, device=device).view(len(words), longest + 1)
         ends = torch.tensor([word[-1] for word in words], dtype=torch.long, device=device)
         biases = torch.tensor(biases, dtype=torch.float32, device=device)
+        bans = torch.arange(len(words), device=device) < len(words) - len(bias_words)
         if prefixes.shape == self.words.shape:
             self.words.copy_(prefixes)
             self.word_ends.copy_(ends)
             self.word_bias.copy_(biases)
+            self.word_bans.copy_(bans)
             return False
-        self.words, self.word_ends, self.word_bias = prefixes, ends, biases
+        self.words, self.word_ends, self.word_bias, self.word_bans = prefixes, ends, biases, bans
         self.tail = self.tail.new_empty(self.tail.shape[0], longest + 1)
         return True
 
@@ -525,9 +528,8 @@ class EditState:
         matches (`_word_matches`)."""
         if len(self.biased_words) == self.word_ends.numel():
             return codes
-        banned = matches.to(torch.uint8) * BAN
-        if self.biased_words:
-            banned[..., self.biased_words] = 0
+        # A mask on the device, not the host's indices: a captured step reads no host tensor.
+        banned = (matches & self.word_bans).to(torch.uint8) * BAN
         ends = self.word_ends.expand(matches.shape)
         return codes.scatter_reduce_(-1, ends, banned, reduce="amax")
 

@@ -265,6 +265,14 @@ class Engine:
     # ---- one generate() call -------------------------------------------------------------
 
     def run(self, plan) -> Generated:
+        """Run the call of `plan`, on the head's GPU as the current device (Triton kernels
+        and CUDA graphs use the current device's stream; a model on cuda:1 needs it)."""
+        if self.device.type != "cuda":
+            return self._run(plan)
+        with torch.cuda.device(self.device):
+            return self._run(plan)
+
+    def _run(self, plan) -> Generated:
         started = time.monotonic()
         self.last_call_graphs = {}
         slot = self.slot_for(plan)

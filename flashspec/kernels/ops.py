@@ -65,6 +65,20 @@ def check_device(hidden: torch.Tensor) -> None:
                          "flashspec.sampling with backend='reference'")
 
 
+def _on_hidden_device(launch):
+    """Run `launch` with the hidden states' GPU as the current device: Triton launches on
+    the current device's stream, whatever device the tensors are on (a model on cuda:1
+    would otherwise run its kernels on cuda:0, reading cuda:1's memory)."""
+    @functools.wraps(launch)
+    def on_device(hidden, *args, **kwargs):
+        if not hidden.is_cuda:          # Triton's interpreter, or a refusal by check_device
+            return launch(hidden, *args, **kwargs)
+        with torch.cuda.device(hidden.device):
+            return launch(hidden, *args, **kwargs)
+    return on_device
+
+
+@_on_hidden_device
 def fused_argmax(hidden: torch.Tensor, weight: torch.Tensor, *, edits: LogitEdits | None = None,
                  bias: torch.Tensor | None = None, softcap: float | None = None,
                  config: TileConfig | None = None) -> ArgmaxOutput:
@@ -84,6 +98,7 @@ def fused_argmax(hidden: torch.Tensor, weight: torch.Tensor, *, edits: LogitEdit
     return ArgmaxOutput(out.tokens, out.status)
 
 
+@_on_hidden_device
 def fused_sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
                  positions: torch.Tensor, *, edits: LogitEdits | None = None,
                  bias: torch.Tensor | None = None, softcap: float | None = None,
@@ -98,6 +113,7 @@ def fused_sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingPar
     return SampleOutput(out.tokens, out.logprobs, out.lse, out.status)
 
 
+@_on_hidden_device
 def fused_verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tensor,
                  params: SamplingParams, positions: torch.Tensor, *, acceptance: str = "strict",
                  edits: LogitEdits | None = None, bias: torch.Tensor | None = None,
