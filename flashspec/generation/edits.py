@@ -46,6 +46,9 @@ context (drafts included) ends with the entry's prefix, in transformers' order; 
 -inf is a ban (a single token, or a bad word), as in transformers.
 
 Still on the materialized path (`processing`): every other processor (`plan`).
+
+(About 600 lines: `EditRules`, what transformers' processors ask, and `EditState`, how a
+step's codes are made from it on the device, change together with each fused option.)
 """
 
 from __future__ import annotations

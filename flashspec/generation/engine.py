@@ -25,7 +25,7 @@ start, and a compilation (seconds) would overrun it. Where its steps would compi
 (`Engine.needs_compiling` says what), the call runs uncompiled: eager forwards, no CUDA
 graphs, the LM head by torch ops (`samplers.MaterializedSampler` over model-dtype logits).
 
-(About 600 lines: the call loop, the slots, the graphs and the memory budget share one
+(About 750 lines: the call loop, the slots, the graphs and the memory budget share one
 object's state; the steps themselves live in `slot`, the drafters in `drafters`.)
 """
 

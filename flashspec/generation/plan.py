@@ -28,6 +28,9 @@ assistant or prompt lookup; a row ended by a stop string is padded even without 
 token (stock transformers keeps generating that row); a prompt ending with an EOS token is
 continued with an assistant or prompt lookup as without them (stock assisted generation
 returns it unchanged).
+
+(About 550 lines: one function's decisions, each option read once in transformers' merged
+config, with the tables of what runs where beside them.)
 """
 
 from __future__ import annotations
