@@ -16,17 +16,17 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import time
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 from transformers.distributed import DistributedConfig
 
 import flashspec
+
+from _ranks import run_ranks
 
 # Heads divisible by 2 and 3; a vocabulary too (transformers' colwise_gather_output asks it).
 VOCAB = 1002
@@ -164,22 +164,8 @@ def test_tensor_parallel_generate_equals_one_process(world_size, folder, tmp_pat
     engine's steps run eagerly and the LM head by torch ops on each rank's rows."""
     if torch.cuda.is_available() and torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs")
-    report_file = str(tmp_path / "report.json")
-    mp.set_forkserver_preload([__name__])
-    context = mp.start_processes(_worker, args=(world_size, str(tmp_path / "init"), folder,
-                                                report_file),
-                                 nprocs=world_size, join=False, start_method="forkserver")
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world_size} ranks still running after {SPAWN_TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    with open(report_file) as f:
-        report = json.load(f)
+    report = run_ranks(_worker, world_size, (str(tmp_path / "init"), folder),
+                       str(tmp_path / "report.json"), __name__, SPAWN_TIMEOUT_S)
     # The cases decide different tokens (each compares something the option decides).
     assert report["greedy"] != report["sampled"] != report["truncated"]
     assert report["edits"] != report["sampled"]

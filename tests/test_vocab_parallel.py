@@ -17,12 +17,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import flashspec
 from flashspec import parallel, reference, sampling
@@ -30,6 +28,8 @@ from flashspec.checks import NonFiniteLogitsError
 from flashspec.outputs import VerifyOutput
 from flashspec.parallel import VocabShards, summary
 from flashspec.params import BAN, KEEP, PENALIZE, LogitEdits
+
+from _ranks import run_ranks
 
 VOCAB, DIM, BATCH, DRAFTS = 1001, 32, 4, 3
 # A collective that hangs fails the test instead of CI.
@@ -299,25 +299,8 @@ def _worker(rank: int, world_size: int, init_file: str, report_file: str) -> Non
 
 
 def _spawn(world_size: int, tmp_path) -> dict:
-    """Runs `_worker` on `world_size` spawned ranks; a rank's exception fails the test with
-    its traceback, a hang fails it after SPAWN_TIMEOUT_S."""
-    report_file = str(tmp_path / "report.json")
-    # A fork server imports this module (and flashspec, ~3 s) once for every rank of both
-    # tests, then forks them from its single thread; spawned ranks would each import it.
-    mp.set_forkserver_preload([__name__])
-    context = mp.start_processes(_worker, args=(world_size, str(tmp_path / "init"), report_file),
-                                 nprocs=world_size, join=False, start_method="forkserver")
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world_size} ranks still running after {SPAWN_TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    with open(report_file) as f:
-        return json.load(f)
+    return run_ranks(_worker, world_size, (str(tmp_path / "init"),),
+                     str(tmp_path / "report.json"), __name__, SPAWN_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
