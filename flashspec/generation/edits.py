@@ -421,8 +421,8 @@ class EditState:
     def kernel_inputs(self) -> tuple[str, ...]:
         """The inputs of the steps' `LogitEdits` beyond the codes, which select the fused
         kernels' variants (`samplers.compile_variants`)."""
-        return ("codes", *(("position bias" if self.biased_words else "bias",) if self.biased else ()),
-                *(("counts",) if self.penalized else ()))
+        bias = ("position bias" if self.biased_words else "bias",) if self.biased else ()
+        return ("codes", *bias, *(("counts",) if self.penalized else ()))
 
     def absorb(self, tokens: torch.Tensor, written: torch.Tensor, generated: bool = True) -> None:
         """Tokens ``[B, W]`` where `written` (the first few of each row) joined the rows'

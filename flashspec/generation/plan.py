@@ -9,10 +9,12 @@ Every option stock `generate` accepts in greedy or sampling mode runs on flashsp
 engine: temperature, top-k, top-p and min-p in the fused kernels, and with them the model's
 LM-head bias and softcap (`heads.OutputHead`), the logit edits of `edits.FUSED_OPTIONS`
 (repetition_penalty, suppress_tokens, begin_suppress_tokens, bad_words_ids, min_length,
-min_new_tokens, no_repeat_ngram_size, forced_bos_token_id, forced_eos_token_id:
-`edits.EditRules`, made from transformers' own processors for the call) and the
-allowed-token masks of `prefix_allowed_tokens_fn` and flashspec's `allowed_tokens_fn`
-(`allowed.AllowedTokens`) while nothing else needs the materialized path;
+min_new_tokens, no_repeat_ngram_size, forced_bos_token_id, forced_eos_token_id,
+sequence_bias: `edits.EditRules`, made from transformers' own processors for the call),
+flashspec's vLLM-style `logit_bias`, `presence_penalty` and `frequency_penalty`
+(`additive.AdditiveEdits`) and the allowed-token masks of `prefix_allowed_tokens_fn` and
+flashspec's `allowed_tokens_fn` (`allowed.AllowedTokens`) while nothing else needs the
+materialized path;
 everything else that edits the logits (transformers' processors, the unfused warpers, a
 user's `logits_processor`, watermarking, a softcap after a logit scale, `output_scores` /
 `output_logits`) on the engine's exact materialized path
@@ -42,6 +44,7 @@ import time
 import warnings
 
 import torch
+import torch.distributed as dist
 from transformers import GenerationConfig, LogitsProcessorList, SynthIDTextWatermarkingConfig
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria,
@@ -50,11 +53,11 @@ from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLeng
 
 from .. import rng
 from ..params import SamplingParams
+from .additive import AdditiveEdits, with_additive
+from .allowed import AllowedTokens
 from .arguments import (Sources, check_eval_mode, check_options, checked_input_ids,
                         merged_values)
 from .drafters import AssistantDrafter, Drafter, PromptLookupDrafter
-from .additive import AdditiveEdits, with_additive
-from .allowed import AllowedTokens
 from .edits import FUSED_OPTIONS, EditRules
 from .heads import OutputHead, check_decoder, check_logits, model_hooks, output_head
 from .processing import LogitsProcessing
@@ -360,8 +363,6 @@ def _check_tensor_parallel(config: GenerationConfig, source: Sources) -> None:
 def _same_seeds_on_every_rank(params: SamplingParams, head: OutputHead) -> None:
     """Seeds drawn from each rank's torch generator (no `seed` given) become rank 0's: the
     ranks sample together."""
-    import torch.distributed as dist
-
     group = head.shards.group
     dist.broadcast(params.seed, src=dist.get_global_rank(group, 0) if group is not None else 0,
                    group=group)
