@@ -436,7 +436,7 @@ def test_goodness_of_fit_with_edits():
 
 
 def test_compile_variants_with_edits_runs_every_setting(monkeypatch):
-    """`samplers.compile_variants(..., edits=True)` runs each kernel setting with codes
+    """`samplers.compile_variants(..., edits=("codes",))` runs each kernel setting with codes
     (the EDITS variants), sampling and verifying."""
     from flashspec.generation import samplers
 
@@ -446,6 +446,14 @@ def test_compile_variants_with_edits_runs_every_setting(monkeypatch):
                         lambda *args, **kwargs: seen.append(kwargs.get("edits")) or launch(*args, **kwargs))
     weight = torch.randn(64, 16, device=DEVICE)
     for width in (0, 2):
-        samplers.compile_variants(weight, 2, width, edits=True)
+        samplers.compile_variants(weight, 2, width, edits=("codes",))
     assert len(seen) == 2 * len(samplers.kernel_settings(64))
-    assert all(edits is not None and not edits.codes.any() for edits in seen)
+    assert all(edits is not None and not edits.codes.any() and edits.bias is None
+               and edits.counts is None for edits in seen)
+    # With a bias per position and counts: the additive variants, neutral.
+    seen.clear()
+    samplers.compile_variants(weight, 2, 2, edits=("codes", "position bias", "counts"))
+    assert all(edits.bias.shape == (2, 3, 64) and not edits.bias.any()
+               and edits.counts.shape == (2, 64) and not edits.counts.any() for edits in seen)
+    with pytest.raises(ValueError, match="allowed"):
+        samplers.compile_variants(weight, 2, 0, edits=("biases",))

@@ -151,30 +151,36 @@ def kernel_settings(vocab_size: int) -> dict[str, dict]:
             "top-k of V": dict(top_k=vocab_size)}
 
 
-def compile_variants(weight: torch.Tensor, rows: int, width: int, edits: bool | tuple = False, *,
+# The inputs a step's `LogitEdits` can hold beyond its penalties, each a kernel variant.
+EDIT_INPUTS = ("codes", "bias", "position bias", "counts")
+
+
+def compile_variants(weight: torch.Tensor, rows: int, width: int, edits: tuple[str, ...] = (), *,
                      bias: torch.Tensor | None = None, softcap: float | None = None) -> None:
     """Run the fused `sample` (``width == 0``) or `verify` of `width` drafts for `rows` rows
     with every setting of `kernel_settings` on zeros, so that Triton compiles (or loads from
     its disk cache) each variant now: a later call that only changes its sampling setting
-    then compiles nothing. With `edits`, the variants that apply logit edits (codes that
-    change nothing; `edits` a tuple of `edits.EditState.kernel_inputs`' names adds a bias of
-    zeros, per row or per position, and zero counts); with `bias` / `softcap`, those that
-    apply the head's transforms. Eager, outside any graph."""
+    then compiles nothing. `edits`: the logit edits' inputs the steps hold, names of
+    `EDIT_INPUTS` (`edits.EditState.kernel_inputs`): the variants that apply codes, a bias
+    per row or per position, counts (all of them changing nothing here); with `bias` /
+    `softcap`, those that apply the head's transforms. Eager, outside any graph."""
     hidden = weight.new_zeros(rows, width + 1, weight.shape[1]) if width else \
         weight.new_zeros(rows, weight.shape[1])
     positions = torch.zeros(rows, dtype=torch.long, device=weight.device)
     no_edits = None
+    unknown = set(edits) - set(EDIT_INPUTS)
+    if unknown:
+        raise ValueError(f"`edits` names {sorted(unknown)}; allowed: {EDIT_INPUTS}")
     if edits:
-        inputs = edits if isinstance(edits, tuple) else ("codes",)
         device, vocab = weight.device, weight.shape[0]
         codes = torch.zeros(*hidden.shape[:-1], vocab, dtype=torch.uint8, device=device)
         ones = torch.ones(rows, dtype=torch.float64, device=device)
         no_edits = LogitEdits(codes, ones)
-        if "bias" in inputs or "position bias" in inputs:
-            shape = hidden.shape[:-1] if "position bias" in inputs else (rows,)
+        if "bias" in edits or "position bias" in edits:
+            shape = hidden.shape[:-1] if "position bias" in edits else (rows,)
             no_edits = no_edits._replace(
                 bias=torch.zeros(*shape, vocab, dtype=torch.float32, device=device))
-        if "counts" in inputs:
+        if "counts" in edits:
             no_edits = no_edits._replace(
                 counts=torch.zeros(rows, vocab, dtype=torch.int32, device=device),
                 frequency=ones, presence=ones)
