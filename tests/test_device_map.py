@@ -86,3 +86,15 @@ def test_layers_over_several_gpus_are_refused(folder):
                            "model.norm": "cuda:1", "lm_head": 1}
     with pytest.raises(ValueError, match=r"is placed over several GPUs \(cuda:0, cuda:1"):
         model.generate(PROMPTS, attention_mask=MASK, max_new_tokens=2, sampler="flash")
+
+
+def test_a_model_off_the_current_gpu_is_refused_by_name():
+    """The engine captures its CUDA graphs on the current device: a model on another GPU is
+    refused with the call that fixes it (checked on CPU through the rule itself)."""
+    from flashspec.generation.plan import off_current_device
+
+    assert off_current_device(torch.device("cuda", 0), 0) is None
+    assert off_current_device(torch.device("cuda"), 1) is None
+    why = off_current_device(torch.device("cuda", 1), 0)
+    assert why.startswith("the model is on cuda:1 but the current CUDA device is cuda:0")
+    assert "torch.cuda.set_device('cuda:1')" in why

@@ -455,5 +455,6 @@ def test_compile_variants_with_edits_runs_every_setting(monkeypatch):
     samplers.compile_variants(weight, 2, 2, edits=("codes", "position bias", "counts"))
     assert all(edits.bias.shape == (2, 3, 64) and not edits.bias.any()
                and edits.counts.shape == (2, 64) and not edits.counts.any() for edits in seen)
-    with pytest.raises(ValueError, match="allowed"):
-        samplers.compile_variants(weight, 2, 0, edits=("biases",))
+    for wrong in (("biases",), "codes", True):
+        with pytest.raises(ValueError, match="must be a tuple of names from"):
+            samplers.compile_variants(weight, 2, 0, edits=wrong)

@@ -121,6 +121,11 @@ def _cases(rank: int, world_size: int, folder: str) -> dict:
         drawn = _generate(target, sampler="flash", do_sample=True, top_k=0, **extra)
         assert torch.equal(drawn, _generate(whole, sampler="flash", do_sample=True, top_k=0,
                                             seed=rank0_seeds, **extra)), extra
+    # Ranks with different memory budgets agree on the smallest before deciding on slots.
+    engine = flashspec.generation.engine.cached_engine(target.get_decoder())
+    engine.memory_budget = 10**12 + rank
+    _generate(target, sampler="flash", do_sample=False)
+    assert engine.memory_budget == 10**12
     for kwargs, message in ((dict(max_time=5.0), "`max_time`=5.0"),
                             (dict(invariant=True), "`invariant=True` is not supported"),
                             (dict(sampler="materialized"), "sampler='materialized' is not supported")):

@@ -37,6 +37,7 @@ import time
 import weakref
 
 import torch
+import torch.distributed as dist
 
 from ..checks import NonFiniteLogitsError
 from . import samplers
@@ -140,6 +141,17 @@ class Engine:
         self.memory_budget = getattr(head.decoder, _BUDGET_ATTRIBUTE, None)
         if self.memory_budget is None and self.device.type == "cuda":
             self.memory_budget = int(0.5 * torch.cuda.mem_get_info(self.device)[0])
+
+    def _same_budget_on_every_rank(self) -> None:
+        """A tensor-parallel model's ranks decide alike whether a slot fits (else one rank
+        would refuse a call, or grow a slot, that the others run): the smallest budget of
+        the ranks, each read from its own GPU's free memory or set by the caller."""
+        if self.memory_budget is None:
+            return
+        group = self.head.shards.group
+        budget = torch.tensor([self.memory_budget], dtype=torch.int64, device=self.device)
+        dist.all_reduce(budget, op=dist.ReduceOp.MIN, group=group)
+        self.memory_budget = int(budget)
 
     def serves(self, head) -> bool:
         """Same weights where the engine's graphs and samplers read them, and the same head
@@ -275,6 +287,8 @@ class Engine:
     def _run(self, plan) -> Generated:
         started = time.monotonic()
         self.last_call_graphs = {}
+        if self.head.shards is not None:
+            self._same_budget_on_every_rank()
         slot = self.slot_for(plan)
         drafter = slot.attached(plan.drafter) if plan.drafter is not None else None
         prompt = slot.load(plan, _max_drafts(plan))

@@ -186,11 +186,14 @@ def _local_head(weight: torch.Tensor, bias, role: str, name: str):
     local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
     if all(isinstance(p, Replicate) for p in placements):
         return local(weight), local(bias), None
-    if mesh.ndim != 1 or placements != (Shard(0),) \
-            or (isinstance(bias, DTensor) and tuple(bias.placements) != (Shard(0),)):
+    if mesh.ndim != 1 or placements != (Shard(0),) or (
+            bias is not None and not (isinstance(bias, DTensor)
+                                      and tuple(bias.placements) == (Shard(0),))):
         raise ValueError(
             f"`{role}` ({name}) has a distributed LM head laid out as {placements} over a "
-            f"{mesh.ndim}-d device mesh; sampler='flash' runs heads split over the vocabulary "
+            f"{mesh.ndim}-d device mesh (its bias: "
+            f"{tuple(bias.placements) if isinstance(bias, DTensor) else 'not split'}); "
+            "sampler='flash' runs heads, and their biases, split over the vocabulary "
             "on a 1-d mesh (tp_plan 'colwise' / 'colwise_gather_output' for lm_head) or "
             "replicated; run generate() without sampler='flash'")
     shards = VocabShards.chunked(weight.shape[0], group=mesh.get_group())

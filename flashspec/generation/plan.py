@@ -218,6 +218,10 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
     check_decoder(head.decoder, "model")
     if head.shards is not None:
         _check_tensor_parallel(config, source)
+    if head.weight.is_cuda and head.shards is None and not head.spread:
+        why = off_current_device(head.weight.device, torch.cuda.current_device())
+        if why is not None:
+            raise ValueError(why)
     sampling = options.sampling["do_sample"]
     # The values as given (transformers later derives min_length from min_new_tokens).
     reasons = _materialized_reasons(config, head, sampling, logits_processor, source)
@@ -358,6 +362,19 @@ def _check_tensor_parallel(config: GenerationConfig, source: Sources) -> None:
                          "with a tensor-parallel model: each rank would read its own clock and "
                          "stop at another step; pass max_time=None, or bound the call with "
                          "max_new_tokens")
+
+
+def off_current_device(device: torch.device, current: int) -> str | None:
+    """Why a model on `device` cannot run while GPU `current` is the current device, or
+    None. The engine captures its steps' CUDA graphs on a capture stream of the current
+    device, so a model on another GPU would record nothing (not yet handled, not tested on
+    a GPU)."""
+    if device.index is None or device.index == current:
+        return None
+    return (f"the model is on {device} but the current CUDA device is cuda:{current}; "
+            f"sampler='flash' runs on the current device: call "
+            f"torch.cuda.set_device('{device}') (or run inside "
+            f"`with torch.cuda.device('{device}'):`) before generate()")
 
 
 def _same_seeds_on_every_rank(params: SamplingParams, head: OutputHead) -> None:

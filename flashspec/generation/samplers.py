@@ -164,13 +164,13 @@ def compile_variants(weight: torch.Tensor, rows: int, width: int, edits: tuple[s
     `EDIT_INPUTS` (`edits.EditState.kernel_inputs`): the variants that apply codes, a bias
     per row or per position, counts (all of them changing nothing here); with `bias` /
     `softcap`, those that apply the head's transforms. Eager, outside any graph."""
+    if not isinstance(edits, tuple) or not set(edits) <= set(EDIT_INPUTS):
+        raise ValueError(f"`edits` must be a tuple of names from {EDIT_INPUTS}, got "
+                         f"{type(edits).__name__} {edits!r}")
     hidden = weight.new_zeros(rows, width + 1, weight.shape[1]) if width else \
         weight.new_zeros(rows, weight.shape[1])
     positions = torch.zeros(rows, dtype=torch.long, device=weight.device)
     no_edits = None
-    unknown = set(edits) - set(EDIT_INPUTS)
-    if unknown:
-        raise ValueError(f"`edits` names {sorted(unknown)}; allowed: {EDIT_INPUTS}")
     if edits:
         device, vocab = weight.device, weight.shape[0]
         codes = torch.zeros(*hidden.shape[:-1], vocab, dtype=torch.uint8, device=device)
