@@ -669,6 +669,7 @@ def test_compiled_kernel_variants_cover_every_sampling_setting(verify):
         assert kernel_variant(SamplingParams.create(2, **setting), vocab, verify) in compiled, setting
 
 
+@pytest.mark.alone
 def test_max_time_bounds_a_call_with_long_drafts():
     """`max_time` counts from the call's start and caps each step's drafts by the time left
     (4,000 drafts per step would take seconds): the call overruns by at most about one step."""
@@ -727,6 +728,7 @@ class _SlowCompile:
         monkeypatch.setattr(DecoderRunner, "__init__", patched)
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("drafts", ["plain", "assistant"])
 def test_max_time_runs_uncompiled_where_its_steps_would_compile(monkeypatch, drafts):
     """A call with max_time whose steps would compile (here a twin compilation of 2 s) runs
