@@ -24,6 +24,7 @@ import flashspec
 from flashspec.params import row_seeds
 
 from _models import VOCAB
+from test_fused_edits_generate import Unchanged
 from test_generate import _quiet_single_threaded  # noqa: F401 - the module's autouse fixture
 from test_logits_options import (PROMPTS, SAMPLING, assert_reference_tokens, flash, left_pad,
                                  target)
@@ -106,13 +107,6 @@ OPTIONS = {
     "sequence_bias -inf": (dict(sequence_bias=INFINITE_BIAS),
                            lambda w: [lp.SequenceBiasLogitsProcessor(INFINITE_BIAS)]),
 }
-
-
-class Unchanged(LogitsProcessor):
-    """Changes nothing: the call then runs on the materialized path."""
-
-    def __call__(self, input_ids, scores):
-        return scores
 
 
 @functools.lru_cache(maxsize=None)

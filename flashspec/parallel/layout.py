@@ -98,10 +98,11 @@ class VocabShards:
 
     def local_edits(self, edits):
         """This rank's columns of a `LogitEdits` over the whole vocabulary (its per-token
-        fields: codes, bias, counts), or None."""
+        fields: codes, bias, counts), or None: views, no copy per step (the shard's torch
+        ops read them as they are)."""
         if edits is None:
             return None
-        return edits._replace(**{name: self.local(getattr(edits, name), dim=-1)
+        return edits._replace(**{name: getattr(edits, name).narrow(-1, self.offset, self.size)
                                  for name in ("codes", "bias", "counts")
                                  if getattr(edits, name) is not None})
 
