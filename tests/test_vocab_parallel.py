@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import json
 
 import pytest
@@ -210,11 +211,37 @@ def _generic_floats(shards, generator):
                      f"generic floats, {mode}, verify")
 
 
+def _with_gaps(words, layout, generator):
+    """`words` ``[n, R, words]`` whose candidate lists miss some entries, as a fused summary
+    (merged from its tiles' candidates) can: in each row and rank, a random subset of the
+    entries after a random one dropped (the rest moved up, `PAD_KEY` after them) and the
+    floor raised just above the largest dropped key (the next key up: the same logit with
+    the next lower id, or the next float up)."""
+    words = words.clone()
+    start = layout.fields
+    listed = words[..., start:].contiguous().view(torch.int64)
+    for rank, row in itertools.product(*map(range, listed.shape[:2])):
+        keys = listed[rank, row, :-1]
+        first = int(torch.randint(0, keys.numel(), (), generator=generator))
+        dropped = torch.zeros_like(keys, dtype=torch.bool)
+        dropped[first + 1:] = torch.rand(keys.numel() - first - 1, generator=generator) < 0.5
+        dropped &= keys != summary.PAD_KEY
+        if not dropped.any():
+            continue
+        kept, floor = keys[~dropped], keys[dropped].max() + 1
+        listed[rank, row, :-1] = summary.PAD_KEY
+        listed[rank, row, :kept.numel()] = kept
+        listed[rank, row, -1] = floor
+    words[..., start:] = listed.view(torch.int32).view(*words.shape[:2], -1)
+    return words
+
+
 def _emulated(logits, sizes, params, positions, candidates, draft_tokens=None,
-              acceptance="strict"):
+              acceptance="strict", gaps=None):
     """What ranks holding `sizes` columns of `logits` ``[R, V]`` merge, in one process: the
-    summaries stacked as the all-gather would, the merged rows (and, with `draft_tokens`,
-    the `VerifyOutput`); completion not run."""
+    summaries stacked as the all-gather would (with `gaps`, a generator: gaps in their
+    candidate lists, `_with_gaps`), the merged rows (and, with `draft_tokens`, the
+    `VerifyOutput`); completion not run."""
     shards = VocabShards(sizes, 0)
     op = "sample" if draft_tokens is None else "verify"
     layout = summary.summary_layout(op, shards, params, candidates)
@@ -230,18 +257,23 @@ def _emulated(logits, sizes, params, positions, candidates, draft_tokens=None,
         parallel.shard.summarize(logits[:, offset:offset + size], layout, row_params,
                                  row_positions, offset, shards.vocab_size, drafts)
         for offset, size in zip(shards.offsets, sizes)])
-    rows = parallel.merge.merge_rows(summary.unpack(words, layout), layout, shards, row_params,
+    if gaps is not None and layout.num_candidates:
+        words = _with_gaps(words, layout, gaps)
+    rows = parallel.merge.merge_rows(summary.unpack(words, layout), shards, row_params,
                                      row_positions, drafts)
     if draft_tokens is None:
         return rows
     return rows, parallel.acceptance.accept(rows, draft_tokens, params, positions, acceptance)
 
 
-def test_merged_candidates_certify_only_exact_supports():
+@pytest.mark.parametrize("gaps", [False, True], ids=["exact lists", "lists with gaps"])
+def test_merged_candidates_certify_only_exact_supports(gaps):
     """Many layouts (shards of one token too), budgets down to one candidate, logits full of
-    ties and temperatures that merge neighbouring logits: every row the merge certifies
-    matches the reference, and small budgets do leave rows to complete."""
+    ties and temperatures that merge neighbouring logits, candidate lists exact or with gaps
+    below a floor (as the fused summaries' can be): every row the merge certifies matches
+    the reference, and small budgets do leave rows to complete."""
     torch.manual_seed(0)
+    gap_generator = torch.Generator().manual_seed(1) if gaps else None
     vocab = 257
     rows_checked = rows_left = 0
     for trial in range(40):
@@ -256,7 +288,7 @@ def test_merged_candidates_certify_only_exact_supports():
             min_p=[0.2, 0.0, 0.0, 0.0, 0.05, 0.1, 0.0, 0.0], seed=trial)
         positions = torch.randint(0, 1000, (8,))
         candidates = [1, 2, 4, 8, 32][trial % 5]
-        rows = _emulated(logits, sizes, params, positions, candidates)
+        rows = _emulated(logits, sizes, params, positions, candidates, gaps=gap_generator)
         expected = reference.sample_logits(logits, params, positions)
         done = ~rows.incomplete
         assert torch.equal(rows.tokens[done], expected.tokens[done]), (trial, sizes)
@@ -274,14 +306,15 @@ def test_merged_candidates_certify_only_exact_supports():
                              torch.randint(0, vocab, (8, DRAFTS)))
         for acceptance in ("strict", "probabilistic"):
             rows, out = _emulated(hidden_rows, sizes, params, positions, candidates, drafts,
-                                  acceptance)
+                                  acceptance, gaps=gap_generator)
             expected = reference.verify_logits(hidden_rows, drafts, params, positions,
                                                acceptance=acceptance)
             done = ~rows.incomplete.view(8, -1).any(dim=1)
             _assert_same(VerifyOutput(*(field[done] for field in out)),
                          VerifyOutput(*(field[done] for field in expected)),
                          f"trial {trial}, {sizes}, {candidates} candidates, {acceptance}")
-    assert rows_checked > 200 and rows_left > 20, (rows_checked, rows_left)
+    # Gaps leave more rows to complete.
+    assert rows_checked > (150 if gaps else 200) and rows_left > 20, (rows_checked, rows_left)
 
 
 def _worker(rank: int, world_size: int, init_file: str, report_file: str) -> None:

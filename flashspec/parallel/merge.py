@@ -28,7 +28,7 @@ from ..outputs import NON_FINITE, OK, ArgmaxOutput
 from ..params import SamplingParams
 from . import summary
 from .layout import VocabShards
-from .summary import SummaryLayout, Unpacked
+from .summary import Unpacked
 
 _NO_ID = 2**62  # above every token id: loses every tie
 
@@ -57,9 +57,8 @@ def merge_argmax(parts: Unpacked) -> ArgmaxOutput:
     return ArgmaxOutput(torch.where(finite, token, -1), _status(finite))
 
 
-def merge_rows(parts: Unpacked, layout: SummaryLayout, shards: VocabShards,
-               params: SamplingParams, positions: torch.Tensor,
-               drafts: torch.Tensor | None = None) -> MergedRows:
+def merge_rows(parts: Unpacked, shards: VocabShards, params: SamplingParams,
+               positions: torch.Tensor, drafts: torch.Tensor | None = None) -> MergedRows:
     """Rows ``[R]`` from every rank's summaries (`summary.unpack`); row r has parameters
     ``params[r]``, noise position ``positions[r]`` and, with `drafts` (int64 ``[R]``, -1
     where none), the draft to verify."""
@@ -86,8 +85,8 @@ def merge_rows(parts: Unpacked, layout: SummaryLayout, shards: VocabShards,
     rows = summary.truncated_rows(params, shards.vocab_size).nonzero().flatten()
     if not rows.numel():
         return out
-    truncated = _merge_candidates(parts.keys[:, rows], parts.lse[:, rows], layout, shards,
-                                  params.select(rows, validate=False), positions[rows],
+    truncated = _merge_candidates(parts.keys[:, rows], parts.floor[:, rows], parts.lse[:, rows],
+                                  shards, params.select(rows, validate=False), positions[rows],
                                   None if drafts is None else drafts[rows])
     return MergedRows(*(field if part is None else field.index_copy(0, rows, part)
                         for field, part in zip(out, truncated)))
@@ -102,11 +101,11 @@ def _race(best: torch.Tensor, token: torch.Tensor):
     return top, ids.gather(0, rank[None]).squeeze(0), rank
 
 
-def _merge_candidates(keys: torch.Tensor, shard_lse: torch.Tensor, layout: SummaryLayout,
+def _merge_candidates(keys: torch.Tensor, floors: torch.Tensor, shard_lse: torch.Tensor,
                       shards: VocabShards, params: SamplingParams, positions: torch.Tensor,
                       drafts: torch.Tensor | None) -> MergedRows:
-    """Truncated rows ``[T]`` from the ranks' candidate keys ``[n, T, C]`` and log-sum-exps
-    ``[n, T]`` (of the transformed logits)."""
+    """Truncated rows ``[T]`` from the ranks' candidate keys ``[n, T, C]``, their floors
+    ``[n, T]`` and log-sum-exps ``[n, T]`` (of the transformed logits)."""
     num_ranks, num_rows, budget = keys.shape
     merged = keys.permute(1, 0, 2).reshape(num_rows, num_ranks * budget)
     raw, ids = summary.unpack_candidates(merged.sort(dim=-1, descending=True).values)
@@ -120,12 +119,12 @@ def _merge_candidates(keys: torch.Tensor, shard_lse: torch.Tensor, layout: Summa
     scores, ids = scores.gather(-1, order), ids.gather(-1, order)
     real = scores > float("-inf")
 
-    # A token missing from the list has a key below its rank's last candidate's: its raw
-    # logit equals that one's with a higher id, or is at most the next float below. An
-    # entry is certified when it ranks before every such token, on every rank that could
-    # not send its whole shard; certified entries are a prefix of the list.
-    partial = torch.tensor([size > budget for size in shards.sizes], device=keys.device)
-    last_raw, last_id = summary.unpack_candidates(keys[:, :, -1])   # [n, T]
+    # A token missing from the list has a key below its rank's floor: its raw logit equals
+    # the floor's with a higher id, or is at most the next float below. An entry is
+    # certified when it ranks before every such token, on every rank that could not list
+    # its whole shard; certified entries are a prefix of the list.
+    partial = floors != summary.PAD_KEY                             # [n, T]
+    last_raw, last_id = summary.unpack_candidates(floors)
     scaled = (params.temperature != 1.0)[None, :, None]
 
     def transformed(raw):
@@ -136,9 +135,9 @@ def _merge_candidates(keys: torch.Tensor, shard_lse: torch.Tensor, layout: Summa
     entry_s, entry_id = scores[None], ids[None]
     before_missing = (entry_s > last_s) | ((entry_s == last_s) & (entry_id <= last_id[..., None])
                                            & (entry_s > below_s))
-    certified_entry = (before_missing | ~partial[:, None, None]).all(dim=0) & real
+    certified_entry = (before_missing | ~partial[..., None]).all(dim=0) & real
     certified = certified_entry.sum(dim=-1)
-    whole = ~partial.any()                  # every token is in the list
+    whole = ~partial.any(dim=0)             # every token is in the list
 
     top = scores[:, :1]
     gap = (scores.double() - top.double())

@@ -9,7 +9,7 @@ which) and the same hidden states, parameters, positions and drafts. A call:
    the call truncates, the shard's top candidates; the noise is keyed by global token ids;
 2. all-gathers the summaries, one collective of a few bytes per row (`summary.py` lists
    them: 8 per row for `argmax`, 16 for `sample`, 20 per position for `verify`, 8 more per
-   candidate);
+   candidate and 8 for their floor);
 3. merges them on every rank identically (`merge.py`, `acceptance.py`): the same tokens,
    logprobs, log-sum-exps and statuses everywhere;
 4. for truncated rows whose support the candidates do not certify, and only for them, runs
@@ -192,8 +192,8 @@ def _sampled(hidden, weight, params, positions, shards, layout, edits, head):
     `layout`, and bool ``[R]``: the rows the candidates left uncertified."""
     words = shard.summaries(hidden, weight, layout, params, positions, shards, edits=edits,
                             **head)
-    rows = merge_rows(summary.unpack(all_gather_summaries(words, shards), layout), layout,
-                      shards, params, positions)
+    rows = merge_rows(summary.unpack(all_gather_summaries(words, shards), layout), shards,
+                      params, positions)
     out = SampleOutput(torch.where(rows.finite, rows.tokens, -1),
                        torch.where(rows.finite, rows.logprobs, float("nan")),
                        torch.where(rows.finite, rows.lse, float("nan")),
@@ -212,8 +212,8 @@ def _verified(hidden, weight, draft_tokens, params, positions, shards, layout, a
     drafts = flat_drafts(draft_tokens)
     words = shard.summaries(hidden.reshape(-1, dim), weight, layout, flat_params,
                             flat_positions, shards, drafts, edits=flat_edits, **head)
-    rows = merge_rows(summary.unpack(all_gather_summaries(words, shards), layout), layout,
-                      shards, flat_params, flat_positions, drafts)
+    rows = merge_rows(summary.unpack(all_gather_summaries(words, shards), layout), shards,
+                      flat_params, flat_positions, drafts)
     out = accept(rows, draft_tokens, params, positions, acceptance)
     return out, rows.incomplete.view(batch_size, num_positions).any(dim=1)
 

@@ -56,7 +56,7 @@ def summarize(logits: torch.Tensor, layout: SummaryLayout, params: SamplingParam
     finite = torch.isfinite(low) & torch.isfinite(high)
     if params is None:
         best = torch.where(finite, high, float("nan"))
-        return summary.pack([best, vocab_offset + logits.argmax(dim=-1)], None)
+        return summary.pack([best, vocab_offset + logits.argmax(dim=-1)])
 
     greedy = params.is_greedy
     temperature = params.temperature.float()
@@ -85,15 +85,18 @@ def summarize(logits: torch.Tensor, layout: SummaryLayout, params: SamplingParam
     fields = [race.gather(-1, index).squeeze(-1), vocab_offset + index.squeeze(-1),
               scores.gather(-1, index).squeeze(-1), lse, *fields_after]
 
-    keys = None
-    if layout.num_candidates:
-        # + 0.0 folds -0.0 into +0.0, which the reference ties with it.
-        all_keys = summary.pack_candidates(logits + 0.0, ids.expand(num_rows, -1))
-        keys = all_keys.topk(min(layout.num_candidates, shard_size), dim=-1).values
-        if keys.shape[1] < layout.num_candidates:
-            keys = torch.nn.functional.pad(keys, (0, layout.num_candidates - keys.shape[1]),
-                                           value=summary.PAD_KEY)
-    return summary.pack(fields, keys)
+    if not layout.num_candidates:
+        return summary.pack(fields)
+    # + 0.0 folds -0.0 into +0.0, which the reference ties with it.
+    all_keys = summary.pack_candidates(logits + 0.0, ids.expand(num_rows, -1))
+    keys = all_keys.topk(min(layout.num_candidates, shard_size), dim=-1).values
+    # The top keys exactly: a missing token's key is below the last one.
+    floor = keys[:, -1] if shard_size > layout.num_candidates else \
+        torch.full_like(keys[:, 0], summary.PAD_KEY)
+    if keys.shape[1] < layout.num_candidates:
+        keys = torch.nn.functional.pad(keys, (0, layout.num_candidates - keys.shape[1]),
+                                       value=summary.PAD_KEY)
+    return summary.pack(fields, keys, floor)
 
 
 def _perturbed(scores: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor,

@@ -17,12 +17,16 @@ LSE    s, v  log-sum-exp of the shard's transformed logits; NaN: the shard's log
 DRAFT  v     the draft's transformed logit where this shard holds the draft, else -inf
 keys   s, v  ``num_candidates`` int64 candidate keys (two words each), the shard's largest
              first: ``(order_key(raw logit) << 32) | (2**31 - 1 - id)``, the format of the
-             fused kernels' candidates (`flashspec.kernels.keys`); `PAD_KEY` pads a shard
-             smaller than the budget
+             fused kernels' candidates (`flashspec.kernels.keys`); `PAD_KEY` pads a list
+             shorter than the budget
+floor  s, v  one int64 key: every token of the shard missing from the keys has a key below
+             it; `PAD_KEY` where none is missing. The torch summary lists the shard's top
+             keys exactly (its floor is its last key); the fused one merges its tiles'
+             candidates, exact only down to the largest of their tiles' last keys
 ====== ===== ============================================================================
 
 So a row costs 8 bytes in `argmax`, 16 in `sample`, 20 per position in `verify`, plus 8 per
-candidate where the call truncates. The layout is the same for every row of a call (fixed
+candidate and 8 for the floor where the call truncates. The layout is the same for every row of a call (fixed
 shapes: a CUDA graph can hold the exchange).
 """
 
@@ -52,15 +56,15 @@ _MASK31 = 0x7FFFFFFF
 
 
 class SummaryLayout(NamedTuple):
-    """The words of one row's summary: `fields` (`FIELDS[op]`), then `num_candidates`
-    int64 keys."""
+    """The words of one row's summary: `fields` (`FIELDS[op]`), then, where
+    `num_candidates` > 0, that many int64 keys and the floor key."""
 
     fields: int
     num_candidates: int
 
     @property
     def words(self) -> int:
-        return self.fields + 2 * self.num_candidates
+        return self.fields + (2 * self.num_candidates + 2 if self.num_candidates else 0)
 
     @property
     def bytes_per_row(self) -> int:
@@ -91,19 +95,23 @@ def retry_layout(layout: SummaryLayout, shards: VocabShards) -> SummaryLayout | 
     return layout._replace(num_candidates=budget) if budget > layout.num_candidates else None
 
 
-def pack(fields: list[torch.Tensor], keys: torch.Tensor | None) -> torch.Tensor:
+def pack(fields: list[torch.Tensor], keys: torch.Tensor | None = None,
+         floor: torch.Tensor | None = None) -> torch.Tensor:
     """int32 words ``[R, words]`` from the row fields in layout order (float32 ``[R]``, the
-    TOKEN field int ``[R]``) and the candidate keys (int64 ``[R, C]`` or None)."""
+    TOKEN field int ``[R]``) and, where the layout has candidates, the keys (int64
+    ``[R, C]``) and the floor (int64 ``[R]``)."""
     words = [field.to(torch.int32) if index == TOKEN else field.float().view(torch.int32)
              for index, field in enumerate(fields)]
     words = torch.stack(words, dim=1)
     if keys is None:
         return words
+    keys = torch.cat([keys, floor[:, None]], dim=1)
     return torch.cat([words, keys.view(torch.int32).reshape(keys.shape[0], -1)], dim=1)
 
 
 class Unpacked(NamedTuple):
-    """Gathered summaries ``[n, R]`` per field (TOKEN as int64) and keys ``[n, R, C]``."""
+    """Gathered summaries ``[n, R]`` per field (TOKEN as int64), keys ``[n, R, C]`` and
+    floors ``[n, R]``."""
 
     best: torch.Tensor
     token: torch.Tensor
@@ -111,6 +119,7 @@ class Unpacked(NamedTuple):
     lse: torch.Tensor | None
     draft: torch.Tensor | None
     keys: torch.Tensor | None
+    floor: torch.Tensor | None
 
 
 def unpack(words: torch.Tensor, layout: SummaryLayout) -> Unpacked:
@@ -121,9 +130,11 @@ def unpack(words: torch.Tensor, layout: SummaryLayout) -> Unpacked:
     def field(index):
         return fields[..., index] if index < layout.fields else None
 
-    keys = (words[..., layout.fields:].contiguous().view(torch.int64)
-            if layout.num_candidates else None)
-    return Unpacked(field(BEST), token, field(SCORE), field(LSE), field(DRAFT), keys)
+    keys = floor = None
+    if layout.num_candidates:
+        listed = words[..., layout.fields:].contiguous().view(torch.int64)
+        keys, floor = listed[..., :-1], listed[..., -1]
+    return Unpacked(field(BEST), token, field(SCORE), field(LSE), field(DRAFT), keys, floor)
 
 
 def order_keys(values: torch.Tensor) -> torch.Tensor:
