@@ -22,6 +22,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+from _ranks import run_ranks
 
 import flashspec
 from flashspec import parallel, reference, sampling
@@ -29,8 +30,6 @@ from flashspec.checks import NonFiniteLogitsError
 from flashspec.outputs import VerifyOutput
 from flashspec.parallel import VocabShards, summary
 from flashspec.params import BAN, KEEP, PENALIZE, LogitEdits
-
-from _ranks import run_ranks
 
 VOCAB, DIM, BATCH, DRAFTS = 1001, 32, 4, 3
 # A collective that hangs fails the test instead of CI.

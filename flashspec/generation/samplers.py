@@ -90,9 +90,10 @@ class ParallelSampler(_Sampler):
     """The three operations on a tensor-parallel head: `weight` (and `bias`) are this rank's
     rows of the vocabulary, `shards` their place; `flashspec.parallel` exchanges per-row
     summaries with the other ranks, which make the same calls, and returns one process's
-    results on every rank (completing uncertified truncations itself: no row comes back
-    `NEEDS_COMPLETION`). The step's edits cover the whole vocabulary: each call passes this
-    rank's columns."""
+    results on every rank, rows whose truncated support the candidates leave uncertified
+    flagged `NEEDS_COMPLETION` on every rank alike (`complete_sample` / `complete_verify`
+    finish them). The step's edits cover the whole vocabulary: each call passes this rank's
+    columns."""
 
     backend = "parallel"
 
@@ -108,14 +109,15 @@ class ParallelSampler(_Sampler):
     def sample(self, hidden: torch.Tensor, positions: torch.Tensor,
                edits: LogitEdits | None = None):
         out = parallel.sample(hidden, self.weight, self.params, positions, shards=self.shards,
-                              edits=self.shards.local_edits(edits), check=False, **self.head)
+                              edits=self.shards.local_edits(edits), check=False, complete=False,
+                              **self.head)
         return out.tokens, out.logprobs, out.status
 
     def verify(self, hidden: torch.Tensor, drafts: torch.Tensor, positions: torch.Tensor,
                edits: LogitEdits | None = None):
         out = parallel.verify(hidden, self.weight, drafts, self.params, positions,
                               shards=self.shards, edits=self.shards.local_edits(edits),
-                              check=False, **self.head)
+                              check=False, complete=False, **self.head)
         return out.num_accepted, out.tokens, out.logprobs, out.accept_probs, out.status
 
 
@@ -123,21 +125,33 @@ def complete_sample(sampler, hidden: torch.Tensor, rows: torch.Tensor, positions
                     edits: LogitEdits | None = None):
     """Exact `sample` of the given rows by the reference (eager): used for rows a fused step
     flagged `NEEDS_COMPLETION`, which are finite (non-finite rows are flagged `NON_FINITE`),
-    as `flashspec.sampling`'s checked path completes them. `edits`: the step's, of every
-    row (`Slot.step_edits`)."""
-    out = sampling.sample(hidden[rows], sampler.weight, sampler.params.select(rows, validate=False),
-                          positions[rows], edits=None if edits is None else edits.select(rows),
-                          check=False, backend="reference", **sampler.head)
+    as `flashspec.sampling`'s checked path completes them (a `ParallelSampler`'s with every
+    rank, as `flashspec.parallel` completes them). `edits`: the step's, of every row
+    (`Slot.step_edits`)."""
+    params = sampler.params.select(rows, validate=False)
+    edits = None if edits is None else edits.select(rows)
+    if isinstance(sampler, ParallelSampler):
+        out = parallel.sample(hidden[rows], sampler.weight, params, positions[rows],
+                              shards=sampler.shards, edits=sampler.shards.local_edits(edits),
+                              check=False, backend="reference", **sampler.head)
+    else:
+        out = sampling.sample(hidden[rows], sampler.weight, params, positions[rows], edits=edits,
+                              check=False, backend="reference", **sampler.head)
     return out.tokens, out.logprobs.float()
 
 
 def complete_verify(sampler, hidden: torch.Tensor, drafts: torch.Tensor, rows: torch.Tensor,
                     positions: torch.Tensor, edits: LogitEdits | None = None):
     """Exact `verify` of the given rows by the reference (eager), as `complete_sample`."""
-    out = sampling.verify(hidden[rows], sampler.weight, drafts[rows],
-                          sampler.params.select(rows, validate=False), positions[rows],
-                          edits=None if edits is None else edits.select(rows),
-                          check=False, backend="reference", **sampler.head)
+    params = sampler.params.select(rows, validate=False)
+    edits = None if edits is None else edits.select(rows)
+    if isinstance(sampler, ParallelSampler):
+        out = parallel.verify(hidden[rows], sampler.weight, drafts[rows], params, positions[rows],
+                              shards=sampler.shards, edits=sampler.shards.local_edits(edits),
+                              check=False, backend="reference", **sampler.head)
+    else:
+        out = sampling.verify(hidden[rows], sampler.weight, drafts[rows], params, positions[rows],
+                              edits=edits, check=False, backend="reference", **sampler.head)
     return out.num_accepted, out.tokens, out.logprobs.float(), out.accept_probs
 
 

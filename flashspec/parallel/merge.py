@@ -82,14 +82,15 @@ def merge_rows(parts: Unpacked, shards: VocabShards, params: SamplingParams,
         out = MergedRows(torch.where(draft_wins, drafts, token),
                          torch.where(draft_wins, draft_logprob, logprob), lse, finite, incomplete,
                          token, logprob, draft_logprob.exp(), draft_logprob)
-    rows = summary.truncated_rows(params, shards.vocab_size).nonzero().flatten()
-    if not rows.numel():
+    if parts.keys is None:
         return out
-    truncated = _merge_candidates(parts.keys[:, rows], parts.floor[:, rows], parts.lse[:, rows],
-                                  shards, params.select(rows, validate=False), positions[rows],
-                                  None if drafts is None else drafts[rows])
-    return MergedRows(*(field if part is None else field.index_copy(0, rows, part)
-                        for field, part in zip(out, truncated)))
+    # Every row through the candidates too, the truncated ones' results kept: no host read
+    # of which rows those are (the call may be captured in a CUDA graph).
+    truncated = summary.truncated_rows(params, shards.vocab_size)
+    merged = _merge_candidates(parts.keys, parts.floor, parts.lse, shards, params, positions,
+                               drafts)
+    return MergedRows(*(field if part is None else torch.where(truncated, part, field)
+                        for field, part in zip(out, merged)))
 
 
 def _race(best: torch.Tensor, token: torch.Tensor):

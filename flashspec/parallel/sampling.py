@@ -27,7 +27,15 @@ Arguments are `flashspec.sampling`'s, with these differences: `weight` ``[V_r, D
 `bias` ``[V_r]`` and the `edits` codes ``[..., V_r]`` are this rank's shards; draft ids are
 global; `shards` (keyword) is the layout; `candidates` sets the truncation budget
 (`summary.summary_layout`); float64 inputs are refused (the candidates' keys hold float32);
-rows flagged for completion are always completed, so no status is `NEEDS_COMPLETION`.
+`backend` says who summarises a shard (`BACKENDS`): "fused", the fused kernels' stage 1
+over the shard and a per-shard stage 2 (`flashspec.kernels.fused_shard_summaries`: the
+logits never exist), or "reference", torch ops on the shard's logits (`shard.py`); "auto"
+takes the fused kernels for CUDA tensors. With ``complete=True`` (the default) rows the
+candidates leave uncertified are completed (step 4), so no status is `NEEDS_COMPLETION`;
+with ``complete=False`` they come back with that status and no host read happens: without
+`check`, a call is then one fixed sequence of kernels and one collective, which a CUDA graph
+can hold (`flashspec.generation`'s engine completes such rows after the graph, through
+this module again).
 """
 
 from __future__ import annotations
@@ -37,12 +45,11 @@ import numbers
 import torch
 import torch.distributed as dist
 
-from .. import reference
-from ..sampling import check_edits
-from ..checks import (NonFiniteLogitsError, check_draft_tokens, check_lm_head,
-                      check_sampling_inputs)
-from ..outputs import NON_FINITE, OK, ArgmaxOutput, SampleOutput, VerifyOutput
+from .. import kernels, reference
+from ..checks import NonFiniteLogitsError, check_draft_tokens, check_lm_head, check_sampling_inputs
+from ..outputs import NEEDS_COMPLETION, NON_FINITE, OK, ArgmaxOutput, SampleOutput, VerifyOutput
 from ..params import LogitEdits, SamplingParams
+from ..sampling import check_edits
 from . import shard, summary
 from .acceptance import accept, flat_drafts
 from .exchange import all_gather_logits, all_gather_summaries, count_retried
@@ -51,11 +58,13 @@ from .merge import merge_argmax, merge_rows
 from .summary import DEFAULT_CANDIDATES
 
 ACCEPTANCE_MODES = ("strict", "probabilistic")
+BACKENDS = ("auto", "fused", "reference")
 
 
 def argmax(hidden: torch.Tensor, weight: torch.Tensor, *, shards: VocabShards,
            edits: LogitEdits | None = None, bias: torch.Tensor | None = None,
-           softcap: float | None = None, check: bool = True) -> ArgmaxOutput:
+           softcap: float | None = None, check: bool = True,
+           backend: str = "auto") -> ArgmaxOutput:
     """Greedy token of each row of ``hidden @ full_weight.T``, as `flashspec.sampling.argmax`.
 
     Args:
@@ -65,6 +74,7 @@ def argmax(hidden: torch.Tensor, weight: torch.Tensor, *, shards: VocabShards,
         edits, bias, softcap: as in `flashspec.sampling.argmax`, this rank's shard of the
             edit codes (``[B, V_r]``) and of the bias (``[V_r]``).
         check: raise `NonFiniteLogitsError` for non-finite rows (on every rank).
+        backend: one of `BACKENDS` (module docstring).
 
     Returns:
         `ArgmaxOutput` with global token ids, the same on every rank.
@@ -75,8 +85,8 @@ def argmax(hidden: torch.Tensor, weight: torch.Tensor, *, shards: VocabShards,
     """
     _check(hidden, weight, shards, 2, edits, bias, softcap, check=check)
     layout = summary.summary_layout("argmax", shards)
-    words = shard.summaries(hidden, weight, layout, None, None, shards, edits=edits, bias=bias,
-                            softcap=softcap)
+    words = _summaries(_backend(backend, hidden), hidden, weight, layout, None, None, shards,
+                       edits=edits, bias=bias, softcap=softcap)
     out = merge_argmax(summary.unpack(all_gather_summaries(words, shards), layout))
     if check:
         _raise_non_finite(out.status)
@@ -87,7 +97,7 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
            positions: torch.Tensor, *, shards: VocabShards,
            candidates: int = DEFAULT_CANDIDATES, edits: LogitEdits | None = None,
            bias: torch.Tensor | None = None, softcap: float | None = None,
-           check: bool = True) -> SampleOutput:
+           check: bool = True, complete: bool = True, backend: str = "auto") -> SampleOutput:
     """One token per row, as `flashspec.sampling.sample` on the full LM head.
 
     Args:
@@ -98,6 +108,9 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
             to the largest top-k + 1 up to `summary.MAX_TOP_K_CANDIDATES`).
         check: validate the positions and raise `NonFiniteLogitsError` for non-finite rows;
             False returns them with status `NON_FINITE`.
+        complete: complete uncertified truncated rows; False returns them with status
+            `NEEDS_COMPLETION` (module docstring).
+        backend: one of `BACKENDS`.
 
     Returns:
         `SampleOutput`, the same on every rank.
@@ -111,10 +124,14 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
     check_sampling_inputs(hidden, params, positions, check_values=check)
     layout = summary.summary_layout("sample", shards, params, candidates)
     head = {"bias": bias, "softcap": softcap}
+    implementation = _backend(backend, hidden)
 
-    def merged(rows, layout):
-        return _sampled(hidden[rows], weight, params.select(rows, validate=False),
-                        positions[rows], shards, layout,
+    def merged(rows, layout, implementation="reference"):
+        if rows is None:
+            return _sampled(implementation, hidden, weight, params, positions, shards, layout,
+                            edits, head)
+        return _sampled(implementation, hidden[rows], weight,
+                        params.select(rows, validate=False), positions[rows], shards, layout,
                         None if edits is None else edits.select(rows), head)
 
     def exact(rows):
@@ -123,8 +140,7 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
         return reference.sample_logits(all_gather_logits(logits, shards, rows.numel()),
                                        params.select(rows, validate=False), positions[rows])
 
-    out = _completed(merged, exact, torch.arange(hidden.shape[0], device=hidden.device),
-                     layout, shards)
+    out = _completed(merged, exact, implementation, layout, shards, complete)
     if check:
         _raise_non_finite(out.status)
     return out
@@ -134,7 +150,8 @@ def verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tenso
            params: SamplingParams, positions: torch.Tensor, *, shards: VocabShards,
            acceptance: str = "strict", candidates: int = DEFAULT_CANDIDATES,
            edits: LogitEdits | None = None, bias: torch.Tensor | None = None,
-           softcap: float | None = None, check: bool = True) -> VerifyOutput:
+           softcap: float | None = None, check: bool = True, complete: bool = True,
+           backend: str = "auto") -> VerifyOutput:
     """Verification of G drafted tokens per row, as `flashspec.sampling.verify` on the full
     LM head.
 
@@ -147,6 +164,7 @@ def verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tenso
         acceptance: "strict" or "probabilistic", as in `flashspec.sampling.verify`.
         edits: this rank's shard of the edits, codes ``[B, G+1, V_r]``.
         check: as in `sample`; validates the draft ids too.
+        complete, backend: as in `sample`.
 
     Returns:
         `VerifyOutput`, the same on every rank.
@@ -166,11 +184,16 @@ def verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tenso
         offsets = torch.arange(num_positions, device=rows.device)
         return (rows[:, None] * num_positions + offsets[None, :]).flatten()
 
-    def merged(rows, layout):
-        return _verified(hidden[rows], weight, draft_tokens[rows],
+    implementation = _backend(backend, hidden)
+
+    def merged(rows, layout, implementation="reference"):
+        if rows is None:
+            return _verified(implementation, hidden, weight, draft_tokens, params, positions,
+                             shards, layout, acceptance, edits, flat_edits, head)
+        return _verified(implementation, hidden[rows], weight, draft_tokens[rows],
                          params.select(rows, validate=False), positions[rows], shards, layout,
-                         acceptance, None if edits is None else flat_edits.select(flat_rows(rows)),
-                         head)
+                         acceptance, None if edits is None else edits.select(rows),
+                         None if edits is None else flat_edits.select(flat_rows(rows)), head)
 
     def exact(rows):
         logits = shard.shard_logits(
@@ -180,18 +203,17 @@ def verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tenso
                                        draft_tokens[rows], params.select(rows, validate=False),
                                        positions[rows], acceptance=acceptance)
 
-    out = _completed(merged, exact, torch.arange(hidden.shape[0], device=hidden.device),
-                     layout, shards)
+    out = _completed(merged, exact, implementation, layout, shards, complete)
     if check:
         _raise_non_finite(out.status)
     return out
 
 
-def _sampled(hidden, weight, params, positions, shards, layout, edits, head):
+def _sampled(implementation, hidden, weight, params, positions, shards, layout, edits, head):
     """`SampleOutput` of the rows of `hidden` ``[R, D]`` from one exchange of summaries at
     `layout`, and bool ``[R]``: the rows the candidates left uncertified."""
-    words = shard.summaries(hidden, weight, layout, params, positions, shards, edits=edits,
-                            **head)
+    words = _summaries(implementation, hidden, weight, layout, params, positions, shards,
+                       edits=edits, **head)
     rows = merge_rows(summary.unpack(all_gather_summaries(words, shards), layout), shards,
                       params, positions)
     out = SampleOutput(torch.where(rows.finite, rows.tokens, -1),
@@ -201,29 +223,64 @@ def _sampled(hidden, weight, params, positions, shards, layout, edits, head):
     return out, rows.incomplete
 
 
-def _verified(hidden, weight, draft_tokens, params, positions, shards, layout, acceptance,
-              flat_edits, head):
+def _verified(implementation, hidden, weight, draft_tokens, params, positions, shards, layout,
+              acceptance, edits, flat_edits, head):
     """`VerifyOutput` of the batch rows of `hidden` ``[B, G+1, D]`` from one exchange of
-    summaries at `layout`, and bool ``[B]``: the rows with an uncertified position."""
+    summaries at `layout`, and bool ``[B]``: the rows with an uncertified position. The fused
+    kernels take `edits` (one row per batch row, codes per position); the torch summaries
+    `flat_edits` (one row per position)."""
     batch_size, num_positions, dim = hidden.shape
     flat_params = params.repeat_interleave(num_positions, validate=False)
     offsets = torch.arange(num_positions, device=positions.device)
     flat_positions = (positions[:, None] + offsets[None, :]).flatten()
     drafts = flat_drafts(draft_tokens)
-    words = shard.summaries(hidden.reshape(-1, dim), weight, layout, flat_params,
-                            flat_positions, shards, drafts, edits=flat_edits, **head)
+    if implementation == "fused":
+        # The drafts as the acceptance chain reads them: none after a row's first padding.
+        words = kernels.fused_shard_summaries(
+            hidden, weight, layout, params, positions, shards.offset, shards.vocab_size,
+            drafts=drafts.view(batch_size, num_positions)[:, :-1], edits=edits, **head)
+    else:
+        words = shard.summaries(hidden.reshape(-1, dim), weight, layout, flat_params,
+                                flat_positions, shards, drafts, edits=flat_edits, **head)
     rows = merge_rows(summary.unpack(all_gather_summaries(words, shards), layout), shards,
                       flat_params, flat_positions, drafts)
     out = accept(rows, draft_tokens, params, positions, acceptance)
     return out, rows.incomplete.view(batch_size, num_positions).any(dim=1)
 
 
-def _completed(merged, exact, batch_rows: torch.Tensor, layout: summary.SummaryLayout,
-               shards: VocabShards):
-    """The call's output: ``merged(rows, layout)`` for every row, then, for the rows it
-    leaves uncertified, ``merged(rows, larger layout)``, then ``exact(rows)`` (from the
-    gathered logits) for the rows still uncertified. Every rank reaches the same rows."""
-    out, incomplete = merged(batch_rows, layout)
+def _summaries(implementation, hidden, weight, layout, params, positions, shards, *, edits,
+               bias, softcap):
+    """This rank's summary words of the rows of `hidden` ``[R, D]`` (sampling, argmax)."""
+    if implementation == "fused":
+        return kernels.fused_shard_summaries(hidden, weight, layout, params, positions,
+                                             shards.offset, shards.vocab_size, edits=edits,
+                                             bias=bias, softcap=softcap)
+    return shard.summaries(hidden, weight, layout, params, positions, shards, edits=edits,
+                           bias=bias, softcap=softcap)
+
+
+def _backend(backend: str, hidden: torch.Tensor) -> str:
+    """The summaries' implementation: `backend` with "auto" resolved, refused where it
+    cannot run."""
+    if backend not in BACKENDS:
+        raise ValueError(f"`backend`={backend!r} is not allowed: use one of {BACKENDS}")
+    if backend == "auto":
+        return "fused" if hidden.is_cuda else "reference"
+    if backend == "fused":
+        kernels.ops.check_device(hidden)
+    return backend
+
+
+def _completed(merged, exact, implementation: str, layout: summary.SummaryLayout,
+               shards: VocabShards, complete: bool):
+    """The call's output: ``merged(None, layout, implementation)`` for every row; with
+    `complete`, then, for the rows it leaves uncertified, ``merged(rows, larger layout)``
+    (torch summaries: the retry is rare and wants more candidates than the kernels merge),
+    then ``exact(rows)`` (from the gathered logits) for the rows still uncertified; every
+    rank reaches the same rows. Without it, those rows are flagged `NEEDS_COMPLETION`."""
+    out, incomplete = merged(None, layout, implementation)
+    if not complete:
+        return _flag_incomplete(out, incomplete)
     retry = summary.retry_layout(layout, shards)
     for finish in ("retry", "exact") if retry is not None else ("exact",):
         rows = incomplete.nonzero().flatten()
@@ -237,6 +294,18 @@ def _completed(merged, exact, batch_rows: torch.Tensor, layout: summary.SummaryL
         out = type(out)(*(field.index_copy(0, rows, value) for field, value in zip(out, part)))
         incomplete = torch.zeros_like(incomplete).index_copy(0, rows, still)
     return out
+
+
+def _flag_incomplete(out, incomplete: torch.Tensor):
+    """`out` with its finite `incomplete` rows flagged `NEEDS_COMPLETION` and their tokens
+    -1, as the fused kernels flag theirs."""
+    flagged = incomplete & (out.status == OK)
+    status = torch.where(flagged, NEEDS_COMPLETION, out.status).to(torch.int32)
+    if isinstance(out, SampleOutput):
+        return out._replace(tokens=torch.where(flagged, -1, out.tokens), status=status)
+    return out._replace(num_accepted=torch.where(flagged, -1, out.num_accepted),
+                        tokens=torch.where(flagged[:, None], -1, out.tokens),
+                        logprobs=torch.where(flagged[:, None], 0.0, out.logprobs), status=status)
 
 
 def _check(hidden, weight, shards, hidden_dims, edits, bias, softcap,
