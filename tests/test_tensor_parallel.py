@@ -85,7 +85,10 @@ def _generate(model, **kwargs):
     assert not any("defers this call to stock" in m for m in messages), messages
     if split and "logits_processor" not in kwargs:
         assert not any("materialized path" in m for m in messages), messages
-        assert flashspec.parallel.stats().calls > 0
+        # Exchanges are counted where they run eagerly or are captured; replayed graphs
+        # (CUDA) hold theirs.
+        engine = flashspec.generation.engine.cached_engine(model.get_decoder())
+        assert flashspec.parallel.stats().calls > 0 or engine.last_call_graphs
     return out
 
 

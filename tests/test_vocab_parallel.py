@@ -26,6 +26,7 @@ from _ranks import run_ranks
 
 import flashspec
 from flashspec import parallel, reference, sampling
+from flashspec.bench import parallel_head
 from flashspec.checks import NonFiniteLogitsError
 from flashspec.outputs import VerifyOutput
 from flashspec.parallel import VocabShards, summary
@@ -127,6 +128,7 @@ def _cases(rank: int, world_size: int) -> dict:
     _model_head_and_edits(weight, layouts["chunked"], generator)
     _non_finite_rows(weight, layouts["chunked"], generator)
     _generic_floats(layouts["uneven"], generator)
+    _benchmark_steps(weight, layouts["uneven"], generator)
     report["bytes_per_row"] = {
         op: summary.summary_layout(op, layouts["chunked"], params).bytes_per_row
         for op, params in (("argmax", None),
@@ -233,6 +235,24 @@ def _with_gaps(words, layout, generator):
         listed[rank, row, -1] = floor
     words[..., start:] = listed.view(torch.int32).view(*words.shape[:2], -1)
     return words
+
+
+def _benchmark_steps(weight, shards, generator):
+    """scripts/bench_parallel_head.py's two steps (timed on GPUs): the same greedy tokens as
+    one process; the all-gather baseline's top-k draws within the top-k."""
+    hidden = _grid(generator, BATCH, DIM, denominator=8)
+    local = shards.local(weight)
+    logits = hidden @ weight.T
+    greedy = flashspec.SamplingParams.create(BATCH, do_sample=False)
+    for step in (parallel_head.gathered_step, parallel_head.flash_step):
+        assert torch.equal(step(hidden, local, greedy, shards)(), logits.argmax(dim=-1)), step
+    top_k = flashspec.SamplingParams.create(BATCH, temperature=0.7, top_k=3, seed=0)
+    tokens = parallel_head.gathered_step(hidden, local, top_k, shards)()
+    kth = logits.topk(3, dim=-1).values[:, -1]
+    assert (logits.gather(1, tokens[:, None]).squeeze(1) >= kth).all()
+    out = parallel_head.flash_step(hidden, local, top_k, shards)()
+    expected = sampling.sample(hidden, weight, top_k, torch.arange(BATCH) + 100)
+    assert torch.equal(out.tokens, expected.tokens)
 
 
 def _emulated(logits, sizes, params, positions, candidates, draft_tokens=None,

@@ -24,7 +24,8 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 @dataclasses.dataclass
 class ExchangeStats:
     """This rank's exchanges since the last `reset_stats()`; bytes are what it contributed
-    (it receives ``world_size - 1`` times as many)."""
+    (it receives ``world_size - 1`` times as many). Counted by the host as calls run: a CUDA
+    graph's replays of captured calls are not."""
 
     calls: int = 0             # summary exchanges (one per call, one more per retry)
     rows: int = 0              # rows summarised (verification: one per position)
