@@ -18,8 +18,9 @@
 #   PARTS=fuzz bash scripts/gpu_check.sh
 #   PARTS="kernels verify" bash scripts/gpu_check.sh            # both benchmark tables, 232-312 s
 # The part multi needs two GPUs or more (the device tool's nvidia-h100-x2): a tensor-parallel
-# model on one GPU per rank against the same model on one GPU (tests/test_tensor_parallel.py;
-# log in $OUT/multi.log; 98 s on 2 H200s, 2026-11-26).
+# model on one GPU per rank, and a model whose layers accelerate split over two GPUs, against
+# the same model on one GPU (tests/test_tensor_parallel.py, tests/test_device_map.py; log in
+# $OUT/multi.log; 98 s on 2 H200s, 2026-11-26, before test_device_map joined).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -66,7 +67,8 @@ for part in $PARTS; do
                 | tee "$OUT/fuzz.log" | tail -5 ;;
         kernels) python scripts/bench_kernels.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
         verify) python scripts/bench_verify.py --out "$OUT" 2>&1 | tee "$OUT/bench_verify.log" | tail -28 ;;
-        multi) python -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py 2>&1 \
+        multi) timeout "${TEST_TIMEOUT:-0}" python -m pytest -q -p no:cacheprovider \
+                tests/test_tensor_parallel.py tests/test_device_map.py 2>&1 \
                 | tee "$OUT/multi.log" | tail -5 ;;
     esac
 done

@@ -1,7 +1,7 @@
 """`generate(sampler="flash")` on a model that accelerate placed with a ``device_map``: a
-layer offloaded to disk. The engine runs the model's layers, whose patched forwards move
+layer offloaded to disk, or layers on two GPUs. The engine runs the model's layers, whose patched forwards move
 inputs and load weights, eagerly: the tokens equal those of the same model loaded whole, in
-every mode. Layers over several GPUs are refused (measured failing on two GPUs).
+every mode; on two GPUs too (layers split between them).
 """
 
 from __future__ import annotations
@@ -77,15 +77,18 @@ def test_a_layer_offloaded_to_disk(folder, tmp_path):
     _assert_same_tokens(placed, whole)
 
 
-def test_layers_over_several_gpus_are_refused(folder):
-    """Layers over two GPUs failed on 2 H200s (the KV cache's shared write columns are on
-    one GPU): refused by name, before anything runs. The placement is read from the model's
-    device_map, so a CPU model that claims one is enough here."""
-    model = flashspec.from_pretrained(folder, dtype=torch.float32)
-    model.hf_device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1,
-                           "model.norm": "cuda:1", "lm_head": 1}
-    with pytest.raises(ValueError, match=r"is placed over several GPUs \(cuda:0, cuda:1"):
-        model.generate(PROMPTS, attention_mask=MASK, max_new_tokens=2, sampler="flash")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (PARTS=multi of "
+                    "scripts/gpu_check.sh runs it)")
+def test_layers_over_two_gpus(folder):
+    """Layers on two GPUs (the KV cache's write columns follow each layer to its GPU): the
+    tokens of the model whole on one GPU, in every mode."""
+    placement = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0,
+                 "model.layers.1": 1, "model.norm": 1, "lm_head": 1}
+    placed = flashspec.from_pretrained(folder, dtype=torch.float32, device_map=placement)
+    whole = flashspec.from_pretrained(folder, dtype=torch.float32, device_map={"": 1})
+    assert flashspec.generation.heads.output_head(placed, "model").spread
+    with torch.cuda.device(1):
+        _assert_same_tokens(placed, whole)
 
 
 def test_a_model_off_the_current_gpu_is_refused_by_name():

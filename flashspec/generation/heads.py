@@ -154,23 +154,14 @@ def output_head(model, role: str, greedy_only: bool = False) -> OutputHead:
                       bias=None if bias is None else bias.detach(),
                       softcap=None if softcap is None else float(softcap),
                       module=head if hooks else None, hooks=hooks, shards=shards,
-                      spread=_spread(model, role, name))
+                      spread=_spread(model))
 
 
-def _spread(model, role: str, name: str) -> bool:
+def _spread(model) -> bool:
     """Whether accelerate placed `model` over several devices or offloaded part of it (its
-    device_map names 0 and "cuda:0" alike); a ValueError for layers over several GPUs."""
-    places = set()
-    for place in (getattr(model, "hf_device_map", None) or {}).values():
-        places.add(str(torch.device("cuda", place) if isinstance(place, int) else place))
-    gpus = sorted(place for place in places if place.startswith("cuda"))
-    if len(gpus) > 1:
-        # Measured on two GPUs: the KV cache's shared write columns live on one GPU and
-        # the layers on the other cannot index with them. Refused until that is fixed.
-        raise ValueError(f"`{role}` ({name}) is placed over several GPUs ({', '.join(gpus)}, "
-                         "its device_map); sampler='flash' runs a model on one GPU (offloading "
-                         "to the CPU or disk works) or tensor-parallel (tp_plan); run generate() "
-                         "without sampler='flash'")
+    device_map names 0 and "cuda:0" alike)."""
+    places = {str(torch.device("cuda", place) if isinstance(place, int) else place)
+              for place in (getattr(model, "hf_device_map", None) or {}).values()}
     return len(places) > 1
 
 

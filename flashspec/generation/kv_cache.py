@@ -59,6 +59,8 @@ class WindowLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         columns = self.cache.columns
+        if columns.device != self.keys.device:  # a layer that accelerate placed on another GPU
+            columns = columns.to(self.keys.device)
         keys = first_rows(self.keys, key_states.shape[0])
         values = first_rows(self.values, key_states.shape[0])
         keys.index_copy_(2, columns, key_states.to(keys.dtype))
