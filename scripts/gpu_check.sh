@@ -20,7 +20,11 @@
 # The part multi needs two GPUs or more (the device tool's nvidia-h100-x2): a tensor-parallel
 # model on one GPU per rank, and a model whose layers accelerate split over two GPUs, against
 # the same model on one GPU (tests/test_tensor_parallel.py, tests/test_device_map.py; log in
-# $OUT/multi.log; 98 s on 2 H200s, 2026-11-26, before test_device_map joined).
+# $OUT/multi.log; 98 s on 2 H200s, 2026-11-26, before test_device_map joined). So do head
+# (scripts/bench_parallel_head.py: the vocab-parallel LM-head step against all-gathering the
+# logits) and tp (scripts/tp_same_tokens.py: a tensor-parallel Llama-3.1-8B's tokens against
+# one GPU's; then scripts/tok_per_s.py under torchrun, against stock's tensor-parallel
+# generate), each under torchrun with 2 ranks; TEST_TIMEOUT=<s> bounds each command.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -28,8 +32,8 @@ OUT=${OUT:-gpu_out}
 PARTS=${PARTS:-tests fuzz kernels verify}
 for part in $PARTS; do
     case $part in
-        tests|fuzz|kernels|verify|multi) ;;
-        *) echo "gpu_check.sh: PARTS has '$part'; allowed: tests, fuzz, kernels, verify, multi" >&2
+        tests|fuzz|kernels|verify|multi|head|tp) ;;
+        *) echo "gpu_check.sh: PARTS has '$part'; allowed: tests, fuzz, kernels, verify, multi, head, tp" >&2
            exit 2 ;;
     esac
 done
@@ -70,5 +74,15 @@ for part in $PARTS; do
         multi) timeout "${TEST_TIMEOUT:-0}" python -m pytest -q -p no:cacheprovider \
                 tests/test_tensor_parallel.py tests/test_device_map.py 2>&1 \
                 | tee "$OUT/multi.log" | tail -5 ;;
+        head) timeout "${TEST_TIMEOUT:-0}" torchrun --nproc-per-node 2 \
+                scripts/bench_parallel_head.py --out "$OUT/parallel_head.json" 2>&1 \
+                | tee "$OUT/parallel_head.log" | grep -v "^W[0-9]" | tail -16 ;;
+        tp) timeout "${TEST_TIMEOUT:-0}" torchrun --nproc-per-node 2 scripts/tp_same_tokens.py \
+                --out "$OUT/tp_tokens.json" 2>&1 | tee "$OUT/tp_tokens.log" | tail -9
+            timeout "${TEST_TIMEOUT:-0}" torchrun --nproc-per-node 2 scripts/tok_per_s.py \
+                --random-init llama-3.1-8b,llama-3.2-1b --batch-sizes 1,8 --new-tokens 64 \
+                --prompt-length 128 --num-drafts 4 --decoding greedy --reps 2 \
+                --variants hf,flash_plain,flash_lookup,flash_draft --out "$OUT/tp_tok_per_s" \
+                2>&1 | tee "$OUT/tp_tok_per_s.log" | tail -12 ;;
     esac
 done
