@@ -16,6 +16,10 @@ The logits never reach GPU memory. Each launch runs, in order:
 * verification's finaliser, one program per batch row: the acceptance chain
   (`verify_finalize.py`).
 
+Over a rank's vocabulary shard (`flashspec.parallel`), `fused_shard_summaries` runs stage 1
+with the noise keyed by global token ids and, instead of stage 2, a per-row summary of the
+shard for the ranks' exchange (`shard_summary.py`).
+
 Shared device helpers: `noise.py` (Philox words and Gumbel noise, as `flashspec.rng`),
 `keys.py` (order keys, packed candidate keys), `rows.py` (a row's parameters and a tile's
 tokens). Host side: `ops.py` (the launchers), `tile_config.py` (`TileConfig`, the fixed tile
@@ -27,6 +31,7 @@ Importing this package imports Triton; `flashspec` itself does not.
 
 from .ops import (KernelStats, TileConfig, default_config, fused_argmax, fused_sample,
                   fused_verify, reset_stats, stats)
+from .shard_summary import fused_shard_summaries
 
 __all__ = ["KernelStats", "TileConfig", "default_config", "fused_argmax", "fused_sample",
-           "fused_verify", "reset_stats", "stats"]
+           "fused_shard_summaries", "fused_verify", "reset_stats", "stats"]

@@ -8,8 +8,9 @@ temperature, as in transformers), ``s`` = logits / temperature
 (`_scaled_logits`), then per row
 
 * the best score and its id: argmax of ``s + g`` for sampled rows (``g`` = Gumbel noise of
-  `flashspec.rng`), of the raw logits for greedy rows (`_exact_best`); with
-  ``TileConfig.screen`` found through a cheap approximation of ``g`` that certifies the
+  `flashspec.rng`, keyed by the global token id: over a vocabulary shard, its first id
+  `vocab_offset` + the column's token), of the raw logits for greedy rows (`_exact_best`);
+  with ``TileConfig.screen`` found through a cheap approximation of ``g`` that certifies the
   winner, whose exact score alone is computed (`_screen`, `_screened_best`; the same results);
 * optionally the tile's max of ``s`` and sum of ``exp(s - max)`` (log-sum-exp), and the
   ``s`` of the best token (for its logprob);
@@ -32,8 +33,9 @@ import triton.language as tl
 
 from .. import params
 from .keys import pack_candidates
-from .noise import (_INTERPRETED, _SCREEN_ERROR, LOG2E, NEG_LN2, exp2_ftz, gumbel_from_bits,
-                    gumbel_noise, gumbel_screen_log2, opaque, philox_tile_bits)
+from .noise import (_INTERPRETED, _SCREEN_ERROR, GUMBEL_STREAM, LOG2E, NEG_LN2, exp2_ftz,
+                    gumbel_from_bits, gumbel_noise, gumbel_screen_log2, opaque, philox_bits,
+                    philox_tile_bits)
 from .rows import _column_tokens, _draft_here
 
 # 2**-21: rounding allowance per unit of score magnitude in the screen's margin (`_screen`).
@@ -317,12 +319,13 @@ def _screen(s, row_sum, columns, bits, sampled, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _screened_best(top, leader, leader_s, sampled, seed, position, pid_v, NUM_VT,
+def _screened_best(top, leader, leader_s, sampled, seed, position, pid_v, NUM_VT, vocab_offset,
                    BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr):
     """`_exact_best` of a tile whose every sampled row has a certified leader (`_screen`): its
-    exact score from its own noise; greedy rows' max is max(s + 0.0), as `_exact_best`'s. The
-    best column's s is the leader's (greedy rows: the max), with no pass over the tile."""
-    token = _column_tokens(leader, pid_v, NUM_VT, BLOCK_V, INTERLEAVE).to(tl.int64)
+    exact score from its own noise (keyed by its global id, `vocab_offset` + its token); greedy
+    rows' max is max(s + 0.0), as `_exact_best`'s. The best column's s is the leader's (greedy
+    rows: the max), with no pass over the tile."""
+    token = _column_tokens(leader, pid_v, NUM_VT, BLOCK_V, INTERLEAVE).to(tl.int64) + vocab_offset
     best = tl.where(sampled, leader_s + gumbel_noise(seed, position, token), top + 0.0)
     return best, leader, tl.where(sampled, leader_s, best)
 
@@ -353,12 +356,28 @@ def _tile_summary(s, row_sum, best, best_column, best_s, draft_s, pid_v, NUM_VT,
 
 
 @triton.jit
-def _noise_summary(s, row_sum, offs_v, columns, bits, blocks, pid_v, NUM_VT, sampled, seed,
-                   position, draft, BLOCK_R: tl.constexpr, PART_V: tl.constexpr,
+def _part_bits(seed, position, word_keys, BLOCK_R: tl.constexpr, PART_V: tl.constexpr,
+               COLUMN_NOISE: tl.constexpr):
+    """Philox words ``[BLOCK_R, PART_V]`` (Gumbel stream) of the rows' (`seed`, `position`)
+    and a part's columns, from `word_keys`: the Philox blocks of its groups of 16 tokens
+    (`noise.philox_blocks`; four words per call, `noise.philox_tile_bits`), or with
+    COLUMN_NOISE each column's global token id (one word per call: over a vocabulary shard
+    whose first id is not a multiple of 16, a group of 16 columns spans two of the noise's)."""
+    if COLUMN_NOISE:
+        bits = philox_bits(seed[:, None], position[:, None], word_keys[None, :], GUMBEL_STREAM)
+    else:
+        bits = philox_tile_bits(seed[:, None, None], position[:, None, None], word_keys, BLOCK_R,
+                                PART_V)
+    return bits
+
+
+@triton.jit
+def _noise_summary(s, row_sum, offs_v, columns, bits, word_keys, pid_v, NUM_VT, vocab_offset,
+                   sampled, seed, position, draft, BLOCK_R: tl.constexpr, PART_V: tl.constexpr,
                    BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr, LSE: tl.constexpr,
-                   DRAFT: tl.constexpr, SCREEN: tl.constexpr):
+                   DRAFT: tl.constexpr, SCREEN: tl.constexpr, COLUMN_NOISE: tl.constexpr):
     """`_tile_summary` of a part with sampled rows, from the Philox words `bits` of its
-    columns (`blocks`: their Philox blocks); with SCREEN through `_screen`."""
+    columns (`word_keys`: what `_part_bits` drew them from); with SCREEN through `_screen`."""
     if SCREEN:
         unsure, top, leader, leader_s = _screen(s, row_sum, columns, bits, sampled, BLOCK_V)
         draft_s = row_sum  # unused: a screened tile holds no draft (`_store_summary`)
@@ -367,15 +386,14 @@ def _noise_summary(s, row_sum, offs_v, columns, bits, blocks, pid_v, NUM_VT, sam
         if unsure:
             # The words anew (`opaque`: not merged with the screen's): kept, they would
             # stay live through the screen (64x128 tiles: 116 -> 195 registers).
-            bits = philox_tile_bits(opaque(seed)[:, None, None], position[:, None, None],
-                                    blocks, BLOCK_R, PART_V)
+            bits = _part_bits(opaque(seed), position, word_keys, BLOCK_R, PART_V, COLUMN_NOISE)
             best, best_column, best_s, draft_s = _exact_best(
                 s, row_sum, offs_v, columns, gumbel_from_bits(bits), sampled, draft, True,
                 LSE, DRAFT)
         else:
             best, best_column, best_s = _screened_best(top, leader, leader_s, sampled, seed,
-                                                       position, pid_v, NUM_VT, BLOCK_V,
-                                                       INTERLEAVE)
+                                                       position, pid_v, NUM_VT, vocab_offset,
+                                                       BLOCK_V, INTERLEAVE)
     else:
         best, best_column, best_s, draft_s = _exact_best(
             s, row_sum, offs_v, columns, gumbel_from_bits(bits), sampled, draft, True, LSE,

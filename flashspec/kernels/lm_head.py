@@ -11,6 +11,12 @@ penalties), summarised per (row, tile) by the epilogue (`epilogue.py`; with
 per row. Without BIAS, SOFTCAP and the edits' flags the kernel compiles to what it is
 without those features.
 
+The weight may be a vocabulary shard (`flashspec.parallel`), whose token j is global token
+``vocab_offset + j`` (0 for the whole vocabulary): the Gumbel noise is keyed by global ids,
+everything else (weight rows, edits, ids written, drafts read) is in the shard's own. Where
+the offset is not a multiple of 16, COLUMN_NOISE draws each column's Philox word on its own
+(`epilogue._part_bits`: four times the Philox work of the sampled rows).
+
 Above 64 rows on Hopper (32 when truncating), stage 1 is
 `lm_head_ws.lm_head_tiles_ws_kernel` instead, a warp-specialized Gluon kernel running the
 same epilogue, head transforms and edits included.
@@ -21,35 +27,52 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from .epilogue import (_additive_operands, _edited_logits, _exact_best, _head_logits,
-                       _noise_summary, _scaled_logits, _store_candidates, _store_summary,
-                       _tile_summary)
-from .noise import philox_blocks, philox_tile_bits
+                       _noise_summary, _part_bits, _scaled_logits, _store_candidates,
+                       _store_summary, _tile_summary)
+from .noise import philox_blocks
 from .race import (_beaten_summary, _leader_summary, _publish_bounds, _race_beaten,
                    _race_leaders, _racing_rows, _row_bounds)
 from .rows import _column_tokens, _row_drafts, _row_noise_keys, _row_params
 
 
 @triton.jit
-def _part_summary(acc, first_column, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
-                  bound, r_ok, BLOCK_R: tl.constexpr, PART_V: tl.constexpr,
+def _part_word_keys(first_column, pid_v, NUM_VT, vocab_offset, PART_V: tl.constexpr,
+                    BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr, COLUMN_NOISE: tl.constexpr):
+    """What `epilogue._part_bits` draws the Philox words of columns first_column + [0, PART_V)
+    of vocab tile `pid_v` from: the Philox blocks of their groups of 16 global ids (a tile's
+    groups of 16 tokens are aligned, and so are the global ids' where `vocab_offset` is a
+    multiple of 16), or with COLUMN_NOISE their global ids."""
+    if COLUMN_NOISE:
+        tokens = _column_tokens(first_column + tl.arange(0, PART_V), pid_v, NUM_VT, BLOCK_V,
+                                INTERLEAVE)
+        word_keys = tokens.to(tl.int64) + vocab_offset
+    else:
+        groups = _column_tokens(first_column + tl.arange(0, PART_V // 16) * 16, pid_v, NUM_VT,
+                                BLOCK_V, INTERLEAVE) // 16
+        word_keys = philox_blocks(groups + vocab_offset // 16, tl.arange(0, 4))
+    return word_keys
+
+
+@triton.jit
+def _part_summary(acc, first_column, pid_v, NUM_VT, V, vocab_offset, inv_t, sampled, seed,
+                  position, draft, bound, r_ok, BLOCK_R: tl.constexpr, PART_V: tl.constexpr,
                   BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr, EVEN_V: tl.constexpr,
                   SAMPLE: tl.constexpr, LSE: tl.constexpr, DRAFT: tl.constexpr,
-                  SCREEN: tl.constexpr, RACE: tl.constexpr):
+                  SCREEN: tl.constexpr, RACE: tl.constexpr, COLUMN_NOISE: tl.constexpr):
     """`_tile_summary` of columns first_column + [0, PART_V) of vocab tile `pid_v`; with SCREEN
     sampled rows through `_screen` (fewer instructions, more registers: for tiles where the
     epilogue, not the weight's stream, bounds the time); with RACE a part whose every row
-    is beaten by its bound (`_race_beaten`) skips the search for its best."""
+    is beaten by its bound (`_race_beaten`) skips the search for its best. The noise of a
+    column is keyed by its global id, `vocab_offset` + its token."""
     columns = first_column + tl.arange(0, PART_V)
     s, row_sum, offs_v = _scaled_logits(acc, columns, pid_v, NUM_VT, V, inv_t, BLOCK_V,
                                         INTERLEAVE, EVEN_V)
     if SAMPLE:
         # Philox words after `_scaled_logits` (before it, verification's epilogue on 128x64
         # tiles takes 161 registers instead of 128: one program per SM instead of two).
-        groups = _column_tokens(first_column + tl.arange(0, PART_V // 16) * 16, pid_v, NUM_VT,
-                                BLOCK_V, INTERLEAVE) // 16
-        blocks = philox_blocks(groups, tl.arange(0, 4))
-        bits = philox_tile_bits(seed[:, None, None], position[:, None, None], blocks, BLOCK_R,
-                                PART_V)
+        word_keys = _part_word_keys(first_column, pid_v, NUM_VT, vocab_offset, PART_V, BLOCK_V,
+                                    INTERLEAVE, COLUMN_NOISE)
+        bits = _part_bits(seed, position, word_keys, BLOCK_R, PART_V, COLUMN_NOISE)
         if RACE:
             racing = _racing_rows(sampled, draft, pid_v, NUM_VT, BLOCK_V, INTERLEAVE, DRAFT)
             beaten, tile_max, exp_s = _race_beaten(s, row_sum, bits, bound, racing, r_ok, LSE)
@@ -62,15 +85,17 @@ def _part_summary(acc, first_column, pid_v, NUM_VT, V, inv_t, sampled, seed, pos
                 if single:
                     summary = _leader_summary(num_candidates, leader, leader_s, row_sum,
                                               tile_max, exp_s, seed, position, pid_v, NUM_VT,
-                                              BLOCK_V, INTERLEAVE, LSE)
+                                              vocab_offset, BLOCK_V, INTERLEAVE, LSE)
                 else:
-                    summary = _noise_summary(s, row_sum, offs_v, columns, bits, blocks, pid_v,
-                                             NUM_VT, sampled, seed, position, draft, BLOCK_R,
-                                             PART_V, BLOCK_V, INTERLEAVE, LSE, DRAFT, SCREEN)
+                    summary = _noise_summary(s, row_sum, offs_v, columns, bits, word_keys,
+                                             pid_v, NUM_VT, vocab_offset, sampled, seed,
+                                             position, draft, BLOCK_R, PART_V, BLOCK_V,
+                                             INTERLEAVE, LSE, DRAFT, SCREEN, COLUMN_NOISE)
         else:
-            summary = _noise_summary(s, row_sum, offs_v, columns, bits, blocks, pid_v, NUM_VT,
-                                     sampled, seed, position, draft, BLOCK_R, PART_V, BLOCK_V,
-                                     INTERLEAVE, LSE, DRAFT, SCREEN)
+            summary = _noise_summary(s, row_sum, offs_v, columns, bits, word_keys, pid_v, NUM_VT,
+                                     vocab_offset, sampled, seed, position, draft, BLOCK_R,
+                                     PART_V, BLOCK_V, INTERLEAVE, LSE, DRAFT, SCREEN,
+                                     COLUMN_NOISE)
     else:
         best, best_column, best_s, draft_s = _exact_best(s, row_sum, offs_v, columns, s, sampled,
                                                          draft, SAMPLE, LSE, DRAFT)
@@ -110,13 +135,13 @@ def lm_head_tiles_kernel(
     best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, cand_ptr,
     draft_ptr, draft_s_ptr, bound_ptr, codes_ptr, penalty_ptr, logit_bias_ptr, counts_ptr,
     frequency_ptr, presence_ptr, bias_ptr, softcap,
-    R, V, D, stride_hidden, stride_weight, NUM_VT, ROWS_PER_PARAM,
+    R, V, D, stride_hidden, stride_weight, NUM_VT, ROWS_PER_PARAM, vocab_offset,
     SAMPLE: tl.constexpr, LSE: tl.constexpr, CAND: tl.constexpr, DRAFT: tl.constexpr,
     CODES: tl.constexpr, LOGIT_BIAS: tl.constexpr, BIAS_PER_POSITION: tl.constexpr,
     COUNTS: tl.constexpr, BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
     IEEE_DOT: tl.constexpr, INTERLEAVE: tl.constexpr,
     EVEN_V: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr, PARTS: tl.constexpr,
-    SCREEN: tl.constexpr, RACE: tl.constexpr,
+    SCREEN: tl.constexpr, RACE: tl.constexpr, COLUMN_NOISE: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -189,38 +214,41 @@ def lm_head_tiles_kernel(
     # The tile is summarised in PARTS vocab parts one after the other: fewer values live
     # at once, so large tiles (what the main loop wants at large B) need fewer registers.
     if PARTS == 1:
-        summary = _part_summary(acc, 0, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft,
-                                bound, r_ok, BLOCK_R, BLOCK_V, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE,
-                                LSE, DRAFT, SCREEN, RACE)
+        summary = _part_summary(acc, 0, pid_v, NUM_VT, V, vocab_offset, inv_t, sampled, seed,
+                                position, draft, bound, r_ok, BLOCK_R, BLOCK_V, BLOCK_V,
+                                INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN, RACE, COLUMN_NOISE)
     else:
         lo, hi = _halves(acc, BLOCK_R, BLOCK_V)
         if PARTS == 2:
             half: tl.constexpr = BLOCK_V // 2
-            summary = _part_summary(lo, 0, pid_v, NUM_VT, V, inv_t, sampled, seed, position,
-                                    draft, bound, r_ok, BLOCK_R, half, BLOCK_V, INTERLEAVE,
-                                    EVEN_V, SAMPLE, LSE, DRAFT, SCREEN, RACE)
+            summary = _part_summary(lo, 0, pid_v, NUM_VT, V, vocab_offset, inv_t, sampled, seed,
+                                    position, draft, bound, r_ok, BLOCK_R, half, BLOCK_V,
+                                    INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN, RACE,
+                                    COLUMN_NOISE)
             summary = _merge_summaries(summary, _part_summary(
-                hi, half, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft, bound, r_ok,
-                BLOCK_R, half, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN, RACE), LSE)
+                hi, half, pid_v, NUM_VT, V, vocab_offset, inv_t, sampled, seed, position, draft,
+                bound, r_ok, BLOCK_R, half, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT,
+                SCREEN, RACE, COLUMN_NOISE), LSE)
         else:
             quarter: tl.constexpr = BLOCK_V // 4
             q0, q1 = _halves(lo, BLOCK_R, BLOCK_V // 2)
             q2, q3 = _halves(hi, BLOCK_R, BLOCK_V // 2)
-            summary = _part_summary(q0, 0, pid_v, NUM_VT, V, inv_t, sampled, seed, position,
-                                    draft, bound, r_ok, BLOCK_R, quarter, BLOCK_V, INTERLEAVE,
-                                    EVEN_V, SAMPLE, LSE, DRAFT, SCREEN, RACE)
+            summary = _part_summary(q0, 0, pid_v, NUM_VT, V, vocab_offset, inv_t, sampled, seed,
+                                    position, draft, bound, r_ok, BLOCK_R, quarter, BLOCK_V,
+                                    INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN, RACE,
+                                    COLUMN_NOISE)
             summary = _merge_summaries(summary, _part_summary(
-                q1, quarter, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft, bound, r_ok,
-                BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN, RACE),
-                LSE)
+                q1, quarter, pid_v, NUM_VT, V, vocab_offset, inv_t, sampled, seed, position,
+                draft, bound, r_ok, BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE,
+                DRAFT, SCREEN, RACE, COLUMN_NOISE), LSE)
             summary = _merge_summaries(summary, _part_summary(
-                q2, 2 * quarter, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft, bound,
-                r_ok, BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN,
-                RACE), LSE)
+                q2, 2 * quarter, pid_v, NUM_VT, V, vocab_offset, inv_t, sampled, seed, position,
+                draft, bound, r_ok, BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE,
+                DRAFT, SCREEN, RACE, COLUMN_NOISE), LSE)
             summary = _merge_summaries(summary, _part_summary(
-                q3, 3 * quarter, pid_v, NUM_VT, V, inv_t, sampled, seed, position, draft, bound,
-                r_ok, BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE, DRAFT, SCREEN,
-                RACE), LSE)
+                q3, 3 * quarter, pid_v, NUM_VT, V, vocab_offset, inv_t, sampled, seed, position,
+                draft, bound, r_ok, BLOCK_R, quarter, BLOCK_V, INTERLEAVE, EVEN_V, SAMPLE, LSE,
+                DRAFT, SCREEN, RACE, COLUMN_NOISE), LSE)
     _store_summary(summary, offs_r, r_ok, draft, pid_v, NUM_VT, best_ptr, best_id_ptr, best_s_ptr,
                    max_ptr, sumexp_ptr, bad_ptr, draft_s_ptr, BLOCK_V, INTERLEAVE, LSE, DRAFT)
     if RACE and SAMPLE:

@@ -170,16 +170,18 @@ if gluon is not None:
         return gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=4, order=[1, 0])
 
     @gluon.jit
-    def _tile_bits(seed, position, pid_v, NUM_VT, CR: gl.constexpr, BV: gl.constexpr,
-                   INTERLEAVE: gl.constexpr, layout: gl.constexpr):
-        """`philox_tile_bits` of rows (seed, position) and vocab tile pid_v, in `layout`."""
+    def _tile_bits(seed, position, pid_v, NUM_VT, vocab_offset, CR: gl.constexpr,
+                   BV: gl.constexpr, INTERLEAVE: gl.constexpr, layout: gl.constexpr):
+        """`philox_tile_bits` of rows (seed, position) and vocab tile pid_v, in `layout`; the
+        tile's tokens are global tokens `vocab_offset` + token, a multiple of 16 (`launch`)."""
         probe = gl.zeros([CR, BV], gl.float32, layout)
         # The layout philox_tile_bits's join / permute / reshape maps back onto `layout`.
         split: gl.constexpr = gl.permute(gl.reshape(probe, [CR, BV // 16, 2, 4, 2]),
                                          [0, 1, 3, 4, 2]).type.layout
         calls: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, split))
         first_columns = gl.arange(0, BV // 16, layout=gl.SliceLayout(1, gl.SliceLayout(0, calls))) * 16
-        groups = _column_tokens(first_columns, pid_v, NUM_VT, BV, INTERLEAVE) // 16
+        groups = (_column_tokens(first_columns, pid_v, NUM_VT, BV, INTERLEAVE) // 16
+                  + vocab_offset // 16)
         quads = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, calls)))
         blocks = philox_blocks(groups, quads)
         rows: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, calls))
@@ -210,9 +212,9 @@ if gluon is not None:
         return offs_r, r_ok, sampled, temperature, seed, position, draft, bound
 
     @gluon.jit
-    def _noise_summary(s, row_sum, offs_v, columns, bits, pid_v, NUM_VT, sampled, seed, position,
-                       draft, LSE: gl.constexpr, DRAFT: gl.constexpr, INTERLEAVE: gl.constexpr,
-                       SCREEN: gl.constexpr, layout: gl.constexpr):
+    def _noise_summary(s, row_sum, offs_v, columns, bits, pid_v, NUM_VT, vocab_offset, sampled,
+                       seed, position, draft, LSE: gl.constexpr, DRAFT: gl.constexpr,
+                       INTERLEAVE: gl.constexpr, SCREEN: gl.constexpr, layout: gl.constexpr):
         """`epilogue._noise_summary` of a chunk, with the Philox words in `layout`."""
         CR: gl.constexpr = s.shape[0]
         BV: gl.constexpr = s.shape[1]
@@ -222,14 +224,15 @@ if gluon is not None:
             if DRAFT:  # the tile that holds a row's draft: exact (`epilogue._screen`)
                 unsure |= _drafts_in_tile(draft, pid_v, NUM_VT, BV, INTERLEAVE)
             if unsure:
-                bits = _tile_bits(opaque(seed), position, pid_v, NUM_VT, CR, BV, INTERLEAVE,
-                                  layout)
+                bits = _tile_bits(opaque(seed), position, pid_v, NUM_VT, vocab_offset, CR, BV,
+                                  INTERLEAVE, layout)
                 best, best_column, best_s, draft_s = _exact_best(
                     s, row_sum, offs_v, columns, gumbel_from_bits(bits), sampled, draft,
                     True, LSE, DRAFT)
             else:
                 best, best_column, best_s = _screened_best(
-                    top, leader, leader_s, sampled, seed, position, pid_v, NUM_VT, BV, INTERLEAVE)
+                    top, leader, leader_s, sampled, seed, position, pid_v, NUM_VT, vocab_offset,
+                    BV, INTERLEAVE)
         else:
             best, best_column, best_s, draft_s = _exact_best(
                 s, row_sum, offs_v, columns, gumbel_from_bits(bits), sampled, draft, True, LSE,
@@ -238,10 +241,10 @@ if gluon is not None:
                              INTERLEAVE, LSE)
 
     @gluon.jit
-    def _summarise_chunk(acc, rows, count, pid_v, V, NUM_VT, ROWS_PER_PARAM, best_ptr,
-                         best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, draft_s_ptr,
-                         cand_ptr, bound_ptr, codes_ptr, penalty_ptr, logit_bias_ptr,
-                         frequency_ptr, presence_ptr, bias_ptr, softcap,
+    def _summarise_chunk(acc, rows, count, pid_v, V, NUM_VT, ROWS_PER_PARAM, vocab_offset,
+                         best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr,
+                         draft_s_ptr, cand_ptr, bound_ptr, codes_ptr, penalty_ptr,
+                         logit_bias_ptr, frequency_ptr, presence_ptr, bias_ptr, softcap,
                          SAMPLE: gl.constexpr, LSE: gl.constexpr, DRAFT: gl.constexpr,
                          CAND: gl.constexpr, CODES: gl.constexpr, LOGIT_BIAS: gl.constexpr,
                          BIAS_PER_POSITION: gl.constexpr, COUNTS: gl.constexpr,
@@ -288,7 +291,8 @@ if gluon is not None:
             words_position = position
             if SCREEN:
                 words_position = position + (row_sum != row_sum).to(gl.int64)
-            bits = _tile_bits(seed, words_position, pid_v, NUM_VT, CR, BV, INTERLEAVE, layout)
+            bits = _tile_bits(seed, words_position, pid_v, NUM_VT, vocab_offset, CR, BV,
+                              INTERLEAVE, layout)
             if RACE:
                 racing = _racing_rows(sampled, draft, pid_v, NUM_VT, BV, INTERLEAVE, DRAFT)
                 beaten, tile_max, exp_s = _race_beaten(s, row_sum, bits, bound, racing, r_ok,
@@ -302,15 +306,15 @@ if gluon is not None:
                     if single:
                         summary = _leader_summary(
                             num_candidates, leader, leader_s, row_sum, tile_max, exp_s, seed,
-                            position, pid_v, NUM_VT, BV, INTERLEAVE, LSE)
+                            position, pid_v, NUM_VT, vocab_offset, BV, INTERLEAVE, LSE)
                     else:
                         summary = _noise_summary(s, row_sum, offs_v, columns, bits, pid_v,
-                                                 NUM_VT, sampled, seed, position, draft, LSE,
-                                                 DRAFT, INTERLEAVE, SCREEN, layout)
+                                                 NUM_VT, vocab_offset, sampled, seed, position,
+                                                 draft, LSE, DRAFT, INTERLEAVE, SCREEN, layout)
             else:
                 summary = _noise_summary(s, row_sum, offs_v, columns, bits, pid_v, NUM_VT,
-                                         sampled, seed, position, draft, LSE, DRAFT, INTERLEAVE,
-                                         SCREEN, layout)
+                                         vocab_offset, sampled, seed, position, draft, LSE, DRAFT,
+                                         INTERLEAVE, SCREEN, layout)
         else:
             best, best_column, best_s, draft_s = _exact_best(
                 s, row_sum, offs_v, columns, s, sampled, draft, SAMPLE, LSE, DRAFT)
@@ -328,7 +332,8 @@ if gluon is not None:
                             best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr,
                             draft_ptr, draft_s_ptr, cand_ptr, bound_ptr, codes_ptr, penalty_ptr,
                             logit_bias_ptr, counts_ptr, frequency_ptr, presence_ptr,
-                            bias_ptr, softcap, R, V, NUM_VT, ROWS_PER_PARAM, num_tiles, num_rt,
+                            bias_ptr, softcap, R, V, NUM_VT, ROWS_PER_PARAM, vocab_offset,
+                            num_tiles, num_rt,
                             SAMPLE: gl.constexpr, LSE: gl.constexpr, DRAFT: gl.constexpr,
                             CAND: gl.constexpr, CODES: gl.constexpr, LOGIT_BIAS: gl.constexpr,
                             BIAS_PER_POSITION: gl.constexpr, COUNTS: gl.constexpr,
@@ -377,8 +382,8 @@ if gluon is not None:
             # Chunks past the last row (a tile of fewer than BR rows) are skipped.
             if (tile % num_rt) * BR + chunk * CR < R:
                 _summarise_chunk(acc, rows, count, pid_v, V, NUM_VT, ROWS_PER_PARAM,
-                                 best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr,
-                                 bad_ptr, draft_s_ptr, cand_ptr, bound_ptr, codes_ptr,
+                                 vocab_offset, best_ptr, best_id_ptr, best_s_ptr, max_ptr,
+                                 sumexp_ptr, bad_ptr, draft_s_ptr, cand_ptr, bound_ptr, codes_ptr,
                                  penalty_ptr, logit_bias_ptr, frequency_ptr, presence_ptr,
                                  bias_ptr, softcap, SAMPLE, LSE, DRAFT, CAND,
                                  CODES, LOGIT_BIAS, BIAS_PER_POSITION, COUNTS, BIAS, SOFTCAP,
@@ -391,8 +396,8 @@ if gluon is not None:
         best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, draft_ptr, draft_s_ptr,
         cand_ptr, bound_ptr, codes_ptr, penalty_ptr, logit_bias_ptr, counts_ptr, frequency_ptr,
         presence_ptr, bias_ptr, softcap, R, V, D, NUM_VT,
-        ROWS_PER_PARAM, SAMPLE: gl.constexpr, LSE: gl.constexpr, DRAFT: gl.constexpr,
-        CAND: gl.constexpr, CODES: gl.constexpr, LOGIT_BIAS: gl.constexpr,
+        ROWS_PER_PARAM, vocab_offset, SAMPLE: gl.constexpr, LSE: gl.constexpr,
+        DRAFT: gl.constexpr, CAND: gl.constexpr, CODES: gl.constexpr, LOGIT_BIAS: gl.constexpr,
         BIAS_PER_POSITION: gl.constexpr, COUNTS: gl.constexpr, BIAS: gl.constexpr,
         SOFTCAP: gl.constexpr, INTERLEAVE: gl.constexpr, EVEN_V: gl.constexpr,
         SCREEN: gl.constexpr, RACE: gl.constexpr,
@@ -426,9 +431,10 @@ if gluon is not None:
                                    max_ptr, sumexp_ptr, bad_ptr, draft_ptr, draft_s_ptr, cand_ptr,
                                    bound_ptr, codes_ptr, penalty_ptr, logit_bias_ptr, counts_ptr,
                                    frequency_ptr, presence_ptr, bias_ptr, softcap, R, V,
-                                   NUM_VT, ROWS_PER_PARAM, num_tiles, num_rt, SAMPLE, LSE, DRAFT,
-                                   CAND, CODES, LOGIT_BIAS, BIAS_PER_POSITION, COUNTS, BIAS,
-                                   SOFTCAP, INTERLEAVE, EVEN_V, SCREEN, RACE, CHUNK_R)),
+                                   NUM_VT, ROWS_PER_PARAM, vocab_offset, num_tiles, num_rt,
+                                   SAMPLE, LSE, DRAFT, CAND, CODES, LOGIT_BIAS,
+                                   BIAS_PER_POSITION, COUNTS, BIAS, SOFTCAP, INTERLEAVE, EVEN_V,
+                                   SCREEN, RACE, CHUNK_R)),
             (_load_partition, worker_args),
             (_mma_partition, worker_args),
         ], [1, 4], [LOAD_REGISTERS, MMA_REGISTERS])
@@ -449,14 +455,16 @@ def descriptors(hidden: torch.Tensor, weight: torch.Tensor, block_r: int, block_
 
 def launch(hidden, weight, row, summaries, candidates, drafts, draft_s, bounds, num_vt,
            rows_per_param, config, noise, need_lse, cand, leave_out_drafts, race,
-           edits=None, bias=None, softcap=None) -> None:
+           edits=None, bias=None, softcap=None, vocab_offset=0) -> None:
     """Stage 1 through the warp-specialized kernel, writing what `ops._launch_tiles` writes:
     `summaries` (best, best_id, best_s, tile_max, tile_sum, bad; with `noise` the best is the
     Gumbel-max of sampled rows, -inf with `race` where `bounds` beat it), with `cand` > 0
     the `candidates` of interleaved tiles, and, with `leave_out_drafts`, `draft_s`. The
     logits are first the model's with its LM-head `bias` (``[V]``, contiguous) and `softcap`
     (`epilogue._head_logits`), then edited with `edits` (`flashspec.params.LogitEdits` of
-    the launch's rows, `epilogue.edit_arguments`)."""
+    the launch's rows, `epilogue.edit_arguments`). `vocab_offset`: the global id of the
+    weight's first token, which keys the noise; a multiple of 16, so that the noise's groups
+    of 16 tokens are the tiles' (`ops` runs the Triton kernel for other shards)."""
     num_rows, dim = hidden.shape
     vocab_size = weight.shape[0]
     interleave = cand > 0
@@ -477,7 +485,7 @@ def launch(hidden, weight, row, summaries, candidates, drafts, draft_s, bounds, 
         h_desc, w_desc, row["do_sample"], row["temperature"], row["seed"], row["position"],
         *summaries, drafts, draft_s, candidates, bounds, *edit_pointers,
         draft_s if bias is None else bias, 1.0 if softcap is None else softcap,
-        num_rows, vocab_size, dim, num_vt, rows_per_param,
+        num_rows, vocab_size, dim, num_vt, rows_per_param, vocab_offset,
         SAMPLE=noise, LSE=need_lse, DRAFT=leave_out_drafts, CAND=cand, **edit_flags,
         BIAS=bias is not None, SOFTCAP=softcap is not None, INTERLEAVE=interleave,
         EVEN_V=vocab_size % config.block_v == 0, SCREEN=config.screen, RACE=race,

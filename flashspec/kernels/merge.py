@@ -33,6 +33,34 @@ _NON_FINITE = tl.constexpr(outputs.NON_FINITE)
 
 
 @triton.jit
+def _merged_candidates(cand_base, tiles, t_ok, NUM_VT, CAND: tl.constexpr, K_MAX: tl.constexpr,
+                       TOP_TILES: tl.constexpr, VT_POW2: tl.constexpr, PAD: tl.constexpr):
+    """The top K_MAX of a row's candidate keys (`cand_base`: CAND per tile, largest first;
+    `tiles` the arange of VT_POW2, `t_ok` those below NUM_VT), and a key above every
+    candidate of the tiles left out of the merge (PAD where none is).
+
+    The top-K_MAX candidates lie in the TOP_TILES tiles with the largest maxima (any other
+    candidate has that many tile maxima above it), so only their candidates are merged: a
+    short sort instead of one over every tile. Tiles are chosen by a 32-bit key, half the
+    cost of sorting int64 keys (H200, 2,048 tiles: 9.6 -> 5.6 us): the order key of the
+    tile's largest logit with its low bits replaced by the tile's index, which can order
+    close maxima by index: a tile left out has its largest logit's order key at most the
+    chosen ones' smallest with those bits set, whence the bound (an int64 overflow there
+    only for NaN keys, whose rows are not finite)."""
+    low: tl.constexpr = VT_POW2 - 1
+    tile_first = tl.load(cand_base + tiles * CAND, mask=t_ok, other=PAD)
+    order = (tile_first >> 32).to(tl.int32)
+    chosen = tl.topk(tl.where(t_ok, (order & ~low) | (low - tiles), -2**31), TOP_TILES)
+    tile_of = low - (chosen & low)
+    real = tile_of < NUM_VT  # padding tiles sort last; chosen only if there are few tiles
+    gathered = tl.load(cand_base + tile_of[:, None] * CAND + tl.arange(0, CAND)[None, :],
+                       mask=real[:, None], other=PAD)
+    top = tl.topk(tl.reshape(gathered, (TOP_TILES * CAND,)), K_MAX)
+    left_out = ((tl.min(chosen, axis=0) | low).to(tl.int64) + 1) << 32
+    return top, tl.where(NUM_VT > TOP_TILES, left_out, PAD)
+
+
+@triton.jit
 def lm_head_rows_kernel(
     best_ptr, best_id_ptr, best_s_ptr, max_ptr, sumexp_ptr, bad_ptr, cand_ptr, draft_s_ptr,
     do_sample_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, position_ptr,
@@ -105,23 +133,8 @@ def lm_head_rows_kernel(
         truncated = sampled & (use_top_k | (top_p < 1.0) | (min_p > 0.0))
         if truncated:
             cand_base = cand_ptr + row.to(tl.int64) * NUM_VT * CAND
-            # The top-K_MAX candidates lie in the TOP_TILES tiles with the largest maxima
-            # (any other candidate has that many tile maxima above it), so only their
-            # candidates are merged: a short sort instead of one over every tile. Tiles
-            # are chosen by a 32-bit key, half the cost of sorting int64 keys (H200,
-            # 2,048 tiles: 9.6 -> 5.6 us): the order key of the tile's largest logit with its
-            # low bits replaced by the tile's index, which can order close maxima by index:
-            # a tile left out has its largest logit's order key at most the chosen ones'
-            # smallest with those bits set, and the certificate's floor covers that (below).
-            low: tl.constexpr = VT_POW2 - 1
-            tile_first = tl.load(cand_base + tiles * CAND, mask=t_ok, other=PAD)
-            order = (tile_first >> 32).to(tl.int32)
-            chosen = tl.topk(tl.where(t_ok, (order & ~low) | (low - tiles), -2**31), TOP_TILES)
-            tile_of = low - (chosen & low)
-            real = tile_of < NUM_VT  # padding tiles sort last; chosen only if there are few tiles
-            gathered = tl.load(cand_base + tile_of[:, None] * CAND + tl.arange(0, CAND)[None, :],
-                               mask=real[:, None], other=PAD)
-            top = tl.topk(tl.reshape(gathered, (TOP_TILES * CAND,)), K_MAX)
+            top, left_out = _merged_candidates(cand_base, tiles, t_ok, NUM_VT, CAND, K_MAX,
+                                               TOP_TILES, VT_POW2, PAD)
             raw, cand_ids = unpack_candidates(top)
             s = raw / temperature
             rank = tl.arange(0, K_MAX)
@@ -145,14 +158,11 @@ def lm_head_rows_kernel(
                 keep = keep & (tl.exp(s - s0) >= min_p)
             # Certificate: a token missing from the merged list has a key below its tile's
             # last candidate, so the list is exact down to the largest such key (or the
-            # K_MAX-th). The support and top-k's tie class must end strictly above it.
+            # K_MAX-th, or the bound of the tiles left out). The support and top-k's tie
+            # class must end strictly above it.
             tile_last = tl.load(cand_base + tiles * CAND + CAND - 1, mask=t_ok, other=PAD)
-            floor_key = tl.maximum(tl.max(tile_last, axis=0),
+            floor_key = tl.maximum(tl.maximum(tl.max(tile_last, axis=0), left_out),
                                    tl.sum(tl.where(rank == K_MAX - 1, top, 0)))
-            # Tokens of the tiles left out have an order key below this one (an int64
-            # overflow here only for NaN keys: such rows are reported non-finite).
-            left_out = ((tl.min(chosen, axis=0) | low).to(tl.int64) + 1) << 32
-            floor_key = tl.where(NUM_VT > TOP_TILES, tl.maximum(floor_key, left_out), floor_key)
             num_certified = tl.sum((top >= floor_key).to(tl.int32))
             num_keep = tl.sum(keep.to(tl.int32))
             saturated = num_keep >= num_certified

@@ -211,11 +211,35 @@ def kernel_variant(params: SamplingParams | None, vocab_size: int, verify: bool)
     return KernelVariant(sample, truncate, need_lse, tile_noise, tile_drafts)
 
 
-def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams | None,
+class _Tiles(NamedTuple):
+    """Stage 1's outputs (device tensors) and what stage 2 reads beside them: the per-(row,
+    vocab tile) summaries ``[R, num_vt]``, the candidates ``[R, num_vt, cand]`` (with cand >
+    0), each row's draft logit ``[R]`` (where stage 1 left drafts out), the drafts it read,
+    the parameter rows (`row`: pointers by name, read at row r // rows_per_param) and the
+    tile config."""
+
+    best: torch.Tensor
+    best_id: torch.Tensor
+    best_s: torch.Tensor
+    tile_max: torch.Tensor
+    tile_sum: torch.Tensor
+    bad: torch.Tensor
+    candidates: torch.Tensor
+    draft_s: torch.Tensor
+    drafts: torch.Tensor
+    row: dict
+    rows_per_param: int
+    num_vt: int
+    cand: int
+    config: TileConfig
+
+
+def _stage1(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams | None,
             positions: torch.Tensor | None, rows_per_param: int, config: TileConfig | None,
-            drafts: torch.Tensor | None = None, edits: LogitEdits | None = None,
-            bias: torch.Tensor | None = None, softcap: float | None = None) -> _Rows:
-    """Stage 1 + stage 2 over rows of `hidden` ``[R, D]``; row r uses parameter row
+            variant: KernelVariant, drafts: torch.Tensor | None = None,
+            edits: LogitEdits | None = None, bias: torch.Tensor | None = None,
+            softcap: float | None = None, vocab_offset: int = 0) -> _Tiles:
+    """Stage 1 of `variant` over rows of `hidden` ``[R, D]``; row r uses parameter row
     r // rows_per_param and noise position positions[r // rows_per_param] + r % rows_per_param.
     With `drafts` (``[R // rows_per_param, rows_per_param - 1]``, -1 padded), row r also
     verifies draft ``drafts[r // rows_per_param, r % rows_per_param]`` (none on the last).
@@ -224,22 +248,27 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
     edited by codes row r (codes ``[..., V]`` holding R rows), the per-row values of batch row
     ``r // rows_per_param`` (penalties, counts, a ``[B, V]`` bias; a ``[B, G+1, V]`` bias:
     row r) and, with counts and `drafts`, the drafts before position r % rows_per_param
-    (`epilogue._edited_logits`)."""
+    (`epilogue._edited_logits`). `weight` may be a vocabulary shard: its token j is global
+    token ``vocab_offset + j`` for the noise, and in its own ids for everything else
+    (`lm_head.py`), the drafts included."""
     num_rows, dim = hidden.shape
     vocab_size = weight.shape[0]
     verify = drafts is not None
-    sample, truncate, need_lse, tile_noise, tile_drafts = kernel_variant(params, vocab_size, verify)
+    sample, truncate, need_lse, tile_noise, tile_drafts = variant
     device = hidden.device
     if hidden.stride(-1) != 1:
         hidden = hidden.contiguous()
-    warp_specialized = warp_specialized_ready(hidden, weight)
+    # The Gluon kernel draws the noise by the tiles' groups of 16 tokens only.
+    column_noise = tile_noise and vocab_offset % 16 != 0
+    warp_specialized = warp_specialized_ready(hidden, weight) and not column_noise
     config = config or default_config(num_rows, hidden.element_size(), truncate, verify,
                                       warp_specialized)
     if config.warp_specialized and not warp_specialized:
         raise ValueError("TileConfig(warp_specialized=True) needs CUDA tensors on a Hopper GPU "
                          "(not Triton's interpreter), Triton " + lm_head_ws.TESTED_TRITON + "x "
-                         "with Gluon, and bf16 or fp16 operands with 16-byte aligned rows; use "
-                         "another TileConfig")
+                         "with Gluon, bf16 or fp16 operands with 16-byte aligned rows and, "
+                         "where it draws the noise of a vocabulary shard, a vocab_offset that "
+                         "is a multiple of 16; use another TileConfig")
     cand = config.candidates if truncate else 0
     if params is None:  # argmax: every row reads the one greedy parameter row
         do_sample, temperature, zeros = _greedy_row_params(device)
@@ -271,28 +300,48 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
     if config.warp_specialized:
         lm_head_ws.launch(hidden, weight, row, summaries, candidates, drafts, draft_s, bounds,
                           num_vt, rows_per_param, config, tile_noise, need_lse, cand, tile_drafts,
-                          race, edits, **head)
+                          race, edits, **head, vocab_offset=vocab_offset)
     else:
         _launch_tiles(hidden, weight, row, summaries, candidates, drafts, draft_s, bounds, num_vt,
                       rows_per_param, config, tile_noise, need_lse, cand, tile_drafts, race, edits,
-                      **head)
+                      **head, vocab_offset=vocab_offset, column_noise=column_noise)
+    return _Tiles(*summaries, candidates, draft_s, drafts, row, rows_per_param, num_vt, cand,
+                  config)
+
+
+def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams | None,
+            positions: torch.Tensor | None, rows_per_param: int, config: TileConfig | None,
+            drafts: torch.Tensor | None = None, edits: LogitEdits | None = None,
+            bias: torch.Tensor | None = None, softcap: float | None = None) -> _Rows:
+    """Stage 1 (`_stage1`, the rows and arguments as there) + stage 2 over the rows of
+    `hidden` ``[R, D]`` and the whole vocabulary `weight` ``[V, D]``."""
+    num_rows = hidden.shape[0]
+    vocab_size = weight.shape[0]
+    verify = drafts is not None
+    variant = kernel_variant(params, vocab_size, verify)
+    tiles = _stage1(hidden, weight, params, positions, rows_per_param, config, variant, drafts,
+                    edits, bias, softcap)
+    row, config, cand = tiles.row, tiles.config, tiles.cand
+    device = hidden.device
+    f32 = dict(dtype=torch.float32, device=device)
     out = _Rows(torch.empty(num_rows, dtype=torch.int64, device=device), torch.empty(num_rows, **f32),
                 torch.empty(num_rows, **f32), torch.empty(num_rows, dtype=torch.int32, device=device),
                 *((torch.empty(num_rows, dtype=torch.int64, device=device),
                    *(torch.empty(num_rows, **f32) for _ in range(3))) if verify else ()))
     unused = out.logprobs  # pointers the kernel does not touch without DRAFT
     pdl = programmatic_launch_ready(device)
-    vt_pow2 = triton.next_power_of_2(num_vt)
+    vt_pow2 = triton.next_power_of_2(tiles.num_vt)
     top_tiles = min(config.max_support, vt_pow2)
     merge.lm_head_rows_kernel[(num_rows,)](
-        best, best_id, best_s, tile_max, tile_sum, bad, candidates, draft_s,
+        tiles.best, tiles.best_id, tiles.best_s, tiles.tile_max, tiles.tile_sum, tiles.bad,
+        tiles.candidates, tiles.draft_s,
         row["do_sample"], row["temperature"], row["top_k"], row["top_p"], row["min_p"],
-        row["seed"], row["position"], drafts,
+        row["seed"], row["position"], tiles.drafts,
         out.tokens, out.logprobs, out.lse, out.status,
         *((out.masked, out.masked_logprobs, out.draft_probs, out.draft_logprobs) if verify
           else (out.tokens, unused, unused, unused)),
-        vocab_size, num_vt, rows_per_param,
-        LSE=need_lse, CAND=cand, DRAFT=verify, TILE_DRAFTS=tile_drafts,
+        vocab_size, tiles.num_vt, tiles.rows_per_param,
+        LSE=variant.need_lse, CAND=cand, DRAFT=verify, TILE_DRAFTS=variant.tile_drafts,
         K_MAX=min(config.max_support, top_tiles * max(cand, 1)),
         TOP_TILES=top_tiles, VT_POW2=vt_pow2,
         PAD=PAD_KEY, PDL=pdl, num_warps=config.merge_warps if cand else 4,
@@ -303,7 +352,7 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams |
 
 def _launch_tiles(hidden, weight, row, summaries, candidates, drafts, draft_s, bounds, num_vt,
                   rows_per_param, config, noise, need_lse, cand, leave_out_drafts, race,
-                  edits=None, bias=None, softcap=None):
+                  edits=None, bias=None, softcap=None, vocab_offset=0, column_noise=False):
     """Stage 1 through the Triton kernel (`lm_head.lm_head_tiles_kernel`): the per-(row, vocab
     tile) `summaries` (best, best_id, best_s, tile_max, tile_sum, bad) and `candidates`; with
     `noise` the best is the Gumbel-max of sampled rows, with `leave_out_drafts` it leaves each
@@ -314,7 +363,8 @@ def _launch_tiles(hidden, weight, row, summaries, candidates, drafts, draft_s, b
     below the bound, where one column of the row escapes it: `race._race_leaders`). The
     logits are first the model's with its LM-head `bias` (``[V]``, contiguous) and `softcap`
     (`epilogue._head_logits`), then edited with `edits` (`LogitEdits`, codes of the
-    launch's rows)."""
+    launch's rows). `vocab_offset`: the global id of the weight's first token, which keys the
+    noise; `column_noise` where it is not a multiple of 16 (`lm_head.py`)."""
     num_rows, dim = hidden.shape
     vocab_size = weight.shape[0]
     grid = (num_vt * triton.cdiv(num_rows, config.block_r),)
@@ -330,11 +380,11 @@ def _launch_tiles(hidden, weight, row, summaries, candidates, drafts, draft_s, b
         *summaries, candidates, drafts, draft_s, bounds, *edit_pointers,
         draft_s if bias is None else bias, 1.0 if softcap is None else softcap,
         num_rows, vocab_size, dim, hidden.stride(0), weight.stride(0), num_vt, rows_per_param,
-        SAMPLE=noise, LSE=need_lse, CAND=cand, DRAFT=leave_out_drafts, **edit_flags,
+        vocab_offset, SAMPLE=noise, LSE=need_lse, CAND=cand, DRAFT=leave_out_drafts, **edit_flags,
         BIAS=bias is not None, SOFTCAP=softcap is not None,
         IEEE_DOT=hidden.dtype == torch.float32, INTERLEAVE=interleave,
         EVEN_V=vocab_size % config.block_v == 0, EVEN_D=dim % config.block_d == 0, TMA=tma,
-        PARTS=config.epilogue_parts, SCREEN=config.screen, RACE=race,
+        PARTS=config.epilogue_parts, SCREEN=config.screen, RACE=race, COLUMN_NOISE=column_noise,
         BLOCK_V=config.block_v, BLOCK_R=config.block_r, BLOCK_D=config.block_d,
         NUM_STAGES=config.num_stages, PDL=programmatic_launch_ready(hidden.device),
         num_warps=config.num_warps,

@@ -152,19 +152,20 @@ def _race_leaders(s, row_sum, columns, bits, bound, racing, r_ok, tile_max, exp_
 
 @triton.jit
 def _leader_summary(num_candidates, leader, leader_s, row_sum, tile_max, exp_s, seed, position,
-                    pid_v, NUM_VT, BLOCK_V: tl.constexpr, INTERLEAVE: tl.constexpr,
-                    LSE: tl.constexpr):
+                    pid_v, NUM_VT, vocab_offset, BLOCK_V: tl.constexpr,
+                    INTERLEAVE: tl.constexpr, LSE: tl.constexpr):
     """`_tile_summary` of a part that `_race_leaders` passed: each row's best is its one
-    candidate's exact score (as `_exact_best` computes it), or -inf with none, as a beaten
-    row's (`_beaten_summary`). Every other column is below the row's bound (or its part
-    has its best among the candidates: `_race_leaders`), so the winner, which is at or
-    above the bound, is a candidate wherever it lies, and stage 2 picks it from these
-    summaries as from the exact ones; a row's best here may fall below the part's exact
-    best only where both are below the bound."""
+    candidate's exact score (as `_exact_best` computes it; its noise keyed by its global id,
+    `vocab_offset` + its token), or -inf with none, as a beaten row's (`_beaten_summary`).
+    Every other column is below the row's bound (or its part has its best among the
+    candidates: `_race_leaders`), so the winner, which is at or above the bound, is a
+    candidate wherever it lies, and stage 2 picks it from these summaries as from the exact
+    ones; a row's best here may fall below the part's exact best only where both are below
+    the bound."""
     token = _column_tokens(leader, pid_v, NUM_VT, BLOCK_V, INTERLEAVE)
     one = num_candidates == 1
-    best = tl.where(one, leader_s + gumbel_noise(seed, position, token.to(tl.int64)),
-                    float("-inf"))
+    noise = gumbel_noise(seed, position, token.to(tl.int64) + vocab_offset)
+    best = tl.where(one, leader_s + noise, float("-inf"))
     return _raced_summary(best, tl.where(one, token, 0), leader_s, row_sum, tile_max, exp_s, LSE)
 
 
