@@ -58,7 +58,8 @@ def whole_edits(g, batch_shape) -> LogitEdits:
 
 def fused(shards, hidden, weight, layout, params, positions, config=CONFIG, **kwargs):
     return kernels.fused_shard_summaries(hidden, shards.local(weight), layout, params, positions,
-                                         shards.offset, VOCAB, config=config, **kwargs)
+                                         shards.offset, shards.vocab_size, config=config,
+                                         **kwargs)
 
 
 def check_fields(ours, theirs, layout, params, exact=True):
@@ -349,3 +350,38 @@ def test_noise_is_keyed_by_global_ids(config, non_finite):
     assert torch.equal(merged.tokens[:BATCH], whole.tokens[:BATCH])
     assert merged.finite.tolist() == [True] * BATCH + [not non_finite]
     torch.testing.assert_close(merged.lse, whole.lse, rtol=1e-6, atol=1e-5, equal_nan=True)
+
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the warp-specialized kernel needs a Hopper GPU")
+@pytest.mark.parametrize("top_k", [0, 20])
+def test_warp_specialized_shard_equals_the_triton_kernel_gpu(top_k):
+    """The Gluon stage 1 over a shard whose first id is a multiple of 16 writes the Triton
+    kernel's words: the same tiles and 64-deep steps sum each logit in the same order, so
+    every field but the log-sum-exp (its sums' order) is equal. A shard whose first id is
+    not a multiple of 16 is refused it."""
+    shards = VocabShards((4096, 8192), 1)
+    g = torch.Generator().manual_seed(10)
+    weight = (torch.randn(shards.vocab_size, 256, generator=g) / 16).to(DEVICE, torch.bfloat16)
+    hidden = torch.randn(256, 256, generator=g).to(DEVICE, torch.bfloat16)
+    params = SamplingParams.create(256, temperature=0.7, top_k=top_k, seed=3, device=DEVICE)
+    positions = torch.arange(256, device=DEVICE)
+    layout = summary.summary_layout("sample", shards, params)
+    ws = kernels.default_config(256, truncation=top_k > 0, warp_specialized=True)
+    same_tiles = kernels.TileConfig(block_v=128, block_r=128, block_d=64, num_warps=8,
+                                    num_stages=3, epilogue_parts=2)
+    ours, theirs = (summary.unpack(fused(shards, hidden, weight, layout, params, positions,
+                                         config=config)[None], layout)
+                    for config in (ws, same_tiles))
+    for name in ("best", "token", "score", "keys", "floor"):
+        a, b = getattr(ours, name), getattr(theirs, name)
+        assert a is None or torch.equal(a, b), name
+    torch.testing.assert_close(ours.lse, theirs.lse, rtol=1e-6, atol=1e-5)
+    unaligned = VocabShards((4100, 8188), 1)
+    sampled = SamplingParams.create(256, temperature=0.7, seed=3, device=DEVICE)
+    with pytest.raises(ValueError, match="vocab_offset that is a multiple of 16"):
+        fused(unaligned, hidden, weight, summary.summary_layout("sample", unaligned), sampled,
+              positions, config=kernels.default_config(256, warp_specialized=True))
