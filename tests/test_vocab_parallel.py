@@ -129,6 +129,8 @@ def _cases(rank: int, world_size: int) -> dict:
     _non_finite_rows(weight, layouts["chunked"], generator)
     _generic_floats(layouts["uneven"], generator)
     _benchmark_steps(weight, layouts["uneven"], generator)
+    for shards in layouts.values():
+        _fused_shards(weight, shards, generator)
     report["bytes_per_row"] = {
         op: summary.summary_layout(op, layouts["chunked"], params).bytes_per_row
         for op, params in (("argmax", None),
@@ -235,6 +237,28 @@ def _with_gaps(words, layout, generator):
         listed[rank, row, -1] = floor
     words[..., start:] = listed.view(torch.int32).view(*words.shape[:2], -1)
     return words
+
+
+def _fused_shards(weight, shards, generator):
+    """The fused kernels' summaries (Triton's interpreter here) give one process's results
+    too: shards at offsets that are multiples of 16 or not (the noise's groups of 16
+    tokens), every way a row is decided, verification."""
+    local = shards.local(weight)
+    hidden = _grid(generator, BATCH, DRAFTS + 1, DIM, denominator=8)
+    _assert_same(parallel.argmax(hidden[:, 0], local, shards=shards, backend="fused"),
+                 sampling.argmax(hidden[:, 0], weight), f"{shards.sizes}, fused argmax")
+    for mode in ("temperature", "mixed"):
+        params = flashspec.SamplingParams.create(BATCH, **MODES[mode], seed=5)
+        positions = torch.randint(0, 10_000, (BATCH,), generator=generator)
+        _assert_same(parallel.sample(hidden[:, 0], local, params, positions, shards=shards,
+                                     backend="fused"),
+                     sampling.sample(hidden[:, 0], weight, params, positions),
+                     f"{shards.sizes}, fused, {mode}")
+        drafts = _drafts(weight, hidden, params, positions, generator)
+        _assert_same(parallel.verify(hidden, local, drafts, params, positions, shards=shards,
+                                     backend="fused"),
+                     sampling.verify(hidden, weight, drafts, params, positions),
+                     f"{shards.sizes}, fused, {mode}, verify")
 
 
 def _benchmark_steps(weight, shards, generator):

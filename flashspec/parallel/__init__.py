@@ -4,8 +4,8 @@ tokens one process would (`flashspec.sampling`'s results, from its full weight).
 
 * `sampling.py`: the door, `argmax`, `sample`, `verify`;
 * `layout.py`: `VocabShards`, which rows each rank holds (transformers' split, or any);
-* `shard.py`: a rank's work on its shard (logits, per-row summary): what the fused kernels'
-  stage 1 will do per shard on GPUs;
+* `shard.py`: a rank's work on its shard in torch ops (logits, per-row summary); on GPUs the
+  fused kernels write the same summaries (`flashspec.kernels.fused_shard_summaries`);
 * `summary.py`: the summary's words and bytes per row (`summary_layout`);
 * `exchange.py`: the collectives and their byte counters (`stats`);
 * `merge.py`: summaries merged into each row's result, truncation certified;

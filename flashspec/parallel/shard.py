@@ -1,12 +1,12 @@
-"""The work each rank does on its own vocabulary shard: `summaries`, each row's summary
-(`summary.py`) of the shard's logits, keyed by global token ids.
+"""The work each rank does on its own vocabulary shard in torch ops: `summaries`, each row's
+summary (`summary.py`) of the shard's logits, keyed by global token ids.
 
-It materializes the shard's ``[R, V_r]`` logits with torch ops (`shard_logits`, on CPUs
-and GPUs alike) and summarises them (`summarize`). A fused version, not written yet, would
-replace `summaries`: stage 1 over the shard's tiles and a per-rank stage 2 that writes the
-same words, given the shard's first global id (a ``vocab_offset`` the kernels do not take
-yet) to key the noise and the ids; `shard_logits` would stay for the rows that completion
-gathers whole.
+It materializes the shard's ``[R, V_r]`` logits (`shard_logits`) and summarises them
+(`summarize`): the CPU's way, the retries' (which want more candidates than the fused
+kernels merge) and the reference the fused summaries
+(`flashspec.kernels.fused_shard_summaries`, stage 1 over the shard's tiles and a per-shard
+stage 2) are tested against. `shard_logits` also serves the rows that completion gathers
+whole.
 """
 
 from __future__ import annotations
