@@ -81,6 +81,8 @@ def philox4x32(
 
 
 def _as_int64(name: str, value, lo: int, hi: int, device, validate: bool) -> torch.Tensor:
+    if type(value) is int:  # filled on the device: no copy from the host (a CUDA graph forbids it)
+        value = torch.full((), value, dtype=torch.int64, device=device)
     t = torch.as_tensor(value, device=device)
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise ValueError(f"`{name}` must hold integers, got dtype {t.dtype}")

@@ -30,7 +30,9 @@ from _ranks import run_ranks
 
 # Heads divisible by 2 and 3; a vocabulary too (transformers' colwise_gather_output asks it).
 VOCAB = 1002
-COLLECTIVE_TIMEOUT_S, SPAWN_TIMEOUT_S = 60, 240
+# On GPUs each rank compiles a layer and captures its steps (CUDA graphs) first.
+COLLECTIVE_TIMEOUT_S = 60
+SPAWN_TIMEOUT_S = 420 if torch.cuda.is_available() else 240
 PROMPTS = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [0, 0, 0, 9, 10, 11, 9, 10, 11, 9]])
 MASK = (PROMPTS != 0).long()
 MASK[0] = 1

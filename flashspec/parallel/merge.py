@@ -132,7 +132,7 @@ def _merge_candidates(keys: torch.Tensor, floors: torch.Tensor, shard_lse: torch
         return torch.where(scaled, raw[..., None] / temperature[None], raw[..., None])
 
     last_s = transformed(last_raw)
-    below_s = transformed(torch.nextafter(last_raw, last_raw.new_tensor(float("-inf"))))
+    below_s = transformed(torch.nextafter(last_raw, torch.full_like(last_raw, float("-inf"))))
     entry_s, entry_id = scores[None], ids[None]
     before_missing = (entry_s > last_s) | ((entry_s == last_s) & (entry_id <= last_id[..., None])
                                            & (entry_s > below_s))
