@@ -30,9 +30,7 @@ from _ranks import run_ranks
 
 # Heads divisible by 2 and 3; a vocabulary too (transformers' colwise_gather_output asks it).
 VOCAB = 1002
-# On GPUs each rank compiles a layer and captures its steps (CUDA graphs) first.
-COLLECTIVE_TIMEOUT_S = 60
-SPAWN_TIMEOUT_S = 420 if torch.cuda.is_available() else 240
+COLLECTIVE_TIMEOUT_S, SPAWN_TIMEOUT_S = 60, 240
 PROMPTS = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [0, 0, 0, 9, 10, 11, 9, 10, 11, 9]])
 MASK = (PROMPTS != 0).long()
 MASK[0] = 1
@@ -87,10 +85,7 @@ def _generate(model, **kwargs):
     assert not any("defers this call to stock" in m for m in messages), messages
     if split and "logits_processor" not in kwargs:
         assert not any("materialized path" in m for m in messages), messages
-        # Exchanges are counted where they run eagerly or are captured; replayed graphs
-        # (CUDA) hold theirs.
-        engine = flashspec.generation.engine.cached_engine(model.get_decoder())
-        assert flashspec.parallel.stats().calls > 0 or engine.last_call_graphs
+        assert flashspec.parallel.stats().calls > 0
     return out
 
 
