@@ -165,6 +165,17 @@ def _spread(model) -> bool:
     return len(places) > 1
 
 
+def tensor_parallel_head(model) -> bool:
+    """Whether `model`'s LM head is a DTensor split over ranks (not replicated), from its
+    weight alone: nothing runs, nothing is refused here."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    return isinstance(weight, DTensor) and not all(isinstance(p, Replicate)
+                                                   for p in weight.placements)
+
+
 def _local_head(weight: torch.Tensor, bias, role: str, name: str):
     """``(weight, bias, shards)``: a DTensor head as this rank's rows and their
     `VocabShards` (split over the vocabulary), or whole (replicated); plain tensors as they

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationMixin
 
 from .engine import engine_for
+from .heads import tensor_parallel_head
 from .invariant import check_supported
 from .outputs import FlashGenerateOutput
 from .plan import StockDelegation, plan_generation
@@ -120,6 +121,12 @@ class FlashGenerationMixin(GenerationMixin):
         if allowed_tokens_fn is not None and not callable(allowed_tokens_fn):
             raise TypeError(f"`allowed_tokens_fn` must be a callable (rows, input_ids) -> mask, "
                             f"got {type(allowed_tokens_fn).__name__}")
+        # Refused before planning, which runs the model's forward (collectives on every rank).
+        if (invariant or sampler == "materialized") and tensor_parallel_head(self):
+            raise ValueError(
+                f"{'`invariant=True`' if invariant else 'sampler=' + repr(sampler)} is not "
+                "supported with a tensor-parallel model (its LM head split over the ranks): "
+                "use sampler='flash' without invariant")
         with torch.no_grad():
             plan = plan_generation(self, inputs, generation_config, seed=seed,
                                    output_logprobs=output_logprobs, drafter=drafter,
@@ -131,11 +138,6 @@ class FlashGenerationMixin(GenerationMixin):
                               f"generate(): {plan.reason}", UserWarning, stacklevel=2)
             else:
                 kind = "fused" if sampler == "flash" else "materialized"
-                if plan.head.shards is not None and (invariant or kind == "materialized"):
-                    raise ValueError(
-                        f"{'`invariant=True`' if invariant else 'sampler=' + repr(sampler)} is "
-                        "not supported with a tensor-parallel model (its LM head split over "
-                        "the ranks): use sampler='flash' without invariant")
                 if invariant:
                     check_supported([plan.head.decoder, *getattr(plan.drafter, "decoders", ())])
                 generated = engine_for(plan, kind, invariant).run(plan)
