@@ -441,3 +441,23 @@ def test_torchrun_plain_steps_send_the_sample_summary(torchrun_run, decoding, sa
         assert (exchange["calls"], exchange["rows"]) == (TP_NEW_TOKENS, TP_NEW_TOKENS * batch)
         assert exchange["bytes_per_row_per_step"] == sample_bytes
         assert exchange["bytes_per_step"] == sample_bytes * batch
+
+
+def test_torchrun_stops_every_rank_when_rank_0_cannot_build_the_models(tmp_path):
+    """Rank 0 builds the random-init models for all ranks: when it fails, every rank stops
+    with its error at once, instead of waiting for it in a collective."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dict(TP_CONFIG, hidden_size=-64)))
+    repository = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(repository),
+                                                       os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", "2", str(repository / "scripts" / "tok_per_s.py"),
+               "--random-init", str(config), "--batch-sizes", "1", "--new-tokens", "2",
+               "--prompt-length", "4", "--reps", "1", "--device", "cpu", "--variants", "hf",
+               "--out", str(tmp_path / "out")]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False,
+                          timeout=TORCHRUN_TIMEOUT_S)
+    assert done.returncode != 0
+    assert "rank 0 could not build the random-init models" in done.stderr, done.stderr[-3000:]

@@ -106,15 +106,23 @@ def _load_one_process(spec: PairSpec, device: str, dtype: torch.dtype, weights: 
 def _load_tensor_parallel(spec: PairSpec, device: str, dtype: torch.dtype, weights: str) -> list:
     """The target split over the default group's ranks, the draft whole on each; random-init
     models through a temporary folder that rank 0 writes (a collective: every rank calls)."""
-    folder = [None]
+    folder = [None, None]                # the folder, or rank 0's error
     if spec.random_init:
         if dist.get_rank() == 0:
             folder[0] = tempfile.mkdtemp(prefix="flashspec_tok_per_s_")
-            for role, name in zip(("target", "draft"), _names(spec)):
-                model = _random_model(name, device, dtype, weights)
-                model.save_pretrained(os.path.join(folder[0], role))
-                del model
+            try:
+                for role, name in zip(("target", "draft"), _names(spec)):
+                    model = _random_model(name, device, dtype, weights)
+                    model.save_pretrained(os.path.join(folder[0], role))
+                    del model
+            except Exception as error:
+                shutil.rmtree(folder[0], ignore_errors=True)
+                folder[1] = f"{type(error).__name__}: {error}"
+                dist.broadcast_object_list(folder, src=0)   # the other ranks stop too
+                raise
         dist.broadcast_object_list(folder, src=0)
+        if folder[1] is not None:
+            raise RuntimeError(f"rank 0 could not build the random-init models: {folder[1]}")
     paths = ([os.path.join(folder[0], role) for role in ("target", "draft")[:len(_names(spec))]]
              if spec.random_init else _names(spec))
     try:
