@@ -22,13 +22,14 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 from _ranks import run_ranks
 
 import flashspec
 from flashspec import parallel, reference, sampling
 from flashspec.bench import parallel_head
 from flashspec.checks import NonFiniteLogitsError
-from flashspec.outputs import VerifyOutput
+from flashspec.outputs import SampleOutput, VerifyOutput
 from flashspec.parallel import VocabShards, summary
 from flashspec.params import BAN, KEEP, PENALIZE, LogitEdits
 
@@ -358,6 +359,65 @@ def test_merged_candidates_certify_only_exact_supports(gaps):
                          f"trial {trial}, {sizes}, {candidates} candidates, {acceptance}")
     # Gaps leave more rows to complete.
     assert rows_checked > (150 if gaps else 200) and rows_left > 20, (rows_checked, rows_left)
+
+
+class _HostReads(TorchDispatchMode):
+    """Records the aten ops that read a tensor on the host (`.item()`, `bool()`, `nonzero`)
+    or build one from host data (`torch.tensor`, `new_tensor`, `as_tensor` of a number),
+    which a CUDA graph's capture forbids."""
+
+    FORBIDDEN = ("aten._local_scalar_dense", "aten.nonzero", "aten.lift_fresh")
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith(self.FORBIDDEN):
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_what_follows_the_exchange_reads_nothing_from_the_host():
+    """On GPUs a step's summaries come from the fused kernels and one collective; what
+    follows (the merge with truncated rows, verification's acceptance chain, flagging the
+    uncertified rows) must make no host read and no copy from the host, so that the engine
+    can capture it: checked here by the aten ops it dispatches."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randint(-40, 41, (BATCH * (DRAFTS + 1), VOCAB), generator=generator) / 4
+    params = flashspec.SamplingParams.create(BATCH, **MODES["mixed"], seed=1)
+    positions = torch.randint(0, 1000, (BATCH,), generator=generator)
+    drafts = torch.randint(0, VOCAB, (BATCH, DRAFTS), generator=generator)
+    shards = VocabShards((400, VOCAB - 400), 0)
+    for draft_tokens in (None, drafts):
+        op = "sample" if draft_tokens is None else "verify"
+        rows = logits[:BATCH] if draft_tokens is None else logits
+        layout = summary.summary_layout(op, shards, params, 2)
+        reads = _HostReads()
+        with reads:   # verification's rows, as `parallel.sampling._verified` makes them
+            flat = None if draft_tokens is None else parallel.acceptance.flat_drafts(draft_tokens)
+            row_params = (params if flat is None
+                          else params.repeat_interleave(DRAFTS + 1, validate=False))
+            row_positions = positions if flat is None else \
+                (positions[:, None] + torch.arange(DRAFTS + 1)).flatten()
+        words = torch.stack([
+            parallel.shard.summarize(rows[:, offset:offset + size], layout, row_params,
+                                     row_positions, offset, VOCAB, flat)
+            for offset, size in zip(shards.offsets, shards.sizes)])
+        with reads:
+            merged = parallel.merge.merge_rows(summary.unpack(words, layout), shards,
+                                               row_params, row_positions, flat)
+            if draft_tokens is None:
+                out = SampleOutput(merged.tokens, merged.logprobs, merged.lse,
+                                   torch.zeros_like(merged.tokens, dtype=torch.int32))
+                incomplete = merged.incomplete
+            else:
+                out = parallel.acceptance.accept(merged, draft_tokens, params, positions,
+                                                 "probabilistic")
+                incomplete = merged.incomplete.view(BATCH, -1).any(dim=1)
+            parallel.sampling._flag_incomplete(out, incomplete)
+        assert reads.seen == [], (op, reads.seen)
+        assert bool(merged.incomplete.any()), "two candidates leave rows uncertified"
 
 
 def _worker(rank: int, world_size: int, init_file: str, report_file: str) -> None:

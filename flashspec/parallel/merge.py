@@ -156,13 +156,13 @@ def _merge_candidates(keys: torch.Tensor, floors: torch.Tensor, shard_lse: torch
     total = torch.where(use_top_k, mass.sum(dim=-1), total_lse.exp())
     from_here = total[:, None] - (mass.cumsum(dim=-1) - mass)
     threshold = (1.0 - params.top_p).float().double()[:, None] * total[:, None]
-    drop = (params.top_p < 1.0)[:, None] & (from_here <= threshold)
-    drop[:, 0] = False
-    keep &= ~drop
-    # Min-p: probability against min_p times the top one's, the top token always kept.
-    drop = (params.min_p > 0.0)[:, None] & (gap.exp() < params.min_p.float().double()[:, None])
-    drop[:, 0] = False
-    keep &= ~drop
+    # The top entry is always kept (a mask, not an indexed store of a Python bool: that
+    # would copy from the host).
+    after_top = torch.arange(scores.shape[-1], device=scores.device) > 0
+    keep &= ~((params.top_p < 1.0)[:, None] & (from_here <= threshold) & after_top)
+    # Min-p: probability against min_p times the top one's.
+    keep &= ~((params.min_p > 0.0)[:, None]
+              & (gap.exp() < params.min_p.float().double()[:, None]) & after_top)
     incomplete = ~whole & ((keep.sum(dim=-1) >= certified)
                            | (use_top_k & (~listed | (top_k_support >= certified))))
 
