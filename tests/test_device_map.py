@@ -1,7 +1,7 @@
-"""`generate(sampler="flash")` on a model that accelerate placed with a ``device_map``: a
-layer offloaded to disk, or layers on two GPUs. The engine runs the model's layers, whose patched forwards move
-inputs and load weights, eagerly: the tokens equal those of the same model loaded whole, in
-every mode; on two GPUs too (layers split between them).
+"""`generate(sampler="flash")` on a model that accelerate placed with a ``device_map``:
+a layer offloaded to disk, or layers on two GPUs. The engine runs the model's layers, whose
+patched forwards move inputs and load weights, eagerly: the tokens equal those of the same
+model loaded whole, in every mode, also where the KV cache compacts and grows.
 """
 
 from __future__ import annotations
@@ -44,15 +44,16 @@ def folder(tmp_path_factory) -> str:
     return path
 
 
-def _generate(model, mode: str, **kwargs):
+def _generate(model, mode: str, max_new_tokens: int = 12, **kwargs):
     extra = dict(MODES[mode])
     if "num_assistant_tokens" in extra:
         extra["assistant_model"] = model
     device = model.lm_head.weight.device
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = model.generate(PROMPTS.to(device), attention_mask=MASK.to(device), max_new_tokens=12,
-                             sampler="flash", seed=3, **extra, **kwargs).cpu()
+        out = model.generate(PROMPTS.to(device), attention_mask=MASK.to(device),
+                             max_new_tokens=max_new_tokens, sampler="flash", seed=3, **extra,
+                             **kwargs).cpu()
     messages = [str(w.message) for w in caught]
     assert not any("defers this call to stock" in m or "materialized path" in m
                    for m in messages), messages    # the engine's fused path ran
@@ -62,6 +63,9 @@ def _generate(model, mode: str, **kwargs):
 def _assert_same_tokens(placed, whole):
     for mode in MODES:
         assert torch.equal(_generate(placed, mode), _generate(whole, mode)), mode
+    # Past the slot's first 256 KV columns: the caches compact, then grow.
+    assert torch.equal(_generate(placed, "prompt lookup", max_new_tokens=300),
+                       _generate(whole, "prompt lookup", max_new_tokens=300))
 
 
 def test_a_layer_offloaded_to_disk(folder, tmp_path):

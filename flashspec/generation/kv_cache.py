@@ -60,7 +60,7 @@ class WindowLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         columns = self.cache.columns
         if columns.device != self.keys.device:  # a layer that accelerate placed on another GPU
-            columns = columns.to(self.keys.device)
+            columns = self.cache.columns_on(self.keys.device)
         keys = first_rows(self.keys, key_states.shape[0])
         values = first_rows(self.values, key_states.shape[0])
         keys.index_copy_(2, columns, key_states.to(keys.dtype))
@@ -99,6 +99,7 @@ class WindowCache(Cache):
         self.columns = self.column_index[:0]
         self.num_updates = 0
         self._views: dict[int, torch.Tensor] = {}
+        self._columns_copies: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.set_view(capacity)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -181,6 +182,14 @@ class WindowCache(Cache):
         rows = positions.shape[0]
         first_rows(self.live, rows).logical_and_(first_rows(self.position, rows) < positions[:, None])
 
+    def columns_on(self, device: torch.device) -> torch.Tensor:
+        """This forward's write columns on `device` (a layer's, when accelerate spread the
+        layers over GPUs): copied once per forward and device."""
+        copy = self._columns_copies.get(device)
+        if copy is None or copy[0] is not self.columns:
+            copy = self._columns_copies[device] = (self.columns, self.columns.to(device))
+        return copy[1]
+
     def compact(self) -> None:
         """Move every row's live entries to its first columns, in column order (eager: a
         copy of the whole cache, in place so that captured graphs stay valid)."""
@@ -189,8 +198,10 @@ class WindowCache(Cache):
         for layer in self.layers:
             if not layer.is_initialized:
                 continue
+            layer_order = order.to(layer.keys.device)   # layers may sit on other GPUs
             for states in (layer.keys, layer.values):
-                index = order[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3])
+                index = layer_order[:, None, :, None].expand(-1, states.shape[1], -1,
+                                                             states.shape[3])
                 states.copy_(states.gather(2, index))
         self.position.copy_(self.position.gather(1, order))
         self.live.copy_(self.column_index[None, :] < count)
