@@ -29,7 +29,7 @@ import flashspec
 from flashspec import parallel, reference, sampling
 from flashspec.bench import parallel_head
 from flashspec.checks import NonFiniteLogitsError
-from flashspec.outputs import SampleOutput, VerifyOutput
+from flashspec.outputs import NEEDS_COMPLETION, SampleOutput, VerifyOutput
 from flashspec.parallel import VocabShards, summary
 from flashspec.params import BAN, KEEP, PENALIZE, LogitEdits
 
@@ -132,6 +132,7 @@ def _cases(rank: int, world_size: int) -> dict:
     _benchmark_steps(weight, layouts["uneven"], generator)
     for shards in layouts.values():
         _fused_shards(weight, shards, generator)
+    _deferred_completion(weight, layouts["uneven"], generator)
     report["bytes_per_row"] = {
         op: summary.summary_layout(op, layouts["chunked"], params).bytes_per_row
         for op, params in (("argmax", None),
@@ -260,6 +261,34 @@ def _fused_shards(weight, shards, generator):
                                      backend="fused"),
                      sampling.verify(hidden, weight, drafts, params, positions),
                      f"{shards.sizes}, fused, {mode}, verify")
+
+
+def _deferred_completion(weight, shards, generator):
+    """``complete=False`` (the engine's calls): rows the candidates leave uncertified come
+    back flagged, their tokens -1 (verification: no token accepted, logprobs 0), every
+    other row as the completing call returns it."""
+    local = shards.local(weight)
+    hidden = _grid(generator, BATCH, DRAFTS + 1, DIM, denominator=8)
+    params = flashspec.SamplingParams.create(BATCH, **MODES["top_p"], seed=9)
+    positions = torch.randint(0, 10_000, (BATCH,), generator=generator)
+    drafts = _drafts(weight, hidden, params, positions, generator)
+    calls = {"sample": lambda **kw: parallel.sample(hidden[:, 0], local, params, positions,
+                                                    shards=shards, candidates=1, **kw),
+             "verify": lambda **kw: parallel.verify(hidden, local, drafts, params, positions,
+                                                    shards=shards, candidates=1, **kw)}
+    for op, call in calls.items():
+        deferred, completed = call(complete=False), call()
+        flagged = deferred.status == NEEDS_COMPLETION
+        assert bool(flagged.any()), f"{op}: one candidate per rank leaves rows uncertified"
+        assert bool((completed.status == 0).all())
+        for name, ours, theirs in zip(type(deferred)._fields, deferred, completed):
+            if name == "status":
+                continue
+            done = ~flagged.view(-1, *(1,) * (ours.dim() - 1)).expand_as(ours)
+            assert torch.equal(ours[done], theirs[done]), (op, name)
+            left = {"tokens": -1, "num_accepted": -1, "logprobs": 0.0}.get(name)
+            if name == "tokens" or (op == "verify" and left is not None):
+                assert bool((ours[~done] == left).all()), (op, name, ours[~done])
 
 
 def _benchmark_steps(weight, shards, generator):

@@ -33,9 +33,9 @@ logits never exist), or "reference", torch ops on the shard's logits (`shard.py`
 takes the fused kernels for CUDA tensors. With ``complete=True`` (the default) rows the
 candidates leave uncertified are completed (step 4), so no status is `NEEDS_COMPLETION`;
 with ``complete=False`` they come back with that status and no host read happens: without
-`check`, a call is then one fixed sequence of kernels and one collective, which a CUDA graph
-can hold (`flashspec.generation`'s engine completes such rows after the graph, through
-this module again).
+`check`, a fused `sample` or `verify` is then one fixed sequence of kernels and one
+collective, which a CUDA graph can hold (`flashspec.generation`'s engine completes such
+rows after its step, through this module again).
 """
 
 from __future__ import annotations
@@ -176,13 +176,19 @@ def verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tenso
         raise ValueError(f"`acceptance`={acceptance!r} is not allowed: use one of "
                          f"{ACCEPTANCE_MODES}")
     num_positions = hidden.shape[1]
-    flat_edits = None if edits is None else _flat_edits(edits, draft_tokens, shards)
     layout = summary.summary_layout("verify", shards, params, candidates)
     head = {"bias": bias, "softcap": softcap}
+    flat = []   # the edits one row per position: made once, only for torch summaries
 
-    def flat_rows(rows):
+    def flat_edits(rows=None):
+        if edits is None:
+            return None
+        if not flat:
+            flat.append(_flat_edits(edits, draft_tokens, shards))
+        if rows is None:
+            return flat[0]
         offsets = torch.arange(num_positions, device=rows.device)
-        return (rows[:, None] * num_positions + offsets[None, :]).flatten()
+        return flat[0].select((rows[:, None] * num_positions + offsets[None, :]).flatten())
 
     implementation = _backend(backend, hidden)
 
@@ -193,12 +199,11 @@ def verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tenso
         return _verified(implementation, hidden[rows], weight, draft_tokens[rows],
                          params.select(rows, validate=False), positions[rows], shards, layout,
                          acceptance, None if edits is None else edits.select(rows),
-                         None if edits is None else flat_edits.select(flat_rows(rows)), head)
+                         lambda: flat_edits(rows), head)
 
     def exact(rows):
-        logits = shard.shard_logits(
-            hidden[rows].flatten(0, 1), weight, **head,
-            edits=None if edits is None else flat_edits.select(flat_rows(rows)))
+        logits = shard.shard_logits(hidden[rows].flatten(0, 1), weight, **head,
+                                    edits=flat_edits(rows))
         return reference.verify_logits(all_gather_logits(logits, shards, rows.numel()),
                                        draft_tokens[rows], params.select(rows, validate=False),
                                        positions[rows], acceptance=acceptance)
@@ -226,9 +231,9 @@ def _sampled(implementation, hidden, weight, params, positions, shards, layout, 
 def _verified(implementation, hidden, weight, draft_tokens, params, positions, shards, layout,
               acceptance, edits, flat_edits, head):
     """`VerifyOutput` of the batch rows of `hidden` ``[B, G+1, D]`` from one exchange of
-    summaries at `layout`, and bool ``[B]``: the rows with an uncertified position. The fused
-    kernels take `edits` (one row per batch row, codes per position); the torch summaries
-    `flat_edits` (one row per position)."""
+    summaries at `layout`, and bool ``[B]``: the rows with an uncertified position among
+    those they emit from. The fused kernels take `edits` (one row per batch row, codes per
+    position); the torch summaries ``flat_edits()`` (one row per position)."""
     batch_size, num_positions, dim = hidden.shape
     flat_params = params.repeat_interleave(num_positions, validate=False)
     offsets = torch.arange(num_positions, device=positions.device)
@@ -241,11 +246,14 @@ def _verified(implementation, hidden, weight, draft_tokens, params, positions, s
             drafts=drafts.view(batch_size, num_positions)[:, :-1], edits=edits, **head)
     else:
         words = shard.summaries(hidden.reshape(-1, dim), weight, layout, flat_params,
-                                flat_positions, shards, drafts, edits=flat_edits, **head)
+                                flat_positions, shards, drafts, edits=flat_edits(), **head)
     rows = merge_rows(summary.unpack(all_gather_summaries(words, shards), layout), shards,
                       flat_params, flat_positions, drafts)
     out = accept(rows, draft_tokens, params, positions, acceptance)
-    return out, rows.incomplete.view(batch_size, num_positions).any(dim=1)
+    # Positions after a row's drafts end are never emitted: their certificate does not count.
+    has_draft = drafts.view(batch_size, num_positions) >= 0
+    used = offsets[None, :] <= has_draft.sum(dim=1, keepdim=True)
+    return out, (rows.incomplete.view(batch_size, num_positions) & used).any(dim=1)
 
 
 def _summaries(implementation, hidden, weight, layout, params, positions, shards, *, edits,
