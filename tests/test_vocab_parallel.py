@@ -233,7 +233,9 @@ def _with_gaps(words, layout, generator):
         dropped &= keys != summary.PAD_KEY
         if not dropped.any():
             continue
-        kept, floor = keys[~dropped], keys[dropped].max() + 1
+        # The next key up: the same logit with the next lower id, or (id 0) the next float.
+        kept, top = keys[~dropped], keys[dropped].max()
+        floor = top + 1 if int(top) & 0x7FFFFFFF < 0x7FFFFFFF else ((top >> 32) + 1) << 32
         listed[rank, row, :-1] = summary.PAD_KEY
         listed[rank, row, :kept.numel()] = kept
         listed[rank, row, -1] = floor

@@ -6,7 +6,7 @@ states ``[B, D]``. Two ways to one token per row:
 
 * ``flash``: `flashspec.parallel` with the fused kernels (stage 1 over the shard, a per-shard
   stage 2 writing each row's summary), one all-gather of the summaries, the merge on every
-  rank; ``complete=False`` and no checks, as the engine calls it (uncertified truncated rows
+  rank; ``complete=False`` and no checks, the engine's arguments (uncertified truncated rows
   flagged, their share reported as ``flagged_rows``);
 * ``gathered``: what a stock stack does (vLLM's tensor-parallel logits): the shard's logits
   in the model's dtype (cuBLAS), one all-gather of them, then sampling over the vocabulary
@@ -62,7 +62,7 @@ def gathered_step(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingPa
 
 def flash_step(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParams,
                shards: parallel.VocabShards) -> Callable:
-    """flashspec's step, as the engine calls it: a function of no arguments."""
+    """flashspec's step, with the engine's arguments: a function of no arguments."""
     positions = torch.arange(hidden.shape[0], device=hidden.device) + 100
     if bool(params.all_greedy):
         return lambda: parallel.argmax(hidden, weight, shards=shards, check=False).tokens

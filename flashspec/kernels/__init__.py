@@ -26,7 +26,6 @@ tokens). Host side: `ops.py` (the launchers), `tile_config.py` (`TileConfig`, th
 table). `invariant.py` holds the batch-invariant decoder kernels (`generate(invariant=True)`).
 
 Named `flashspec.kernels`, never top-level `kernels`, which is Hugging Face's own package.
-Importing this package imports Triton; `flashspec` itself does not.
 """
 
 from .ops import (KernelStats, TileConfig, default_config, fused_argmax, fused_sample,

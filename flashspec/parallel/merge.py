@@ -4,14 +4,15 @@ Rows the race decides (greedy rows, sampled rows without truncation): the winner
 best of the ranks' best scores (ties: the lower id), the log-sum-exp that of the ranks'
 log-sum-exps. In verification each rank left the draft out of its race and sent the draft's
 logit: the target's own sample is the draft iff the draft's perturbed score (its noise
-recomputed here, bit for bit) beats the best other token, as in the fused kernels.
+recomputed here by `flashspec.rng`, in float32, which the fused kernels' noise can differ
+from in the last bits: a near-tie) beats the best other token, as in the fused kernels.
 
 Truncated rows (`summary.truncated_rows`) are decided by the candidates: the ranks' top keys
 merged and sorted, transformers' top-k, top-p and min-p applied to them in its order, the
 token drawn among the survivors with their own noise. The merged list holds every token
-whose transformed logit is above ``floor``, the largest last candidate of a rank that could
-not send its whole shard; the survivors are *certified* to be the whole support when the
-first token they drop is above the floor (for top-k, the first token after its tie class
+that ranks above each rank's floor (`summary.py`: every token a rank left out has a key
+below its floor); the survivors are *certified* to be the whole support when the first
+token they drop ranks above every floor (for top-k, the first token after its tie class
 too). Other rows are marked incomplete and finished by `sampling.py` from their gathered
 logits. Masses are summed in float64: the survivors can differ from the float32 reference's
 only where a cumulative mass or a probability ratio lies within rounding of its threshold.

@@ -22,12 +22,13 @@ keys   s, v  ``num_candidates`` int64 candidate keys (two words each), the shard
 floor  s, v  one int64 key: every token of the shard missing from the keys has a key below
              it; `PAD_KEY` where none is missing. The torch summary lists the shard's top
              keys exactly (its floor is its last key); the fused one merges its tiles'
-             candidates, exact only down to the largest of their tiles' last keys
+             candidates, exact only down to the largest of their tiles' last keys, its
+             last key written and the bound of the tiles it left out of the merge
 ====== ===== ============================================================================
 
 So a row costs 8 bytes in `argmax`, 16 in `sample`, 20 per position in `verify`, plus 8 per
-candidate and 8 for the floor where the call truncates. The layout is the same for every row of a call (fixed
-shapes: a CUDA graph can hold the exchange).
+candidate and 8 for the floor where the call truncates. The layout is the same for every
+row of a call (fixed shapes: a CUDA graph can hold the exchange).
 """
 
 from __future__ import annotations
