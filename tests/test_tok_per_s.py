@@ -425,8 +425,9 @@ def test_torchrun_rows(torchrun_run):
 
 @pytest.mark.parametrize("decoding, sample_bytes", [
     ("greedy", 16),
-    # top-k 20: the rows send max(32, 20 + 1) candidate keys of 8 bytes after their 16.
-    ("sample", 16 + 32 * 8)])
+    # top-k 20: the rows send max(32, 20 + 1) candidate keys of 8 bytes after their 16, and
+    # the keys' floor.
+    ("sample", 16 + 32 * 8 + 8)])
 def test_torchrun_plain_steps_send_the_sample_summary(torchrun_run, decoding, sample_bytes):
     """One exchange per generated token (the prefill's included), each the `sample` summary
     of every row."""
