@@ -462,3 +462,40 @@ def test_torchrun_stops_every_rank_when_rank_0_cannot_build_the_models(tmp_path)
                           timeout=TORCHRUN_TIMEOUT_S)
     assert done.returncode != 0
     assert "rank 0 could not build the random-init models" in done.stderr, done.stderr[-3000:]
+
+
+def test_tp_same_tokens_under_torchrun(tmp_path):
+    """scripts/tp_same_tokens.py (on GPUs: a tensor-parallel Llama-3.1-8B against one GPU) on
+    2 gloo ranks: a tiny Llama split over the ranks gives its whole self's tokens in every
+    case, and the report says so."""
+    config = tmp_path / "tp" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps(TP_CONFIG))
+    repository = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(repository),
+                                                       os.environ.get("PYTHONPATH")]))}
+    out = tmp_path / "tokens.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", "2", str(repository / "scripts" / "tp_same_tokens.py"),
+               "--random-init", f"{config},{config}", "--device", "cpu", "--dtype", "fp32",
+               "--batch-size", "2", "--prompt-length", "8", "--new-tokens", "6",
+               "--out", str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False,
+                          timeout=TORCHRUN_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["ranks"] == 2 and report["device"] == "cpu"
+    assert sorted(report["cases"]) == sorted(
+        f"{decoding}, {how}" for decoding in ("greedy", "seeded")
+        for how in ("plain", "prompt lookup", "assistant"))
+    for name, case in [*report["cases"].items(), ("stock greedy", report["stock greedy"])]:
+        assert case == {"same": True, "first_difference": [None, None]}, name
+        assert f"{name:>24}: same" in done.stdout
+
+
+def test_first_difference_per_row():
+    from flashspec.bench.parallel_tokens import first_difference
+    a = torch.tensor([[1, 2, 3], [1, 2, 3], [4, 5, 6]])
+    b = torch.tensor([[1, 2, 3], [1, 5, 3], [0, 5, 0]])
+    assert first_difference(a, b) == [None, 1, 0]

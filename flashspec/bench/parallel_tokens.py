@@ -39,14 +39,15 @@ def first_difference(a: torch.Tensor, b: torch.Tensor) -> list[int | None]:
 
 
 def compare(spec: pairs.PairSpec, dtype: torch.dtype, weights: str, batch_size: int,
-            prompt_length: int, new_tokens: int) -> dict:
-    """The comparison's report (every rank computes it; each the same tokens)."""
-    split, draft, description = pairs.load_pair(spec, "cuda", dtype, weights,
+            prompt_length: int, new_tokens: int, device: str = "cuda") -> dict:
+    """The comparison's report (every rank computes it; each the same tokens), on `device`
+    ("cuda": each rank's own GPU; "cpu" with gloo, as the tests run it)."""
+    split, draft, description = pairs.load_pair(spec, device, dtype, weights,
                                                 tensor_parallel=True)
     whole, _, _ = pairs.load_pair(pairs.PairSpec(spec.label, spec.target, None,
                                                  spec.random_init),
-                                  "cuda", dtype, weights)
-    prompts = random_prompts(batch_size, prompt_length, split.config.vocab_size, "cuda")
+                                  device, dtype, weights)
+    prompts = random_prompts(batch_size, prompt_length, split.config.vocab_size, device)
     report = {"model": description, "batch_size": batch_size, "prompt_length": prompt_length,
               "new_tokens": new_tokens, "cases": {}}
 
