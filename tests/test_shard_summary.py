@@ -385,3 +385,30 @@ def test_warp_specialized_shard_equals_the_triton_kernel_gpu(top_k):
     with pytest.raises(ValueError, match="vocab_offset that is a multiple of 16"):
         fused(unaligned, hidden, weight, summary.summary_layout("sample", unaligned), sampled,
               positions, config=kernels.default_config(256, warp_specialized=True))
+
+
+def test_compile_variants_of_a_shard_runs_every_setting(monkeypatch):
+    """The engine's precompilation on a tensor-parallel head (`samplers.compile_variants`
+    with `shards`): every kernel setting through the per-shard kernels, sampling and
+    verifying, at the shard's offset and with the whole vocabulary's size (a top-k of V is
+    V's, not the shard's), with neutral edits; no exchange."""
+    from flashspec.generation import samplers
+
+    seen = []
+    real = kernels.fused_shard_summaries
+
+    def recorded(hidden, weight, layout, params, positions, offset, vocab_size, **kwargs):
+        seen.append((offset, vocab_size, int(params.top_k.max()), kwargs["edits"]))
+        return real(hidden, weight, layout, params, positions, offset, vocab_size, **kwargs)
+
+    monkeypatch.setattr(kernels, "fused_shard_summaries", recorded)
+    shards = VocabShards((40, 60), 1)          # this rank holds tokens 40-99
+    weight = torch.randn(60, 16, device=DEVICE)
+    for width in (0, 2):
+        samplers.compile_variants(weight, 2, width, edits=("codes", "counts"), shards=shards)
+    settings = samplers.kernel_settings(100)
+    assert len(seen) == 2 * len(settings)
+    assert {(offset, vocab) for offset, vocab, _, _ in seen} == {(40, 100)}
+    assert 100 in {top_k for _, _, top_k, _ in seen}          # the "top-k of V" setting
+    assert all(edits.codes.shape[-1] == 60 and not edits.codes.any()
+               and edits.counts.shape == (2, 60) for *_, edits in seen)

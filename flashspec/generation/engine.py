@@ -375,7 +375,7 @@ class Engine:
         for runner in self._call_runners(slot, plan):
             if runner.would_compile:
                 return f"compile the {runner.role}'s forward ({type(runner.decoder).__name__})"
-        if isinstance(self.target_sampler(slot), samplers.FusedSampler):
+        if self._runs_kernels(slot):
             compiled = self.compiled_kernels.get(self._kernel_key(slot), set())
             missing = [w for w in [0, *timed_widths] if w not in compiled]
             if missing:
@@ -414,13 +414,14 @@ class Engine:
         for every sampling setting (`samplers.kernel_settings`), the first time a (rows,
         width) comes: a later call that changes only its sampling options then compiles no
         kernel. Triton keeps them on disk, so another process only loads them."""
-        if not isinstance(self.target_sampler(slot), samplers.FusedSampler):
+        if not self._runs_kernels(slot):
             return
         key = self._kernel_key(slot)
         for width in sorted(widths - self.compiled_kernels.get(key, set())):
             started = time.perf_counter()
             samplers.compile_variants(self.head.weight, slot.batch_size, width, edits=key[1],
-                                      bias=self.head.bias, softcap=self.head.softcap)
+                                      bias=self.head.bias, softcap=self.head.softcap,
+                                      shards=self.head.shards)
             self.compiled_kernels.setdefault(key, set()).add(width)
             settings = ", ".join(samplers.kernel_settings(self.head.vocab_size))
             edited = " with logit edits" if key[1] else ""
@@ -430,6 +431,13 @@ class Engine:
                           time.perf_counter() - started)
             self.events.append(event)
             LOG.info("compiled %s in %.1f s", event.what, event.seconds)
+
+    def _runs_kernels(self, slot: Slot) -> bool:
+        """Whether the target's LM head runs the fused kernels: `FusedSampler`, or a
+        tensor-parallel head's `ParallelSampler` on GPUs (its per-shard kernels)."""
+        sampler = self.target_sampler(slot)
+        return isinstance(sampler, samplers.FusedSampler) or (
+            isinstance(sampler, samplers.ParallelSampler) and self.device.type == "cuda")
 
     @staticmethod
     def _kernel_key(slot: Slot) -> tuple[int, tuple]:

@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from .. import parallel, reference, sampling
+from .. import kernels, parallel, reference, sampling
 # The engine reads the status codes here.
 from ..outputs import NEEDS_COMPLETION, NO_TOKEN_LEFT, NON_FINITE  # noqa: F401
 from ..params import LogitEdits, SamplingParams
@@ -170,14 +170,17 @@ EDIT_INPUTS = ("codes", "bias", "position bias", "counts")
 
 
 def compile_variants(weight: torch.Tensor, rows: int, width: int, edits: tuple[str, ...] = (), *,
-                     bias: torch.Tensor | None = None, softcap: float | None = None) -> None:
+                     bias: torch.Tensor | None = None, softcap: float | None = None,
+                     shards=None) -> None:
     """Run the fused `sample` (``width == 0``) or `verify` of `width` drafts for `rows` rows
     with every setting of `kernel_settings` on zeros, so that Triton compiles (or loads from
     its disk cache) each variant now: a later call that only changes its sampling setting
     then compiles nothing. `edits`: the logit edits' inputs the steps hold, names of
     `EDIT_INPUTS` (`edits.EditState.kernel_inputs`): the variants that apply codes, a bias
     per row or per position, counts (all of them changing nothing here); with `bias` /
-    `softcap`, those that apply the head's transforms. Eager, outside any graph."""
+    `softcap`, those that apply the head's transforms. With `shards` (`weight` is this
+    rank's rows of a tensor-parallel head), the per-shard kernels of `flashspec.parallel`
+    (`kernels.fused_shard_summaries`), without any exchange. Eager, outside any graph."""
     if not isinstance(edits, tuple) or not set(edits) <= set(EDIT_INPUTS):
         raise ValueError(f"`edits` must be a tuple of names from {EDIT_INPUTS}, got "
                          f"{type(edits).__name__} {edits!r}")
@@ -198,10 +201,19 @@ def compile_variants(weight: torch.Tensor, rows: int, width: int, edits: tuple[s
             no_edits = no_edits._replace(
                 counts=torch.zeros(rows, vocab, dtype=torch.int32, device=device),
                 frequency=ones, presence=ones)
-    for setting in kernel_settings(weight.shape[0]).values():
-        sampler = FusedSampler(weight, SamplingParams.create(rows, device=weight.device, **setting),
-                               bias=bias, softcap=softcap)
+    vocab_size = weight.shape[0] if shards is None else shards.vocab_size
+    drafts = positions.new_zeros(rows, width)
+    for setting in kernel_settings(vocab_size).values():
+        params = SamplingParams.create(rows, device=weight.device, **setting)
+        if shards is not None:
+            layout = parallel.summary_layout("verify" if width else "sample", shards, params)
+            kernels.fused_shard_summaries(hidden, weight, layout, params, positions,
+                                          shards.offset, vocab_size,
+                                          drafts=drafts if width else None, edits=no_edits,
+                                          bias=bias, softcap=softcap)
+            continue
+        sampler = FusedSampler(weight, params, bias=bias, softcap=softcap)
         if width:
-            sampler.verify(hidden, positions.new_zeros(rows, width), positions, edits=no_edits)
+            sampler.verify(hidden, drafts, positions, edits=no_edits)
         else:
             sampler.sample(hidden, positions, edits=no_edits)
