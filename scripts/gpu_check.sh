@@ -45,7 +45,7 @@ if [ $# -eq 0 ]; then
         tests/test_verify_kernel.py tests/test_rng.py tests/test_fused_edits.py \
         tests/test_fused_edits_generate.py tests/test_edit_codes.py tests/test_fused_head.py \
         tests/test_allowed_tokens.py tests/test_additive_edits.py tests/test_additive_generate.py \
-        tests/test_invariant_kernels.py \
+        tests/test_invariant_kernels.py tests/test_shard_summary.py \
         tests/test_invariance_gpu.py tests/test_generate_gpu.py
 fi
 for part in $PARTS; do
