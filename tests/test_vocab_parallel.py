@@ -451,6 +451,37 @@ def test_what_follows_the_exchange_reads_nothing_from_the_host():
         assert bool(merged.incomplete.any()), "two candidates leave rows uncertified"
 
 
+def test_a_fused_call_without_check_reads_nothing_from_the_host(tmp_path):
+    """The engine's calls (fused summaries, ``check=False, complete=False``) from end to end,
+    the kernels through Triton's interpreter, on a group of one gloo rank: no host read and
+    no tensor made from host data, for sampling (truncated or not) and verification."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
+                            world_size=1)
+    try:
+        generator = torch.Generator().manual_seed(4)
+        vocab = 256
+        shards = VocabShards.chunked(vocab)
+        weight = _grid(generator, vocab, DIM, denominator=16)
+        hidden = _grid(generator, BATCH, DRAFTS + 1, DIM, denominator=8)
+        positions = torch.arange(BATCH) + 7
+        drafts = torch.randint(0, vocab, (BATCH, DRAFTS), generator=generator)
+        for mode in ("temperature", "mixed"):     # mixed: greedy, top-k, top-p, min-p rows
+            params = flashspec.SamplingParams.create(BATCH, **MODES[mode], seed=2)
+            calls = (lambda: parallel.sample(hidden[:, 0], weight, params, positions,
+                                             shards=shards, check=False, complete=False,
+                                             backend="fused"),
+                     lambda: parallel.verify(hidden, weight, drafts, params, positions,
+                                             shards=shards, check=False, complete=False,
+                                             backend="fused"))
+            for call in calls:
+                call()                       # Triton's first run of a variant, outside
+                with _HostReads() as reads:
+                    call()
+                assert reads.seen == [], (mode, reads.seen)
+    finally:
+        dist.destroy_process_group()
+
+
 def _worker(rank: int, world_size: int, init_file: str, report_file: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
