@@ -43,11 +43,12 @@ def main() -> None:
             print(f"{report['ranks']} x {report['device']}, D {args.dim}, V {args.vocab_size}, "
                   f"{args.dtype}; microseconds per step")
             print(f"{'mode':>9} {'B':>3} {'flash':>8} {'gathered':>9} {'speedup':>7} "
-                  f"{'B/row':>6} {'flagged':>7}  timing")
+                  f"{'eager':>7} {'B/row':>6} {'flagged':>7}  timing")
             for row in rows:
                 print(f"{row['mode']:>9} {row['batch_size']:>3} {row['flash_us']:>8.1f} "
                       f"{row['gathered_us']:>9.1f} {row['speedup']:>7.2f} "
-                      f"{row['summary_bytes_per_row']:>6} {row['flagged_rows']:>7.2f}  "
+                      f"{row['eager_speedup']:>7.2f} {row['summary_bytes_per_row']:>6} "
+                      f"{row['flagged_rows']:>7.2f}  "
                       f"{row['flash_timing'][:40]} / {row['gathered_timing'][:40]}")
             if args.out:
                 with open(args.out, "w") as f:

@@ -13,9 +13,10 @@ states ``[B, D]``. Two ways to one token per row:
   with torch ops as vLLM's torch sampler does (float32, temperature, top-k by `topk`,
   softmax, the exponential race ``argmax(p / q)``; greedy rows `argmax`).
 
-Both are timed the same way: the step captured in a CUDA graph (NCCL collectives captured
-with it) and replayed, `flashspec.bench.timing`'s graph timing; where capture fails, eagerly
-with the device synchronized (reported as such). ``speedup`` = gathered / flash.
+Both are timed the same way, eagerly and captured in a CUDA graph (NCCL collectives
+captured with it) and replayed; where capture fails, the eager time stands for both
+(reported as such). ``speedup`` = gathered / flash, captured; ``eager_speedup`` the same
+eagerly (the engine runs tensor-parallel steps eagerly).
 """
 
 from __future__ import annotations
@@ -71,7 +72,10 @@ def flash_step(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParam
 
 
 def time_step(step: Callable) -> dict:
-    """Microseconds per step: replayed from a CUDA graph, or eager where capture fails."""
+    """Microseconds per step: replayed from a CUDA graph (``us``; eager where capture fails,
+    said in ``timing``) and run eagerly (``eager_us``: what a step costs where nothing is
+    captured, as in the engine's tensor-parallel steps), eager first (a failed capture can
+    leave the device's state unlike a fresh process's)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -79,14 +83,21 @@ def time_step(step: Callable) -> dict:
             step()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
+    eager_us = _median_us(step, EAGER_REPS)
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             step()
-        run, reps, how = graph.replay, REPLAYS, "graph"
     except Exception as error:  # noqa: BLE001 (reported, then timed eagerly)
         torch.cuda.synchronize()
-        run, reps, how = step, EAGER_REPS, f"eager ({type(error).__name__}: {error})"[:200]
+        how = f"eager ({type(error).__name__}: {error})"[:200]
+        return {"us": eager_us, "eager_us": eager_us, "timing": how}
+    return {"us": _median_us(graph.replay, REPLAYS), "eager_us": eager_us, "timing": "graph"}
+
+
+def _median_us(run: Callable, reps: int) -> float:
+    """The median over `TRIALS` of the microseconds per call of `reps` calls of `run`, every
+    rank starting together."""
     trials = []
     for _ in range(TRIALS):
         dist.barrier()
@@ -98,7 +109,7 @@ def time_step(step: Callable) -> dict:
         end.record()
         torch.cuda.synchronize()
         trials.append(1e3 * start.elapsed_time(end) / reps)
-    return {"us": statistics.median(trials), "timing": how}
+    return statistics.median(trials)
 
 
 def run(batch_sizes: list[int], dim: int, vocab_size: int, dtype: torch.dtype,
@@ -130,7 +141,9 @@ def run(batch_sizes: list[int], dim: int, vocab_size: int, dtype: torch.dtype,
                      "gathered": time_step(gathered_step(hidden, weight, params, shards))}
             for name, result in timed.items():
                 row[f"{name}_us"] = result["us"]
+                row[f"{name}_eager_us"] = result["eager_us"]
                 row[f"{name}_timing"] = result["timing"]
             row["speedup"] = row["gathered_us"] / row["flash_us"]
+            row["eager_speedup"] = row["gathered_eager_us"] / row["flash_eager_us"]
             rows.append(row)
     return rows
