@@ -168,10 +168,14 @@ def _spread(model) -> bool:
 def tensor_parallel_head(model) -> bool:
     """Whether `model`'s LM head is a DTensor split over ranks (not replicated), from its
     weight alone: nothing runs, nothing is refused here."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return _split(getattr(head, "weight", None))
+
+
+def _split(weight) -> bool:
+    """Whether `weight` is a DTensor not replicated on every rank."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    weight = getattr(head, "weight", None)
     return isinstance(weight, DTensor) and not all(isinstance(p, Replicate)
                                                    for p in weight.placements)
 
@@ -180,14 +184,12 @@ def _local_head(weight: torch.Tensor, bias, role: str, name: str):
     """``(weight, bias, shards)``: a DTensor head as this rank's rows and their
     `VocabShards` (split over the vocabulary), or whole (replicated); plain tensors as they
     are, with no shards."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Shard
 
-    if not isinstance(weight, DTensor):
-        return weight, bias, None
-    mesh, placements = weight.device_mesh, tuple(weight.placements)
     local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
-    if all(isinstance(p, Replicate) for p in placements):
+    if not _split(weight):
         return local(weight), local(bias), None
+    mesh, placements = weight.device_mesh, tuple(weight.placements)
     if mesh.ndim != 1 or placements != (Shard(0),) or (
             bias is not None and not (isinstance(bias, DTensor)
                                       and tuple(bias.placements) == (Shard(0),))):
