@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
 import torch.distributed as dist
 
-from flashspec.bench import parallel_head
+from flashspec.bench import pairs, parallel_head
 from flashspec.bench.cli import positive_int, positive_ints
 
 
@@ -29,11 +28,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--out", help="JSON file written by rank 0")
     args = parser.parse_args()
-    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+    if pairs.torchrun_world_size() < 2 or not torch.cuda.is_available():
         parser.error("run it under torchrun with 2 processes or more, one GPU each")
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
-    try:
+    with pairs.tensor_parallel_run("cuda"):
         rows = parallel_head.run(args.batch_sizes, args.dim, args.vocab_size,
                                  getattr(torch, args.dtype))
         if dist.get_rank() == 0:
@@ -53,8 +50,6 @@ def main() -> None:
             if args.out:
                 with open(args.out, "w") as f:
                     json.dump(report, f, indent=1)
-    finally:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -42,8 +42,7 @@ def main() -> None:
     if args.random_init is not None:
         target, *draft = args.random_init
         spec = pairs.PairSpec(model_name(target), target, draft[0] if draft else None, True)
-    pairs.init_tensor_parallel(args.device)
-    try:
+    with pairs.tensor_parallel_run(args.device):
         report = parallel_tokens.compare(spec, pairs.DTYPES[args.dtype], args.weights,
                                          args.batch_size, args.prompt_length, args.new_tokens,
                                          args.device)
@@ -59,8 +58,6 @@ def main() -> None:
             if args.out:
                 with open(args.out, "w") as f:
                     json.dump(report, f, indent=1)
-    finally:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ once loaded.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import shutil
@@ -80,6 +81,17 @@ def init_tensor_parallel(device: str) -> TensorParallel | None:
         dist.init_process_group("nccl" if device == "cuda" else "gloo",
                                 timeout=COLLECTIVE_TIMEOUT)
     return TensorParallel(dist.get_world_size(), dist.get_rank(), dist.get_backend())
+
+
+@contextlib.contextmanager
+def tensor_parallel_run(device: str):
+    """A torchrun script's process group (`init_tensor_parallel`), destroyed when the block
+    ends, however it ends."""
+    group = init_tensor_parallel(device)
+    try:
+        yield group
+    finally:
+        dist.destroy_process_group()
 
 
 def _prepare(model):
