@@ -66,10 +66,10 @@ Ratios compare rows of one (pair, B, decoding): x_hf and x_stc against the plain
 rows; a flash row's stock twin (hf_assisted_self, hf_assisted, hf_lookup) and a fused
 row's materialized twin are the rows of the same G.
 
-On CUDA the flash rows also give the engine's captured step graphs' GPU time (median of
-3 x 20 replays after the timed calls; the state they mutate is the finished run's): the
-plain step, or one round of drafts (draft_first + (G-1) draft_next; none for prompt lookup,
-which drafts inside the verification step) and the verification of G drafts; and the tok/s
+On CUDA the flash rows also give the engine's captured steps' GPU time (one more call after
+the timed ones, CUDA events around each step it replays, the median per step): the plain
+step, or one round of drafts (draft_first + (G-1) draft_next, or prompt lookup's one step)
+and the verification of G drafts; and the tok/s
 those imply: B tokens per plain step, B * (1 - a^(G+1)) / (1 - a) tokens per round at an
 i.i.d. per-position acceptance a (reported at a = 1 and at the run's measured tokens per
 round). Plain rows (hf, hf_static_compile, flash_plain) give the weight bytes read per second

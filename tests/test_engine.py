@@ -256,6 +256,36 @@ def test_a_slot_grows_when_a_call_needs_more_columns():
     assert slot.target.cache.view <= slot_module.MIN_VIEW   # on CPU, the live length's
 
 
+def _peaked_llama(seed: int, size: str):
+    """A tiny Llama whose greedy tokens repeat the current one (flashspec.bench.random_init
+    .peak_weights): every draft of another such model, and every prompt lookup, is accepted."""
+    from flashspec.bench.random_init import peak_weights
+    model = peak_weights(tiny_model("llama", size, seed=seed, wrap=False))
+    return flashspec.wrap(model) if size == "target" else model
+
+
+@pytest.mark.parametrize("batch", [1, 8, 32])
+def test_calls_of_every_kind_cross_the_capacity_an_earlier_call_sized(emulated_graphs, batch):
+    """Plain, drafted, prompt lookup, plain again on one engine, each call ending exactly at
+    the capacity of the slot that the first call sized (a 128-token prompt and 128 new
+    tokens: 256 columns), with the buckets and views of CUDA (emulated graphs): every step's
+    KV writes stay inside the cache (CPU raises on an index past it) and every call gives
+    the same tokens. GPU twin: test_generate_gpu.py's test of the same sequence, timing each
+    call's steps as scripts/tok_per_s.py does (where it crashed)."""
+    model, assistant = _peaked_llama(0, "target"), _peaked_llama(1, "draft")
+    torch.manual_seed(3)
+    ids = torch.randint(1, 128, (batch, 128))
+    mask = torch.ones_like(ids)
+    kinds = [{}, dict(assistant_model=assistant, num_assistant_tokens=5,
+                      num_assistant_tokens_schedule="constant"),
+             dict(prompt_lookup_num_tokens=5), {}]
+    outs = [flash(model, ids, mask, max_new_tokens=128, **kind).sequences for kind in kinds]
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    slot = engine_module.cached_engine(model.model).slots[max(2, batch)]
+    assert slot.capacity >= 256
+
+
 class _FixedContinuation(Drafter):
     """A drafter of the tests' own: proposes ``continuation[length - start:]`` for every
     row, where ``length`` is the row's length so far (a known answer, so acceptance is

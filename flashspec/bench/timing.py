@@ -1,6 +1,6 @@
 """Timing for the benchmarks: seconds of calls with the device synchronized around each,
-the device's copy bandwidth, the GPU time of the engine's captured step graphs, and the
-tok/s those step times allow."""
+the device's copy bandwidth, the GPU time of the engine's captured steps as a call replays
+them, and the tok/s those step times allow."""
 
 from __future__ import annotations
 
@@ -15,8 +15,6 @@ from flashspec.generation.engine import cached_engine
 from flashspec.generation.heads import output_head
 
 
-GRAPH_REPLAYS = 20
-GRAPH_TRIALS = 3
 COPY_REPS = 5
 GPU_COPY_BYTES = 1 << 30
 CPU_COPY_BYTES = 64 << 20
@@ -51,44 +49,57 @@ def copy_bandwidth_gbps(device: str) -> float:
     return 2 * nbytes / statistics.median(seconds) / 1e9
 
 
-def replay_ms(graphs: list) -> float:
-    """GPU milliseconds of one replay of `graphs` in order (median of GRAPH_TRIALS runs of
-    GRAPH_REPLAYS)."""
-    trials = []
-    for _ in range(GRAPH_TRIALS):
+class StepTimer:
+    """GPU time of each captured step a call replays: the engine (`Engine.step_timer`)
+    replays every graph between two CUDA events, so the times are those of the call's own
+    steps, in the state the engine prepared for each (a graph replayed after its call could
+    find no room for its writes). Recording adds a few microseconds of host work per step."""
+
+    def __init__(self):
+        self.events: dict = {}            # step key -> [(start, end)]
+
+    def replay(self, key, graph: "torch.cuda.CUDAGraph") -> None:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        self.events.setdefault(key, []).append((start, end))
+
+    def median_ms(self) -> dict:
+        """Median GPU milliseconds of each step key's replays."""
         torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(GRAPH_REPLAYS):
-            for graph in graphs:
-                graph.replay()
-        torch.cuda.synchronize()
-        trials.append((time.perf_counter() - start) * 1e3 / GRAPH_REPLAYS)
-    return statistics.median(trials)
+        return {key: statistics.median(start.elapsed_time(end) for start, end in pairs)
+                for key, pairs in self.events.items()}
 
 
-def step_ms(target, engine_sampler: str, verify_width: int) -> dict | None:
-    """GPU time of the engine's captured steps for the call just made, None without graphs."""
+def step_ms(target, generate: Callable, engine_sampler: str, verify_width: int) -> dict | None:
+    """GPU time of the engine's captured steps in one more call of `generate` (warm: its
+    graphs exist), each step the median of its replays (`StepTimer`); None without graphs.
+    Plain decoding gives ``plain``; drafts give ``draft_round`` (an assistant's
+    ``draft_first`` and ``verify_width - 1`` of its ``draft_next``, or a prompt lookup)
+    and ``verify``."""
     engine = cached_engine(output_head(target, "model").decoder)
     if engine is None or not engine.graphs_enabled or engine.sampler_kind != engine_sampler:
         return None
-    graphs = engine.last_call_graphs
-    if ("verify", verify_width) not in graphs:
-        return {"plain": replay_ms([graphs["plain"]])} if "plain" in graphs else None
-    verify = graphs[("verify", verify_width)]
-    lookup = graphs.get(("lookup", verify_width))
+    engine.step_timer = timer = StepTimer()
+    try:
+        generate()
+    finally:
+        engine.step_timer = None
+    times = timer.median_ms()
+    verify = times.get(("verify", verify_width))
+    if verify is None:
+        return {"plain": times["plain"]} if "plain" in times else None
+    lookup = times.get(("lookup", verify_width))
     if lookup is not None:
-        return {"draft_first": None, "draft_next": None, "draft_round": replay_ms([lookup]),
-                "verify": replay_ms([verify])}
-    if "draft_first" not in graphs or (verify_width > 1 and "draft_next" not in graphs):
+        return {"draft_first": None, "draft_next": None, "draft_round": lookup, "verify": verify}
+    if "draft_first" not in times or (verify_width > 1 and "draft_next" not in times):
         return None
-    # draft_next alone would write past the draft buffer (its column count only grows);
-    # draft_first resets it, so a whole round is replayed and draft_next derived from it.
-    first = replay_ms([graphs["draft_first"]])
-    later = [graphs["draft_next"]] * (verify_width - 1) if verify_width > 1 else []
-    round_ms = replay_ms([graphs["draft_first"]] + later)
-    return {"draft_first": first,
-            "draft_next": (round_ms - first) / (verify_width - 1) if verify_width > 1 else None,
-            "draft_round": round_ms, "verify": replay_ms([verify])}
+    later = times["draft_next"] * (verify_width - 1) if verify_width > 1 else 0.0
+    return {"draft_first": times["draft_first"],
+            "draft_next": times["draft_next"] if verify_width > 1 else None,
+            "draft_round": times["draft_first"] + later, "verify": verify}
 
 
 def expected_tokens_per_round(acceptance: float, num_drafts: int) -> float:

@@ -286,7 +286,7 @@ def run_variant(name: str, case: Case, inputs: dict, args: argparse.Namespace,
             row["exchange"] = exchange_figures(exchanged[0], case, decoding)
         verify_width = 0 if case.num_drafts is None else min(case.num_drafts, args.new_tokens - 1)
         if case.cuda:
-            row["step_ms"] = step_ms(case.target, variant.engine_sampler, verify_width)
+            row["step_ms"] = step_ms(case.target, generate, variant.engine_sampler, verify_width)
         if row["step_ms"] is not None:
             row["expected_tok_s"] = expected_tok_s(row["step_ms"], case.batch_size, verify_width,
                                                    row["flash_stats"]["mean_accepted_length"])

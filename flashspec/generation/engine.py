@@ -136,7 +136,12 @@ class Engine:
         self.slots: dict[int, Slot] = {}          # batch bucket -> slot, least recent first
         self.graphs: dict = {}
         self.graph_bytes = 0
-        self.last_call_graphs: dict = {}          # step key -> graph replayed by the last call
+        self.last_call_steps: set = set()         # keys of the steps the last call replayed
+        # A benchmark's timer (`flashspec.bench.timing.StepTimer`): when set, it replays
+        # each graph between CUDA events. Graphs are replayed only here, inside a call, after
+        # `Slot.ensure_room` made room for the step's writes: a replay outside a call could
+        # write past the KV cache (a verification after a call that ended at its capacity).
+        self.step_timer = None
         # (rows, the edits' kernel inputs) -> step widths (0: sampling) compiled for them
         self.compiled_kernels: dict[tuple[int, tuple], set[int]] = {}
         self.memory_budget = getattr(head.decoder, _BUDGET_ATTRIBUTE, None)
@@ -287,7 +292,7 @@ class Engine:
 
     def _run(self, plan) -> Generated:
         started = time.monotonic()
-        self.last_call_graphs = {}
+        self.last_call_steps = set()
         if self.head.shards is not None:
             self._same_budget_on_every_rank()
         slot = self.slot_for(plan)
@@ -513,8 +518,11 @@ class Engine:
             self._drop_stale_graphs(slot)
             self.graphs[full_key] = self._capture(slot, key, fn)
         graph, outputs, _ = self.graphs[full_key]
-        self.last_call_graphs[key] = graph
-        graph.replay()
+        self.last_call_steps.add(key)
+        if self.step_timer is not None:
+            self.step_timer.replay(key, graph)
+        else:
+            graph.replay()
         return outputs
 
     def _drop_stale_graphs(self, slot: Slot) -> None:
