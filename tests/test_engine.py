@@ -145,6 +145,73 @@ def test_flagged_rows_are_completed_exactly(monkeypatch, mode):
                                rtol=1e-5, atol=1e-5)   # fp32 forwards of other shapes
 
 
+class _Order(list):
+    ahead = True
+
+
+@pytest.fixture
+def decoding_ahead(emulated_graphs, monkeypatch):
+    """The CUDA decode loop that launches each step before reading the report of the one
+    before (`Engine._decode_ahead`), on CPU under emulated graphs. Returns the order of
+    launches ("launch") and report reads ("read"); `order.ahead = False` turns it off."""
+    order = _Order()
+
+    def ahead(self, slot, plan, stops, warm_widths):
+        return (order.ahead and not slot.eager and not self.timed and stops is None
+                and plan.streamer is None)
+
+    copy_report, read = slot_module.Slot.copy_report, slot_module.PendingReport.read
+    monkeypatch.setattr(engine_module.Engine, "_decodes_ahead", ahead)
+    monkeypatch.setattr(slot_module.Slot, "copy_report",
+                        lambda self: order.append("launch") or copy_report(self))
+    monkeypatch.setattr(slot_module.PendingReport, "read",
+                        lambda self: order.append("read") or read(self))
+    return order
+
+
+@pytest.mark.parametrize("mode", ["plain", "assistant", "lookup"])
+def test_steps_launched_ahead_of_their_reports_give_the_same_output(decoding_ahead, mode):
+    """Launching each step before the host has read the last one's report (rows that finish
+    meanwhile emit nothing; near the end a step runs only if some row may still run) gives
+    what one step at a time gives: a batch whose rows end at an EOS at different steps,
+    seeded sampling, per-row emitted tokens and logprobs."""
+    from test_generate import batch_eos_token, mode_kwargs
+    ids, mask = left_pad(PROMPTS)
+    kwargs = dict(eos_token_id=batch_eos_token(), pad_token_id=0, output_logprobs=True,
+                  do_sample=True, top_k=5, seed=3, **mode_kwargs(mode))
+    ahead = flash(target(), ids, mask, **kwargs)
+    launches = list(decoding_ahead)
+    decoding_ahead.ahead = False
+    one_at_a_time = flash(target(), ids, mask, **kwargs)
+    assert "launch,launch" in ",".join(launches)       # a step was in flight during a read
+    assert torch.equal(ahead.sequences, one_at_a_time.sequences)
+    torch.testing.assert_close(ahead.logprobs, one_at_a_time.logprobs)
+    assert torch.equal(ahead.flash_stats.emitted.sum(dim=0),
+                       one_at_a_time.flash_stats.emitted.sum(dim=0))
+
+
+@pytest.mark.parametrize("mode", ["plain", "assistant"])
+def test_flagged_rows_are_completed_exactly_when_steps_run_ahead(decoding_ahead, monkeypatch,
+                                                                  mode):
+    """A row flagged for exact completion while the next step is already in flight: that
+    step computes the row's position again and its report completes it; the output is the
+    unflagged run's (tokens, logprobs, tokens per row)."""
+    ids, mask = left_pad(PROMPTS)
+    kwargs = dict(RAGGED) if mode == "assistant" else {}
+    sampling = dict(do_sample=True, top_k=5, seed=11, max_new_tokens=12, output_logprobs=True)
+    engine_module.drop_engine(target().model)
+    unflagged = flash(target(), ids, mask, **kwargs, **sampling)
+    monkeypatch.setattr(samplers, "MaterializedSampler", _FlaggingSampler)
+    _FlaggingSampler.flagged = 0
+    engine_module.drop_engine(target().model)
+    fast = flash(target(), ids, mask, **kwargs, **sampling)
+    engine_module.drop_engine(target().model)
+    assert _FlaggingSampler.flagged > 0
+    assert torch.equal(fast.sequences, unflagged.sequences)
+    torch.testing.assert_close(fast.logprobs, unflagged.logprobs)
+    assert torch.equal(fast.flash_stats.emitted.sum(dim=0), unflagged.flash_stats.emitted.sum(dim=0))
+
+
 @pytest.mark.parametrize("schedule, allowed", [
     ("constant", {3}), ("heuristic", {1, 2, 4, 8, 16, 19})])
 def test_verification_steps_take_few_distinct_widths(monkeypatch, schedule, allowed):

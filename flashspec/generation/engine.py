@@ -31,6 +31,7 @@ object's state; the steps themselves live in `slot`, the drafters in `drafters`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import time
@@ -40,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..checks import NonFiniteLogitsError
+from ..outputs import OK
 from . import samplers
 from .compiled import LOG, DecoderRunner, Event
 from .outputs import Generated, SpeculationStats
@@ -318,14 +320,30 @@ class Engine:
         steps = []
         deadline = None if plan.max_time is None else started + plan.max_time
         report = self._prefill(slot, drafter, prompt)
+        if self._decodes_ahead(slot, plan, stops, warm_widths):
+            self._decode_ahead(slot, plan, drafter, report, steps, num_rows)
+        else:
+            self._decode(slot, plan, drafter, report, steps, num_rows, stops, deadline,
+                         warm_widths)
+        if plan.persist_schedule is not None:
+            plan.persist_schedule(slot.num_drafts[:num_rows].clone())
+        if plan.streamer is not None:
+            plan.streamer.end()
+        tokens, count, logprobs = slot.outputs(num_rows, plan.pad_token_id, plan.output_logprobs)
+        return Generated(tokens, count, logprobs, _stats(steps, num_rows))
+
+    def _decode(self, slot: Slot, plan, drafter, report: Report, steps: list, num_rows: int,
+                stops, deadline: float | None, warm_widths: list[int]) -> None:
+        """The decode loop, one step at a time: each step's report is read before the next
+        step is chosen (stop strings and criteria, a streamer, max_time, eager steps)."""
         per_forward = None                  # seconds per forward, from the last step
         while True:
             self._after_step(plan, slot, report, stops)
             steps.append(report)
             if all(report.finished[:num_rows]):
-                break
+                return
             if deadline is not None and time.monotonic() > deadline:
-                break
+                return
             width = self._width(slot, report) if drafter is not None else 0
             timed = deadline is not None and width > 0
             if timed:
@@ -333,28 +351,74 @@ class Engine:
             elif warm_widths and width > 0:
                 width, timed = warm_widths.pop(0), True
             step_started = time.monotonic()
-            # Room for the step's writes: a one-token forward writes a dead column too.
-            if width == 0:
-                slot.ensure_room(report, 2)
-                hidden = self._run_step(slot, "plain", slot.plain)
-                report = self._finish(slot, hidden, None)
-            else:
-                step = self._step_width(slot, width, timed)
-                slot.ensure_room(report, step + 2)
-                for key, fn in drafter.steps(width):
-                    self._run_step(slot, key, fn, plan.drafter.key)
-                if step > width:  # fewer drafts than columns: those past them are an old step's
-                    slot.drafts[:, width:step] = -1
-                    slot.draft_failed[:, width:step] = False
-                hidden, drafts = self._run_step(slot, ("verify", step), lambda: slot.verify(step))
-                report = self._finish(slot, hidden, drafts)
+            hidden, drafts = self._launch(slot, plan, drafter, report, width, timed)
+            report = self._finish(slot, hidden, drafts)
             per_forward = (time.monotonic() - step_started) / (width + 1)
-        if plan.persist_schedule is not None:
-            plan.persist_schedule(slot.num_drafts[:num_rows].clone())
-        if plan.streamer is not None:
-            plan.streamer.end()
-        tokens, count, logprobs = slot.outputs(num_rows, plan.pad_token_id, plan.output_logprobs)
-        return Generated(tokens, count, logprobs, _stats(steps, num_rows))
+
+    def _decodes_ahead(self, slot: Slot, plan, stops, warm_widths: list[int]) -> bool:
+        """Whether the call's steps can run one ahead of the host: captured steps, and no
+        host work between steps (stop strings or criteria, a streamer, max_time, a warm-up's
+        widths)."""
+        return (self.graphs_enabled and not slot.eager and not self.uncompiled
+                and not self.timed and not warm_widths and stops is None
+                and plan.streamer is None)
+
+    def _decode_ahead(self, slot: Slot, plan, drafter, report: Report, steps: list,
+                      num_rows: int) -> None:
+        """The decode loop with the next step launched before the host reads a step's
+        report (a copy the step's end leaves in host memory), so that the GPU does not wait
+        for the host between steps. The next step is chosen from the report before (its
+        drafts, its room: `_launch` makes room for both steps); rows finished meanwhile emit
+        nothing, and near the end a step runs only if some row can still be running after
+        the one in flight (with EOS ids, one step at the end may emit nothing).
+
+        A row that a step flags for exact completion did not advance, so the step in flight
+        computes its position again: its report completes the row, or completes it exactly
+        if it flags the row again (no step is launched before that report is read, so its
+        hidden states are still the step's outputs)."""
+        self._after_step(plan, slot, report, None)
+        steps.append(report)
+        if all(report.finished[:num_rows]):
+            return
+        in_flight: collections.deque = collections.deque()
+        hold = False
+        while True:
+            if (len(in_flight) < 2 and not hold
+                    and _may_run(report, slot.end_list, num_rows, len(in_flight))):
+                width = self._width(slot, report) if drafter is not None else 0
+                outputs = self._launch(slot, plan, drafter, report, width,
+                                       ahead=len(in_flight))
+                in_flight.append((outputs, slot.copy_report()))
+                continue
+            (hidden, drafts), pending = in_flight.popleft()
+            report = pending.read()
+            flagged = [b for b, s in enumerate(report.status) if s == samplers.NEEDS_COMPLETION]
+            hold = bool(flagged and in_flight)
+            for b in flagged if hold else ():
+                report.status[b] = OK          # the step in flight redoes the row
+            report = self._finish(slot, hidden, drafts, report)
+            self._after_step(plan, slot, report, None)
+            steps.append(report)
+            if all(report.finished[:num_rows]):
+                return
+
+    def _launch(self, slot: Slot, plan, drafter, report: Report, width: int,
+                timed: bool = False, ahead: int = 0):
+        """Make room and run one step: plain (`width` 0) or `width` drafts and their
+        verification; `ahead`: steps launched before it whose reports are not read yet (its
+        room counts theirs). Returns the step's hidden states and drafts (None if plain)."""
+        if width == 0:
+            # A one-token forward writes a dead column too.
+            slot.ensure_room(report, 2 * (ahead + 1))
+            return self._run_step(slot, "plain", slot.plain), None
+        step = self._step_width(slot, width, timed)
+        slot.ensure_room(report, (step + 2) * (ahead + 1))
+        for key, fn in drafter.steps(width):
+            self._run_step(slot, key, fn, plan.drafter.key)
+        if step > width:  # fewer drafts than columns: those past them are an old step's
+            slot.drafts[:, width:step] = -1
+            slot.draft_failed[:, width:step] = False
+        return self._run_step(slot, ("verify", step), lambda: slot.verify(step))
 
     def timed_widths(self, slot: Slot) -> list[int]:
         """The verification widths a call with `max_time` can meet in `slot` (its drafts cut
@@ -567,9 +631,10 @@ class Engine:
         LOG.info("captured %s in %.2f s", event.what, event.seconds)
         return graph, outputs, pool_bytes
 
-    def _finish(self, slot: Slot, hidden, drafts) -> Report:
-        """Read the step's report; raise on non-finite logits; complete flagged rows."""
-        report = slot.read_report()
+    def _finish(self, slot: Slot, hidden, drafts, report: Report | None = None) -> Report:
+        """Read the step's report (or take it, read from its host copy); raise on
+        non-finite logits; complete flagged rows."""
+        report = slot.read_report() if report is None else report
         if any(report.broken):
             raise NonFiniteLogitsError([b for b, x in enumerate(report.broken) if x],
                                        source="assistant_model")
@@ -717,6 +782,13 @@ def _anchor(pool, device: torch.device) -> "torch.cuda.CUDAGraph":
     with torch.cuda.graph(graph, pool=pool):
         torch.zeros(1, device=device)
     return graph
+
+
+def _may_run(report: Report, ends: list[int], num_rows: int, in_flight: int) -> bool:
+    """Whether some row may still be running after `in_flight` more steps (each emits at
+    least one token for every row it runs and does not flag)."""
+    return any(not done and end - length > in_flight for done, end, length
+               in zip(report.finished[:num_rows], ends, report.length))
 
 
 def _width_in_time(width: int, seconds_left: float, per_forward: float | None) -> int:

@@ -82,6 +82,19 @@ class Report:
                    tokens=rows[tokens_start:probs_start], accept_probs=probs.tolist())
 
 
+class PendingReport:
+    """A step's report on its way to host memory (`Slot.copy_report`): `read` waits for it."""
+
+    def __init__(self, host: torch.Tensor, done, num_caches: int, max_drafts: int):
+        self.host, self.done = host, done
+        self.num_caches, self.max_drafts = num_caches, max_drafts
+
+    def read(self) -> Report:
+        if self.done is not None:
+            self.done.synchronize()
+        return Report.read(self.host, self.num_caches, self.max_drafts)
+
+
 class _Cache:
     """A decoder's runner and its cache in the slot; `refeed`: how many of a row's last
     tokens the decoder's next step feeds again (so their entries may be dropped)."""
@@ -155,6 +168,12 @@ class Slot:
     def _resize_report(self) -> None:
         rows = Report.FIELDS + len(self.caches) + (self.max_drafts + 1) + self.max_drafts
         self.report = torch.zeros(rows, self.batch_size, dtype=torch.long, device=self.device)
+        # Two host copies: a step's while the host reads the one before (`copy_report`).
+        cuda = self.device.type == "cuda"
+        self.host_reports = [torch.zeros(self.report.shape, dtype=torch.long, pin_memory=cuda)
+                             for _ in range(2)]
+        self.copies = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self.next_copy = 0
         self.generation += 1
 
     def attached(self, drafter):
@@ -445,6 +464,17 @@ class Slot:
 
     def read_report(self) -> Report:
         return Report.read(self.report, len(self.caches), self.max_drafts)
+
+    def copy_report(self) -> PendingReport:
+        """Start copying the last step's report to host memory (after the step, in stream
+        order) and return it pending: the next step may overwrite the report meanwhile.
+        The two host buffers alternate: at most two copies may be pending."""
+        index, self.next_copy = self.next_copy, 1 - self.next_copy
+        host, done = self.host_reports[index], self.copies[index]
+        host.copy_(self.report, non_blocking=done is not None)
+        if done is not None:
+            done.record()
+        return PendingReport(host, done, len(self.caches), self.max_drafts)
 
     def stop_rows(self, rows: list[int], lengths: list[int]) -> None:
         """End the given rows at the given lengths (a stop string completed inside a step)."""
