@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from .invariant import invariant_forward
-from .kv_cache import WindowCache, first_rows
+from .kv_cache import WindowCache, engine_causal_mask, first_rows, takes_padding_mask
 
 LOG = logging.getLogger("flashspec")
 CACHE_ENV = "FLASHSPEC_CACHE_DIR"
@@ -123,6 +123,8 @@ class DecoderRunner:
         self._compiled = None            # the compiled forward, made at the first compiled step
         # Set by the engine for a call that must not compile (`max_time`): steps run eagerly.
         self.eager = False
+        # The decoder's forward reads the 2-D padding mask itself (ALiBi: Bloom, Falcon-ALiBi).
+        self.padding_mask = takes_padding_mask(decoder)
         if compile:
             use_disk_cache()
 
@@ -166,12 +168,24 @@ class DecoderRunner:
         return hidden
 
     def _kernels(self):
-        """The invariant kernels (`invariant.invariant_forward`) when this runner uses them."""
-        return invariant_forward(self.decoder) if self.invariant else contextlib.nullcontext()
+        """What a forward of this runner runs inside (entered outside any compiled code): the
+        invariant kernels (`invariant.invariant_forward`) when this runner uses them, and for
+        a decoder that takes the 2-D padding mask, its `create_causal_mask` answering with the
+        cache's mask (`kv_cache.engine_causal_mask`)."""
+        stack = contextlib.ExitStack()
+        if self.invariant:
+            stack.enter_context(invariant_forward(self.decoder))
+        if self.padding_mask:
+            stack.enter_context(engine_causal_mask(self.decoder))
+        return stack
 
     def _forward(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
                  new_live: torch.Tensor | None = None) -> torch.Tensor:
         mask = cache.begin(position_ids, new_live, masks=not self.invariant)
+        if self.padding_mask and mask is not None:
+            # The decoder builds its ALiBi biases from the 2-D mask, each live key's position
+            # as in stock; its create_causal_mask returns `mask` (`engine_causal_mask`).
+            mask = cache.padding_mask(input_ids.shape[0])
         # The invariant attention reads keys by position through the cache's index.
         extra = ({"key_index": first_rows(cache.key_index, input_ids.shape[0])}
                  if self.invariant else {})

@@ -58,7 +58,8 @@ import torch.distributed as dist
 from .. import reference
 from ..parallel import VocabShards
 from ..parallel.exchange import all_gather_vocab
-from .kv_cache import ATTENTION, layer_kinds
+from .kv_cache import (ATTENTION, column_alibi, forward_globals, layer_kinds,
+                       takes_padding_mask)
 
 _CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -306,3 +307,18 @@ def check_decoder(decoder: torch.nn.Module, role: str) -> None:
             f"`{role}` ({type(decoder).__name__}) has layers other than full or sliding-window "
             "attention (chunked, linear or recurrent), whose state sampler='flash' does not "
             "keep; run generate() without sampler='flash'")
+    name = column_alibi(decoder)
+    if name is not None:
+        raise ValueError(
+            f"`{role}` ({type(decoder).__name__}) adds ALiBi biases by key column ({name}'s "
+            "alibi table, sliced to the last KV columns), which equal position differences only "
+            "where each row's keys sit in adjacent columns; sampler='flash' keeps keys by "
+            "sequence position, in columns shared by the batch, where a row's keys can be apart "
+            "(other rows' longer accepted drafts, compaction), so its biases would not be the "
+            "model's; run generate() without sampler='flash'")
+    if takes_padding_mask(decoder) and "create_causal_mask" not in forward_globals(decoder):
+        raise ValueError(
+            f"`{role}` ({type(decoder).__name__}) reads the 2-D attention mask in its forward "
+            "(ALiBi) but does not build its causal mask with transformers' create_causal_mask, "
+            "through which sampler='flash' gives it the position-addressed mask; run "
+            "generate() without sampler='flash'")

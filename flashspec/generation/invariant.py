@@ -20,6 +20,7 @@ decode step (BENCHMARKS.md), so it is off by default.
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -171,7 +172,20 @@ def unsupported_reason(decoder: torch.nn.Module) -> str | None:
     """Why `decoder` cannot run invariantly, or None."""
     if getattr(decoder.config, "attn_logit_softcapping", None):
         return "its attention softcaps logits"
+    if not uses_attention_interface(decoder):
+        return ("its attention is computed by the model's own code (as Bloom's, Falcon's, "
+                "MPT's, GPT-J's is) rather than through transformers' attention interface")
     return None
+
+
+def uses_attention_interface(decoder: torch.nn.Module) -> bool:
+    """Whether one of the modeling files of `decoder`'s modules looks its attention up in
+    transformers' attention interface (``ALL_ATTENTION_FUNCTIONS``). Those that do not
+    (transformers 5.17's Bloom, Falcon, MPT, GPT-J, GPT-Neo, CodeGen, XGLM...) compute
+    attention themselves, with the mask the invariant forward does not build."""
+    names = {type(module).__module__ for module in decoder.modules()}
+    return any("ALL_ATTENTION_FUNCTIONS" in vars(sys.modules[name])
+               for name in names if name in sys.modules)
 
 
 def check_supported(decoders) -> None:

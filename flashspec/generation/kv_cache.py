@@ -28,15 +28,43 @@ shapes for a given view, so a forward through this cache can be captured in a CU
 Rows that fall far behind leave holes; `WindowCache.compact` packs the live entries to the
 left (an eager copy, needed only when the write column would run past the capacity), and
 `WindowCache.grow` moves everything to larger buffers.
+
+A row's live entries therefore lie in column order at positions 0, 1, 2, ... (a forward drops
+the row's entries from its first fed position on and writes past every live column; compaction
+keeps column order), so ``(live.cumsum(-1) - 1) * live`` over a view is each live entry's
+position, as transformers computes positions from its own 2-D padding mask. Decoders whose
+forward reads that 2-D mask itself (ALiBi: Bloom, Falcon with ``alibi=True``;
+`PADDING_MASK_DECODERS`) get it (`WindowCache.padding_mask`), and the causal mask their
+forward then builds from it is the cache's own position-addressed mask
+(`engine_causal_mask`). ALiBi by key column (MPT, `COLUMN_ALIBI_DECODERS`) cannot be served:
+a row's keys need not sit in adjacent columns.
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import threading
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 ATTENTION = ("sdpa", "eager")        # implementations that take masks built from positions
+
+# transformers' decoders (base-model classes, by name) whose forward reads the 2-D padding
+# mask itself before building its causal mask from it with `create_causal_mask`: ALiBi biases
+# from each key's position ``(mask.cumsum(-1) - 1) * mask`` (their `build_alibi_tensor`),
+# which a 4-D mask breaks. Each with the config flag that turns ALiBi on (None: always on).
+# Found in transformers 5.17 by the base models' forwards that use `attention_mask` other than
+# by passing it to the mask functions.
+PADDING_MASK_DECODERS = {"BloomModel": None, "FalconModel": "alibi"}
+# Decoders whose ALiBi biases follow key columns (the last columns of a fixed table): equal to
+# position differences only where each row's keys sit in adjacent columns, which the
+# position-addressed cache does not keep (other rows' longer accepted drafts and compaction
+# leave holes). Refused (`heads.check_decoder`).
+COLUMN_ALIBI_DECODERS = ("MptModel",)
 
 
 class WindowLayer(CacheLayerMixin):
@@ -98,6 +126,7 @@ class WindowCache(Cache):
         self.column_index = torch.arange(capacity + 1, device=device)
         self.columns = self.column_index[:0]
         self.num_updates = 0
+        self.mask = None                    # what the last `begin` returned
         self._views: dict[int, torch.Tensor] = {}
         self._columns_copies: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.set_view(capacity)
@@ -155,10 +184,20 @@ class WindowCache(Cache):
         first_rows(self.key_index, rows).scatter_(
             1, torch.where(live, position_ids, spare), self.columns.expand(rows, -1))
         self.num_updates = 0
+        self.mask = None
         if not masks:
             return None
         masks = {kind: self._mask(position_ids, window) for kind, window in self.layer_kinds.items()}
-        return masks if len(masks) > 1 else next(iter(masks.values()))
+        self.mask = masks if len(masks) > 1 else next(iter(masks.values()))
+        return self.mask
+
+    def padding_mask(self, rows: int) -> torch.Tensor:
+        """``[rows, view]`` bool: which of the view's columns hold a live entry of each of the
+        first `rows` rows, after `begin` (the forward's own entries included). A row's live
+        entries lie in column order at positions 0, 1, 2, ..., so ``(mask.cumsum(-1) - 1) *
+        mask`` is each one's position, as transformers derives positions from its 2-D mask:
+        for the decoders that read it (`PADDING_MASK_DECODERS`)."""
+        return first_rows(self.live, rows)[:, : self.view_columns.shape[0]]
 
     def _mask(self, position_ids: torch.Tensor, window: int | None) -> torch.Tensor:
         view = self.view_columns.shape[0]
@@ -254,3 +293,77 @@ def layer_kinds(config) -> dict[str, int | None] | None:
         return None
     return {kind: (window if kind == SLIDING else None) for kind in sorted(set(types))}
 
+
+
+def _base_class(decoder: torch.nn.Module, names) -> str | None:
+    """The first class name of `decoder`'s class hierarchy that is in `names`, or None."""
+    return next((cls.__name__ for cls in type(decoder).__mro__ if cls.__name__ in names), None)
+
+
+def takes_padding_mask(decoder: torch.nn.Module) -> bool:
+    """Whether `decoder`'s forward reads the 2-D padding mask itself (`PADDING_MASK_DECODERS`,
+    with its ALiBi flag on): the engine then passes it `WindowCache.padding_mask` inside
+    `engine_causal_mask`."""
+    name = _base_class(decoder, PADDING_MASK_DECODERS)
+    if name is None:
+        return False
+    flag = PADDING_MASK_DECODERS[name]
+    return flag is None or bool(getattr(decoder.config, flag, False))
+
+
+def column_alibi(decoder: torch.nn.Module) -> str | None:
+    """The class (of `COLUMN_ALIBI_DECODERS`) by which `decoder` adds ALiBi biases by key
+    column, or None."""
+    return _base_class(decoder, COLUMN_ALIBI_DECODERS)
+
+
+def forward_globals(decoder: torch.nn.Module) -> dict:
+    """The module namespace `decoder`'s forward reads its functions from (its modeling file)."""
+    return inspect.unwrap(type(decoder).forward).__globals__
+
+
+_LOCK = threading.Lock()
+_DISPATCHERS: dict[int, tuple] = {}   # id(namespace) -> (dispatcher, transformers' function)
+_USERS: dict[int, int] = {}           # id(namespace) -> forwards inside `engine_causal_mask`
+
+
+def _dispatcher(original):
+    """`original` (transformers' `create_causal_mask`), except for a forward over a
+    `WindowCache` prepared with masks: that forward's mask (`WindowCache.mask`)."""
+    @functools.wraps(original)
+    def create_causal_mask(*args, **kwargs):
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))   # "cache" from 5.24
+        if cache is None and len(args) > 3:
+            cache = args[3]
+        if isinstance(cache, WindowCache) and isinstance(cache.mask, torch.Tensor):
+            return cache.mask
+        return original(*args, **kwargs)
+
+    return create_causal_mask
+
+
+@contextlib.contextmanager
+def engine_causal_mask(decoder: torch.nn.Module):
+    """Inside, the `create_causal_mask` that `decoder`'s forward calls returns, for a forward
+    over a `WindowCache`, the position-addressed mask `WindowCache.begin` made for it, so that
+    the forward may be given the 2-D `WindowCache.padding_mask` (`takes_padding_mask`); any
+    other call (another thread's stock forward of a model of that file included) goes to
+    transformers' function. The name is swapped in the modeling file's namespace while any
+    forward is inside, always for the same function (a compiled forward guards on it)."""
+    names = forward_globals(decoder)
+    key = id(names)
+    with _LOCK:
+        entry = _DISPATCHERS.get(key)
+        if _USERS.get(key, 0) == 0:
+            current = names["create_causal_mask"]
+            if entry is None or entry[1] is not current:
+                entry = _DISPATCHERS[key] = (_dispatcher(current), current)
+            names["create_causal_mask"] = entry[0]
+        _USERS[key] = _USERS.get(key, 0) + 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _USERS[key] -= 1
+            if _USERS[key] == 0:
+                names["create_causal_mask"] = entry[1]
