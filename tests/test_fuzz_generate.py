@@ -101,7 +101,7 @@ DOCUMENTED_REFUSALS = {
     # invalid draft counts, refused even where stock makes no draft (README: "Refused")
     "prompt_lookup_num_tokens": lambda kw: not _count(kw.get("prompt_lookup_num_tokens")),
     "max_matching_ngram_size": lambda kw: not _count(kw.get("max_matching_ngram_size") or 2),
-    # stock generate runs the call (the mask is not left padding) and flashspec's seed
+    # stock generate runs the call (right padding, say) and flashspec's seed
     # cannot key its sampling.
     "seed": lambda kw: kw.get("seed") is not None,
     # rows of a batch advance unevenly

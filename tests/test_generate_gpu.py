@@ -324,3 +324,34 @@ def test_calls_of_every_kind_cross_the_capacity_an_earlier_call_sized(batch):
         torch.cuda.synchronize()
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_past_key_values_round_trip_on_cuda(mode):
+    """bf16: a chat's second turn continues from the first's returned cache (a DynamicCache
+    of bf16 entries, one per column of `sequences` but the last; the call updates it in
+    place): its tokens are those of one call on the concatenated prompt, greedy and seeded,
+    up to near-ties of the float64 target (a cache filled by steps and one filled by a
+    prefill round differently in bf16). CPU twin:
+    tests/test_cache_and_inputs.py::test_two_calls_with_the_returned_cache_are_one_call."""
+    from transformers import DynamicCache
+
+    model, draft = _pair(torch.bfloat16)
+    ids, mask = _prompts("cuda")
+    more = torch.tensor([[5, 6, 7]] * 4, device="cuda") + torch.arange(4, device="cuda")[:, None]
+    seeds = torch.tensor([31, 32, 33, 34])
+    for sampling in ({"do_sample": False}, SAMPLING["qwen3"]):
+        kwargs = dict(sampling, seed=seeds) if sampling["do_sample"] else dict(sampling)
+        first = _run(model, draft, ids, mask, mode, return_dict_in_generate=True, **kwargs)
+        cache = first.past_key_values
+        assert isinstance(cache, DynamicCache)
+        assert cache.get_seq_length() == first.sequences.shape[1] - 1
+        assert cache.layers[0].keys.dtype == torch.bfloat16
+        ids2 = torch.cat([first.sequences, more], dim=1)
+        mask2 = torch.nn.functional.pad(mask, (0, ids2.shape[1] - mask.shape[1]), value=1)
+        second = _run(model, draft, ids2, mask2, mode, past_key_values=cache,
+                      return_dict_in_generate=True, **kwargs)
+        assert second.past_key_values is cache
+        assert cache.get_seq_length() == second.sequences.shape[1] - 1
+        once = _run(model, draft, ids2, mask2, mode, **kwargs)
+        _assert_same_or_near_tie(ids2, mask2, second.sequences, once, sampling, seeds, 3e-2)

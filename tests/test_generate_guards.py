@@ -3,6 +3,8 @@ from the wrong distribution, and corner cases of the running batch."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import transformers
@@ -132,7 +134,7 @@ def test_logprobs_need_the_output_object():
     (dict(num_beams=2), r"`num_beams`=2 \(set in the call\) selects transformers' 'beam_search'"),
     (dict(guidance_scale=1.5), "classifier-free guidance"),
     (dict(output_attentions=True, return_dict_in_generate=True), "attentions are not collected"),
-    (dict(past_key_values=transformers.DynamicCache()), "`past_key_values`: the engine takes"),
+    (dict(position_ids=torch.arange(10)[None] + 2), "`position_ids` are not the positions"),
 ])
 def test_other_methods_defer_to_stock_with_a_warning(kwargs, message):
     """What the engine does not do runs stock generate (same tokens), with a warning."""
@@ -140,8 +142,6 @@ def test_other_methods_defer_to_stock_with_a_warning(kwargs, message):
     with pytest.warns(UserWarning, match=message):
         ours = target().generate(ids, attention_mask=mask, sampler="flash", max_new_tokens=3,
                                  **kwargs)
-    if "past_key_values" in kwargs:
-        kwargs = dict(past_key_values=transformers.DynamicCache())
     theirs = target().generate(ids, attention_mask=mask, max_new_tokens=3, **kwargs)
     ours = ours if torch.is_tensor(ours) else ours.sequences
     assert torch.equal(ours, theirs if torch.is_tensor(theirs) else theirs.sequences)
@@ -232,13 +232,20 @@ def test_huge_limit_allocates_by_what_is_generated():
 
 
 def test_int32_ids_and_other_inputs_stock_takes_give_stock_tokens():
-    """int32 ids run on the engine; right-padded and holed masks, position_ids and
-    inputs_embeds run on stock generate (a warning says so)."""
+    """int32 ids, holed masks, the position_ids stock derives and inputs_embeds run on the
+    engine; right-padded masks and other position_ids run on stock generate (a warning says
+    so). All give stock's tokens (tests/test_cache_and_inputs.py has the rest)."""
     model = target()
     assert torch.equal(model.generate(_IDS.int(), sampler="flash", max_new_tokens=3),
                        model.generate(_IDS, max_new_tokens=3))
+    for kwargs in (dict(attention_mask=torch.tensor([[1, 0, 1, 1]])),
+                   dict(position_ids=torch.arange(4)[None]),
+                   dict(inputs_embeds=model.get_input_embeddings()(_IDS).detach())):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*defers this call to stock")
+            ours = model.generate(_IDS, sampler="flash", max_new_tokens=3, **kwargs)
+        assert torch.equal(ours, model.generate(_IDS, max_new_tokens=3, **kwargs))
     for kwargs in (dict(attention_mask=torch.tensor([[1, 1, 1, 0]])),
-                   dict(attention_mask=torch.tensor([[1, 0, 1, 1]])),
                    dict(position_ids=torch.arange(4)[None] + 3)):
         with pytest.warns(UserWarning, match="defers this call to stock"):
             ours = model.generate(_IDS, sampler="flash", max_new_tokens=3, **kwargs)

@@ -136,8 +136,12 @@ def check_eval_mode(model) -> None:
                          "generate(sampler='flash'), or run generate() without sampler='flash'")
 
 
-def checked_input_ids(model, input_ids: torch.Tensor, input_name: str) -> torch.Tensor:
-    """The prompts as int64 ``[B, L]``, or a ValueError naming what is wrong with them."""
+def checked_input_ids(model, input_ids: torch.Tensor, input_name: str,
+                      empty: bool = False) -> torch.Tensor:
+    """The prompts as int64 ``[B, L]``, or a ValueError naming what is wrong with them;
+    `empty`: ``[B, 0]`` is allowed (the ids beside `inputs_embeds`, none given)."""
+    if empty and torch.is_tensor(input_ids) and input_ids.dim() == 2 and input_ids.shape[1] == 0:
+        return input_ids.long()
     if input_name != "input_ids":
         raise ValueError(f"sampler='flash' needs token ids `input_ids` [batch, length], got "
                          f"`{input_name}`; run generate() without sampler='flash'")

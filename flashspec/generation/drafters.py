@@ -157,11 +157,13 @@ class _AttachedLookup(AttachedDrafter):
         return [(("lookup", width), lambda: self._lookup(width))]
 
     def _lookup(self, width: int) -> None:
-        """Drafts from each row's tokens so far (right-aligned for the search)."""
+        """Drafts from each row's tokens so far (right-aligned for the search), those the
+        call knows: not a prompt given as embeddings or by a passed cache only (as stock's
+        prompt lookup searches its input_ids)."""
         slot = self.slot
         columns = slot.seq.shape[1]
         source = torch.arange(columns, device=slot.device)[None, :] - columns + slot.length[:, None]
-        valid = source >= 0
+        valid = source >= slot.known_from[:, None]
         tokens = torch.where(valid, slot.seq.gather(1, source.clamp_min(0)), 0)
         allowed = torch.full_like(slot.length, width)
         slot.drafts[:, :width] = prompt_lookup_drafts(tokens, valid, allowed, self.max_ngram_size,

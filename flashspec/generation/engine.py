@@ -44,6 +44,7 @@ from ..checks import NonFiniteLogitsError
 from ..outputs import OK
 from . import samplers
 from .compiled import LOG, DecoderRunner, Event
+from .inputs import TokenTypes, decoder_inputs
 from .outputs import Generated, SpeculationStats
 from .slot import Report, Slot, bucket
 
@@ -223,7 +224,7 @@ class Engine:
 
     def slot_for(self, plan) -> Slot:
         """A slot for `plan`'s rows, with room for its prompts and first drafts."""
-        rows, width = plan.input_ids.shape
+        rows, width = plan.attention_mask.shape
         batch = batch_bucket(rows, self.graphs_enabled)
         max_drafts = _max_drafts(plan)
         capacity = bucket(width + max(max_drafts, 1) + 2)
@@ -286,11 +287,16 @@ class Engine:
 
     def run(self, plan) -> Generated:
         """Run the call of `plan`, on the head's GPU as the current device (Triton kernels
-        and CUDA graphs use the current device's stream; a model on cuda:1 needs it)."""
-        if self.device.type != "cuda":
-            return self._run(plan)
-        with torch.cuda.device(self.device):
-            return self._run(plan)
+        and CUDA graphs use the current device's stream; a model on cuda:1 needs it). The
+        call's token types reach every forward of the target through a hook held meanwhile
+        (`inputs.TokenTypes`)."""
+        types = (None if plan.token_type_ids is None
+                 else TokenTypes(plan.token_type_ids, plan.attention_mask))
+        with decoder_inputs(self.head.decoder, types):
+            if self.device.type != "cuda":
+                return self._run(plan)
+            with torch.cuda.device(self.device):
+                return self._run(plan)
 
     def _run(self, plan) -> Generated:
         started = time.monotonic()
@@ -330,7 +336,8 @@ class Engine:
         if plan.streamer is not None:
             plan.streamer.end()
         tokens, count, logprobs = slot.outputs(num_rows, plan.pad_token_id, plan.output_logprobs)
-        return Generated(tokens, count, logprobs, _stats(steps, num_rows))
+        kv = slot.returned_kv(plan, int(count.max()) if num_rows else 0) if plan.wants_kv else None
+        return Generated(tokens, count, logprobs, _stats(steps, num_rows), kv)
 
     def _decode(self, slot: Slot, plan, drafter, report: Report, steps: list, num_rows: int,
                 stops, deadline: float | None, warm_widths: list[int]) -> None:
@@ -523,8 +530,8 @@ class Engine:
             entry.cache.set_view(bucket(prompt[0].shape[1] + 1))
         if drafter is not None:
             drafter.start(prompt)
-        target = slot.target
-        hidden = slot.sample(slot.forward_prompt(target.runner, target.cache, *prompt)[:, -1])
+        # The target reads the columns after a passed cache's (`Slot.prefill_target`).
+        hidden = slot.sample(slot.prefill_target()[:, -1])
         return self._finish(slot, hidden, None)
 
     def _after_step(self, plan, slot: Slot, report: Report, stops) -> None:
@@ -715,7 +722,9 @@ class _HostStops:
     def __init__(self, plan, num_rows: int):
         self.strings = plan.stop_criteria
         self.custom = plan.custom_stops
-        mask = plan.attention_mask.bool().cpu()
+        # Stock's input_ids are the prompts' last columns (none beside inputs_embeds alone).
+        mask = plan.attention_mask[:, plan.attention_mask.shape[1] - plan.input_ids.shape[1]:]
+        mask = mask.bool().cpu()
         prompts = plan.input_ids.cpu()
         self.rows = [prompts[b][mask[b]].tolist() for b in range(num_rows)]
         self.num_rows = num_rows

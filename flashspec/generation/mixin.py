@@ -19,6 +19,7 @@ from .engine import engine_for
 from .heads import tensor_parallel_head
 from .invariant import check_supported
 from .outputs import FlashGenerateOutput
+from .past import returned_cache
 from .plan import StockDelegation, plan_generation
 
 SAMPLERS = ("flash", "materialized")
@@ -77,6 +78,13 @@ class FlashGenerationMixin(GenerationMixin):
     ``num_assistant_tokens_schedule`` honoured from the call, else from the assistant's
     generation config) or ``prompt_lookup_num_tokens=`` (with ``max_matching_ngram_size``).
     Batches of any size, with left padding, in every mode.
+
+    Inputs as stock takes them: ``inputs_embeds``, any 0/1 ``attention_mask`` whose rows end
+    with a live token, the ``position_ids`` stock derives from it, ``token_type_ids`` (GPT-2),
+    and ``past_key_values``: with ``return_dict_in_generate=True`` the output holds the
+    transformers cache stock's would (``DynamicCache``; ``StaticCache`` with
+    ``cache_implementation="static"``), and a cache passed in is read instead of the
+    prompt's first columns and updated in place (`flashspec.generation.past`).
 
     ``max_time`` counts from the call's start, compilation and graph capture included. A
     call with it never compiles or captures: where its steps would (a first call, a new
@@ -141,6 +149,9 @@ class FlashGenerationMixin(GenerationMixin):
                 if invariant:
                     check_supported([plan.head.decoder, *getattr(plan.drafter, "decoders", ())])
                 generated = engine_for(plan, kind, invariant).run(plan)
+                # The cache stock returns, or the caller's updated in place as stock updates it.
+                cache = (returned_cache(self, plan, generated.kv) if generated.kv is not None
+                         else None)
         if isinstance(plan, StockDelegation):
             return super().generate(inputs, generation_config, **kwargs)
         width = int(generated.count.max())
@@ -150,6 +161,7 @@ class FlashGenerationMixin(GenerationMixin):
         logprobs = generated.logprobs[:, :width] if generated.logprobs is not None else None
         scores, logits = plan.processing.outputs() if plan.processing is not None else (None, None)
         return FlashGenerateOutput(sequences=sequences, scores=scores, logits=logits,
+                                   past_key_values=cache if plan.return_cache else None,
                                    logprobs=logprobs, flash_stats=generated.stats)
 
 

@@ -105,12 +105,15 @@ class SpeculationStats:
 @dataclasses.dataclass
 class Generated:
     """What the engine produced for a call: ``tokens[b, :count[b]]`` are row b's new tokens
-    (the rest is padding), ``logprobs`` the same shape (or None), and the statistics."""
+    (the rest is padding), ``logprobs`` the same shape (or None), the statistics, and
+    where the call hands back or updates `past_key_values`, the target's keys and values
+    per layer as stock's cache holds them (`Slot.returned_kv`)."""
 
     tokens: torch.Tensor
     count: torch.Tensor
     logprobs: torch.Tensor | None
     stats: SpeculationStats
+    kv: list | None = None
 
 
 @dataclasses.dataclass
@@ -125,8 +128,12 @@ class FlashGenerateOutput(GenerateDecoderOnlyOutput):
             top-k, top-p, min-p applied; the raw softmax for greedy rows); 0 after the row's end.
         flash_stats: `SpeculationStats` of the run.
 
-    ``past_key_values`` is None: flashspec's caches are laid out for its own loop (rows
-    realigned as they advance unevenly) and are not returned.
+    ``past_key_values`` (with ``use_cache``, as stock's): the cache stock would return, a
+    transformers `DynamicCache` (`StaticCache` with ``cache_implementation="static"``; the
+    caller's own cache, updated in place, when one was passed) holding the target's keys and
+    values of every column of ``sequences`` but the last, laid out as ``sequences``: pass it
+    to the next call with ``sequences`` (and more ids) to continue without reading the
+    prompt again (`flashspec.generation.past`).
     """
 
     logprobs: torch.Tensor | None = None

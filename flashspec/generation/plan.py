@@ -24,14 +24,28 @@ watermarking, ...) or output flashspec does not collect is `StockDelegation`: `g
 defers to stock transformers with a warning. What neither can run is refused with a
 ValueError naming the option, where its value came from and the override that works.
 
+What a decoder-only model's forward takes besides the ids runs on the engine as stock feeds
+it: `inputs_embeds` (the prefill takes them; ``sequences`` then start with the given
+`input_ids`, none without), any 0/1 `attention_mask` whose rows end with a live token (holes
+included: live tokens at positions ``mask.cumsum(-1) - 1``, the rest dead in the cache),
+`position_ids` equal to those positions, `token_type_ids` of a decoder that takes them, and
+`past_key_values` (`past`: a transformers Cache holding the prompt's first columns is read
+into the engine's cache; with `return_dict_in_generate` the output holds the cache stock's
+would, and a cache passed in is updated in place, as stock's is). Right padding (a row whose
+last column is padding), other `position_ids` and holes under a sliding window that the
+call's columns exceed run on stock: `_mask_deferral` and `_inputs_deferral` say why.
+
 Deliberate differences: `num_assistant_tokens` passed to `generate` is honoured (stock
 transformers reads only the assistant's generation config); batches work with an
 assistant or prompt lookup; a row ended by a stop string is padded even without an EOS
 token (stock transformers keeps generating that row); a prompt ending with an EOS token is
 continued with an assistant or prompt lookup as without them (stock assisted generation
-returns it unchanged).
+returns it unchanged); with `inputs_embeds`, an assistant and prompt lookup draft from the
+ids given beside them (if any) and the new tokens, and the tokens are those without drafts
+(transformers 5.17's assisted generation fails there with an assistant, and its prompt
+lookup over embeddings alone returns other tokens than its greedy search).
 
-(About 550 lines: one function's decisions, each option read once in transformers' merged
+(About 700 lines: one function's decisions, each option read once in transformers' merged
 config, with the tables of what runs where beside them.)
 """
 
@@ -60,6 +74,9 @@ from .arguments import (Sources, check_eval_mode, check_options, checked_input_i
 from .drafters import AssistantDrafter, Drafter, PromptLookupDrafter
 from .edits import FUSED_OPTIONS, EditRules
 from .heads import OutputHead, check_decoder, check_logits, model_hooks, output_head
+from .inputs import takes
+from .kv_cache import layer_kinds
+from .past import check_past
 from .processing import LogitsProcessing
 
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
@@ -125,14 +142,19 @@ STOCK_HOOKS = {
                            "needs the target's vocabulary translated",
 }
 _MODEL_KWARGS = ("attention_mask", "input_ids", "use_cache", "logits_to_keep")
+# Inputs of the model's forward the engine takes where its decoder does (`_inputs_deferral`).
+_ENGINE_INPUTS = ("inputs_embeds", "position_ids", "token_type_ids", "past_key_values")
 
 
 @dataclasses.dataclass
 class GenerationPlan:
     """Everything the decode loop needs, resolved and validated."""
 
-    input_ids: torch.Tensor            # [B, L] left-padded prompts (rows already expanded)
-    attention_mask: torch.Tensor       # [B, L]
+    input_ids: torch.Tensor            # [B, L_s] stock's input_ids (rows already expanded):
+                                       # the prompts' last L_s columns (L_s = L, but 0 with
+                                       # inputs_embeds alone, L - N with past_key_values
+                                       # holding N columns and only the new ids passed)
+    attention_mask: torch.Tensor       # [B, L] the prompts' columns, 0/1, each row ending live
     params: SamplingParams             # per row, logit scale folded into temperature
     head: OutputHead                   # target decoder and LM-head weight
     drafter: Drafter | None
@@ -152,6 +174,19 @@ class GenerationPlan:
     edits: EditRules | None = None     # the fused path's logit edits, if any
     additive: AdditiveEdits | None = None   # the fused path's logit_bias and vLLM penalties
     allowed: AllowedTokens | None = None   # the fused path's allowed-token masks, if any
+    inputs_embeds: torch.Tensor | None = None   # [B, L, D]: the prefill's input, for the ids
+    token_type_ids: torch.Tensor | None = None  # [B, L], of a decoder that takes them
+    past_key_values: object = None     # the caller's transformers Cache, updated in place
+    past_length: int = 0               # the prompt's first columns it holds
+    return_cache: bool = False         # the output holds past_key_values (return_dict, use_cache)
+    cache_implementation: str | None = None   # of the returned cache ("static": stock's StaticCache)
+    max_cache_length: int = 0          # a static cache's columns, as stock sizes it
+
+    @property
+    def wants_kv(self) -> bool:
+        """Whether the call ends by gathering the target's keys and values (to return them,
+        or to update the caller's cache)."""
+        return self.return_cache or self.past_key_values is not None
 
 
 @dataclasses.dataclass
@@ -227,30 +262,64 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
     reasons = _materialized_reasons(config, head, sampling, logits_processor, source)
     inputs_tensor, input_name, model_kwargs = model._prepare_model_inputs(
         inputs, config.bos_token_id, model_kwargs)
-    inputs_tensor = checked_input_ids(model, inputs_tensor, input_name)
-    device = inputs_tensor.device
+    embeds = inputs_tensor if input_name == "inputs_embeds" else None
+    # Stock's input_ids: the ids given (none beside inputs_embeds: [B, 0]).
+    ids = checked_input_ids(model, model_kwargs["input_ids"] if embeds is not None else inputs_tensor,
+                            "input_ids" if embeds is not None else input_name,
+                            empty=embeds is not None)
+    if embeds is not None:
+        _check_embeds(model, embeds, ids)
+    deferral = _inputs_deferral(head, model_kwargs)
+    if deferral is not None:
+        return StockDelegation(deferral, sampling)
+    device = ids.device
+    past = model_kwargs.get("past_key_values")
     has_mask = model_kwargs.get("attention_mask") is not None
     attention_mask = model_kwargs["attention_mask"] if has_mask else None
+    # The prompts' columns: the embeddings', or the mask's (which, with a cache, may cover
+    # more columns than the ids: stock then feeds the ids as the columns after the cache's).
+    width = (embeds.shape[1] if embeds is not None
+             else attention_mask.shape[-1] if has_mask and past is not None and attention_mask.dim() == 2
+             else ids.shape[1])
     if has_mask:
-        not_left_padded = _not_left_padded(attention_mask, inputs_tensor)
-        if not_left_padded is not None:
-            return StockDelegation(not_left_padded, sampling)
-    check_logits(model, head, inputs_tensor)
-    model._prepare_special_tokens(config, has_mask, device=device, batch_size=inputs_tensor.shape[0])
+        _check_mask(attention_mask, ids.shape[0], width)
+    check_logits(model, head, ids if ids.numel() else torch.zeros(1, 1, dtype=torch.long))
+    model._prepare_special_tokens(config, has_mask, device=device, batch_size=ids.shape[0])
     if not has_mask:
         attention_mask = model._prepare_attention_mask_for_generation(inputs_tensor, config,
                                                                       model_kwargs)
     attention_mask = attention_mask.long()
+    rows = ids.shape[0] * options.num_return_sequences
+    past_length = 0
+    if past is not None:
+        if config.cache_implementation is not None:
+            raise ValueError(f"pass either `past_key_values` or `cache_implementation`="
+                             f"{config.cache_implementation!r} "
+                             f"({source('cache_implementation')}), not both (as transformers)")
+        if config.use_cache is False:
+            raise ValueError("`past_key_values` needs `use_cache` (the call continues the cache "
+                             "and updates it); drop use_cache=False")
+        past_length = check_past(past, head.decoder, rows, width, sharded=head.shards is not None)
+    if ids.shape[1] not in (0, width) and ids.shape[1] + past_length != width:
+        raise ValueError(f"`input_ids` has {ids.shape[1]} columns, the attention_mask {width}: with "
+                         f"`past_key_values` holding {past_length} tokens, pass the ids of all "
+                         f"{width} columns, or of the {width - past_length} after the cached ones")
+    deferral = _positions_deferral(model_kwargs.get("position_ids"), attention_mask, past_length)
+    if deferral is not None:
+        return StockDelegation(deferral, sampling)
+    token_type_ids = model_kwargs.get("token_type_ids")
+    if token_type_ids is not None and (not torch.is_tensor(token_type_ids)
+                                       or tuple(token_type_ids.shape) != tuple(attention_mask.shape)):
+        shape = tuple(token_type_ids.shape) if torch.is_tensor(token_type_ids) else None
+        return StockDelegation(f"`token_type_ids` of shape {shape} is not [batch, prompt columns] "
+                               f"{tuple(attention_mask.shape)}, which the engine takes", sampling)
 
-    input_ids = inputs_tensor.repeat_interleave(options.num_return_sequences, dim=0)
-    attention_mask = attention_mask.repeat_interleave(options.num_return_sequences, dim=0)
+    def expanded(tensor):
+        return None if tensor is None else tensor.repeat_interleave(options.num_return_sequences, dim=0)
+
+    input_ids = expanded(ids)
+    attention_mask = expanded(attention_mask)
     batch_size, input_length = input_ids.shape
-    if streamer is not None:
-        if batch_size != 1:
-            raise ValueError(f"`streamer` needs a single sequence with sampler='flash' (batch "
-                             f"{batch_size} after num_return_sequences): rows advance by different "
-                             "numbers of tokens per step")
-        streamer.put(input_ids.cpu())
 
     config = model._prepare_generated_length(
         generation_config=config, has_default_max_length=has_default_max_length,
@@ -260,7 +329,19 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
     # Transformers stops once the length reaches max_length, which may be a float; no
     # sequence index past the noise's last position can be generated.
     max_new_tokens = min(math.ceil(config.max_length - input_length),
-                         rng.MAX_POSITION + 1 - input_length)
+                         rng.MAX_POSITION + 1 - width)
+    deferral = _mask_deferral(attention_mask, head.decoder.config, max_new_tokens)
+    if deferral is not None:
+        return StockDelegation(deferral, sampling)
+    if streamer is not None:
+        if batch_size != 1:
+            raise ValueError(f"`streamer` needs a single sequence with sampler='flash' (batch "
+                             f"{batch_size} after num_return_sequences): rows advance by different "
+                             "numbers of tokens per step")
+        streamer.put(input_ids.cpu())
+    # Stock sizes a static cache max_length - 1, plus the embeddings' columns without ids.
+    max_cache_length = math.ceil(config.max_length) - 1 + (width if input_length != width
+                                                           and embeds is not None else 0)
 
     if torch.is_tensor(seed):          # one seed per row, wherever the user built it
         seed = seed.to(device)
@@ -352,7 +433,12 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
         max_time=_time_left(config.max_time, started),
         streamer=streamer, output_logprobs=output_logprobs,
         return_dict_in_generate=bool(config.return_dict_in_generate), processing=processing,
-        edits=edits, additive=additive, allowed=allowed)
+        edits=edits, additive=additive, allowed=allowed, inputs_embeds=expanded(embeds),
+        token_type_ids=expanded(token_type_ids), past_key_values=past, past_length=past_length,
+        # Stock feeds inputs_embeds with a cache whatever use_cache says.
+        return_cache=bool(config.return_dict_in_generate) and (config.use_cache is not False
+                                                               or embeds is not None),
+        cache_implementation=config.cache_implementation, max_cache_length=max_cache_length)
 
 
 def _check_tensor_parallel(config: GenerationConfig, source: Sources) -> None:
@@ -487,24 +573,89 @@ def _stock_delegation(model, config: GenerationConfig, model_kwargs: dict, hooks
         if name not in inputs:
             raise ValueError(f"`{name}` is not supported with sampler='flash': it is neither an "
                              f"option of generate() nor an input of {type(model).__name__}.forward")
-        return delegate(f"`{name}`: the engine takes input_ids and attention_mask only")
+        if name in _ENGINE_INPUTS:
+            continue                        # `_inputs_deferral` and `_mask_deferral` decide
+        return delegate(f"`{name}`: the engine feeds its decoder input_ids or inputs_embeds, "
+                        "attention_mask, position_ids, token_type_ids and its KV cache only")
     return None
 
 
-def _not_left_padded(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> str | None:
-    """Why stock generate must run a mask the engine does not take (it takes 0/1 masks with
-    padding on the left only, every row holding a token), else None."""
-    if not torch.is_tensor(attention_mask) or attention_mask.shape != input_ids.shape:
+def _check_mask(attention_mask, rows: int, width: int) -> None:
+    """A ValueError unless `attention_mask` is a tensor ``[rows, width]``."""
+    if not torch.is_tensor(attention_mask) or tuple(attention_mask.shape) != (rows, width):
         shape = tuple(attention_mask.shape) if torch.is_tensor(attention_mask) else None
-        raise ValueError(f"`attention_mask` must be a tensor of the shape of `input_ids` "
-                         f"{tuple(input_ids.shape)}, got {type(attention_mask).__name__} of shape "
-                         f"{shape}")
-    mask = attention_mask
-    if bool(((mask != 0) & (mask != 1)).any()) or bool((mask[:, 1:] < mask[:, :-1]).any()) \
-            or bool((mask[:, -1] == 0).any()):
-        return ("`attention_mask` is not left padding (0s, then 1s, in each row, the last "
-                "column 1), which the engine's position-addressed cache takes")
+        raise ValueError(f"`attention_mask` must be a tensor of the prompts' shape {(rows, width)}, "
+                         f"got {type(attention_mask).__name__} of shape {shape}")
+
+
+def _mask_deferral(mask: torch.Tensor, config, max_new_tokens: int) -> str | None:
+    """Why stock generate must run a mask the engine does not reproduce, else None. The
+    engine takes any 0/1 mask whose rows end with a live token: live tokens at positions
+    ``mask.cumsum(-1) - 1`` (as stock's), the others dead in its cache. Stock continues a
+    row's positions from its last column's, a padding column's 0 under right padding, and
+    samples its first token there; and its sliding windows count columns, not positions,
+    which holes set apart."""
+    if bool(((mask != 0) & (mask != 1)).any()):
+        return ("`attention_mask` holds values other than 0 and 1, which the engine's "
+                "position-addressed cache does not take")
+    if bool((mask[:, -1] == 0).any()):
+        return ("`attention_mask` ends a row with padding (right padding): stock continues that "
+                "row's positions from its last column's (0, a padding column's) and samples its "
+                "first token from that column, which the engine's position-addressed cache does "
+                "not reproduce; pad on the left")
+    holes = bool((mask[:, 1:] < mask[:, :-1]).any())
+    windows = [w for w in (layer_kinds(config) or {}).values() if w is not None]
+    columns = mask.shape[1] + max_new_tokens - 1
+    if holes and windows and columns > min(windows):
+        return (f"`attention_mask` has padding between a row's tokens, and the call's {columns} "
+                f"columns exceed the model's sliding window ({min(windows)}): stock's window "
+                "counts columns, padding included, the engine's counts tokens")
     return None
+
+
+def _positions_deferral(position_ids, mask: torch.Tensor, past_length: int) -> str | None:
+    """Why stock generate must run the call's `position_ids` (None if not given): the engine
+    addresses its cache by the positions stock derives from the mask (``mask.cumsum(-1) - 1``
+    of each live token; a padding column's do not matter), and takes those alone, for all of
+    the prompt's columns or for those after the cache's `past_length`."""
+    if position_ids is None:
+        return None
+    expected = mask.cumsum(dim=1) - 1
+    if torch.is_tensor(position_ids) and position_ids.dim() == 2 \
+            and position_ids.shape[0] == mask.shape[0] \
+            and position_ids.shape[1] in (mask.shape[1], mask.shape[1] - past_length):
+        columns = position_ids.shape[1]
+        live = mask[:, -columns:].bool()
+        given = position_ids.to(mask.device).long()
+        if bool(((given == expected[:, -columns:]) | ~live).all()):
+            return None
+    return ("`position_ids` are not the positions stock derives from the attention mask "
+            "(mask.cumsum(-1) - 1 at each live token), by which the engine's KV cache addresses "
+            "its entries")
+
+
+def _inputs_deferral(head: OutputHead, model_kwargs: dict) -> str | None:
+    """Why stock generate must run an input of `_ENGINE_INPUTS` the target's decoder does
+    not take (the engine runs the decoder, not the model's own forward), else None."""
+    for name in ("inputs_embeds", "token_type_ids"):
+        if model_kwargs.get(name) is not None and not takes(head.decoder, name):
+            return (f"`{name}`: the model's decoder ({type(head.decoder).__name__}) does not take "
+                    f"it (the model uses it outside the decoder), and the engine runs the decoder")
+    return None
+
+
+def _check_embeds(model, embeds, ids: torch.Tensor) -> None:
+    """A ValueError unless `embeds` are ``[B, L, D]`` floats of the model's embedding width
+    (L columns of ids too, when ids are given beside them)."""
+    width = model.get_input_embeddings().embedding_dim
+    if not torch.is_tensor(embeds) or not embeds.is_floating_point() or embeds.dim() != 3 \
+            or embeds.shape[0] != ids.shape[0] or embeds.shape[1] == 0 or embeds.shape[2] != width:
+        shape = tuple(embeds.shape) if torch.is_tensor(embeds) else type(embeds).__name__
+        raise ValueError(f"`inputs_embeds` must be a float tensor [batch {ids.shape[0]}, length >= "
+                         f"1, {width}] (the model's embedding width), got {shape}")
+    if ids.shape[1] not in (0, embeds.shape[1]):
+        raise ValueError(f"`input_ids` beside `inputs_embeds` must be the embeddings' tokens, one "
+                         f"per column: got {ids.shape[1]} ids for {embeds.shape[1]} embeddings")
 
 
 def _drafter(head: OutputHead, assistant_model, config, requested: dict, source: Sources):

@@ -31,7 +31,9 @@ from ..params import SamplingParams
 from .compiled import DecoderRunner
 from ..outputs import NO_TOKEN_LEFT, OK
 from .edits import EditState, bans_every_token
+from .inputs import decoder_inputs, embeddings_instead
 from .kv_cache import WindowCache, layer_kinds
+from .past import kv_by_column, load_past
 
 MIN_VIEW = 256            # KV columns of the smallest view (and capacity)
 # Without CUDA graphs a view costs nothing to change: it grows by this many columns, and
@@ -119,6 +121,13 @@ class Slot:
         self.generation = 0                       # bumped when buffers are replaced
         long = dict(dtype=torch.long, device=self.device)
         self.prompt_length = torch.zeros(batch_size, **long)
+        # Positions before which `seq` holds no token known to the call (prompt columns given
+        # as embeddings or by a passed cache only): prompt lookup does not search them.
+        self.known_from = torch.zeros(batch_size, **long)
+        self.token_types = False                  # the call's forwards take token types
+        self._target_prompt = None                # the target's prefill: (ids, positions, live)
+        self._prompt_embeds = None                # ... its embeddings, if given
+        self._past_columns = 0                    # ... and the columns a passed cache held
         self.length = torch.zeros(batch_size, **long)
         self.end = torch.zeros(batch_size, **long)
         self.finished = torch.zeros(batch_size, dtype=torch.bool, device=self.device)
@@ -246,20 +255,33 @@ class Slot:
     def load(self, plan, call_drafts: int) -> tuple:
         """Reset the state for `plan`'s rows (the same buffers, so that captured graphs stay
         valid); rows past the plan's batch pad the bucket and are finished from the start.
-        `call_drafts`: the most drafts the call verifies per step. Returns the prompt as the
-        prefill feeds it: ids, positions and live flags."""
-        rows, width = plan.input_ids.shape
+        `call_drafts`: the most drafts the call verifies per step. Returns the prompt as a
+        drafter reads it (`AttachedDrafter.start`): ids, positions and live flags ``[B, L]``,
+        the columns whose ids the call does not know (given as embeddings, or by a passed
+        cache only) dead. Each live column is at position ``mask.cumsum(-1) - 1``; a dead one
+        at the next live column's (so that no forward from there drops a live entry); `seq`
+        holds the live tokens by position. A passed cache (`plan.past_key_values`) is read
+        into the target's cache here; the target's prefill (`prefill_target`) feeds the
+        columns after it."""
+        rows, width = plan.attention_mask.shape
         pad = self.batch_size - rows
         mask = plan.attention_mask.long()
-        input_ids = plan.input_ids
+        stock_ids = plan.input_ids              # stock's input_ids: the last columns' ids
+        unknown = width - stock_ids.shape[1]
+        input_ids = torch.cat([stock_ids.new_full((rows, unknown), plan.pad_token_id), stock_ids],
+                              dim=1)
         if pad:
             input_ids = torch.cat([input_ids, input_ids[:1].expand(pad, -1)])
+            stock_ids = torch.cat([stock_ids, stock_ids[:1].expand(pad, -1)])
             mask = torch.cat([mask, mask[:1].expand(pad, -1)])
+        live = mask.bool()
         self.prompt_length.copy_(mask.sum(dim=1))
-        source = (torch.arange(self.seq.shape[1], device=self.device)[None, :]
-                  + width - self.prompt_length[:, None])
-        inside = source < width
-        self.seq.copy_(torch.where(inside, input_ids.gather(1, source.clamp(0, width - 1)), 0))
+        self.known_from.copy_(mask[:, :unknown].sum(dim=1))
+        order = torch.sort((~live).to(torch.int8), dim=1, stable=True).indices
+        by_position = torch.where(torch.arange(width, device=self.device)[None, :]
+                                  < self.prompt_length[:, None], input_ids.gather(1, order), 0)
+        self.seq.zero_()
+        self.seq[:, :width] = by_position
         self.logprobs.zero_()
         self.length.copy_(self.prompt_length)
         self.end.copy_(self.prompt_length + plan.max_new_tokens)
@@ -284,11 +306,22 @@ class Slot:
         self.call_params = _with_flags(self.params, params)
         self.processing = plan.processing
         self.allowed = plan.allowed
-        self._load_edits(plan.edits, input_ids, plan.additive)
+        self._load_edits(plan.edits, stock_ids, plan.additive)
         self.heuristic = plan.schedule == "heuristic" and plan.drafter is not None
+        self.token_types = plan.token_type_ids is not None
         for entry in self.caches:
             entry.cache.reset()
-        return input_ids, (mask.cumsum(dim=1) - 1).clamp_min(0), mask.bool()
+        positions = mask.cumsum(dim=1) - mask
+        self._target_prompt = (input_ids, positions, live)
+        self._prompt_embeds = plan.inputs_embeds
+        self._past_columns = plan.past_length
+        if plan.past_length:
+            columns = plan.past_length
+            decoder = self.target.runner.decoder
+            load_past(self.target.cache, plan.past_key_values, columns, positions[:rows, :columns],
+                      live[:rows, :columns], decoder, self.engine.dtype_of(decoder))
+        known = torch.arange(width, device=self.device)[None, :] >= unknown
+        return input_ids, positions, live & known
 
     def _load_edits(self, rules, input_ids: torch.Tensor, additive=None) -> None:
         """The call's fused edits (`edits.EditRules`, or None; `additive.AdditiveEdits`, or
@@ -313,8 +346,9 @@ class Slot:
     @property
     def eager(self) -> bool:
         """Whether the call's steps read the host (the materialized path, allowed-token
-        functions), so that they run without CUDA graphs."""
-        return self.processing is not None or self.allowed is not None
+        functions) or take token types (`inputs.TokenTypes`, a hook no graph records), so
+        that they run without CUDA graphs."""
+        return self.processing is not None or self.allowed is not None or self.token_types
 
     def step_edits(self, drafts: torch.Tensor | None = None, rows: list[int] | None = None):
         """The fused edits (`LogitEdits`, or None without) of the rows' next token, or with
@@ -342,6 +376,57 @@ class Slot:
         if rows == self.batch_size:
             return hidden
         return torch.cat([hidden, hidden.new_zeros(self.batch_size - rows, *hidden.shape[1:])])
+
+    def prefill_target(self) -> torch.Tensor:
+        """The target's prefill (eager): the prompt's columns after those a passed cache held
+        (`load`), their embeddings instead of their ids when the call gave `inputs_embeds`.
+        Returns the hidden states ``[B, n, D]``."""
+        start = self._past_columns
+        ids, positions, live = (t[:, start:] for t in self._target_prompt)
+        target = self.target
+        embeds = self._prompt_embeds
+        self._target_prompt = self._prompt_embeds = None      # the slot outlives the call
+        supply = None if embeds is None else embeddings_instead(embeds[: self.rows, start:])
+        with decoder_inputs(target.runner.decoder, supply):
+            return self.forward_prompt(target.runner, target.cache, ids, positions, live)
+
+    def returned_kv(self, plan, new_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The target's keys and values of the call's rows as stock's returned cache holds
+        them (`past.kv_by_column`), per layer ``[rows, H, L + new_tokens - 1, D]``: the
+        prompt's columns (zeros where padding), then the new tokens' but the last. First one
+        eager forward of what stock feeds and the engine never did: for a row that ended
+        before `new_tokens`, its last token and the padding after it (at the positions that
+        follow, as stock feeds a finished row)."""
+        rows = self.rows
+        width = plan.attention_mask.shape[1]
+        length = self.length[:rows]
+        missing = (new_tokens - (length - self.prompt_length[:rows])).clamp_min(0)
+        tail = int(missing.max()) if rows else 0
+        target = self.target
+        vocab = target.runner.decoder.get_input_embeddings().num_embeddings
+        if tail > 1 and not 0 <= plan.pad_token_id < vocab:
+            raise ValueError(
+                f"`pad_token_id`={plan.pad_token_id} is not a token of the model's vocabulary "
+                f"[0, {vocab}), but a row ended before the others and the call hands back or "
+                "updates `past_key_values`, which holds the entries of the padding tokens stock "
+                "feeds a finished row (stock's forward fails on them too); pass a pad_token_id "
+                "in the vocabulary")
+        if tail:
+            self.ensure_room(_Fills([int(self._fill(entry)) for entry in self.caches]), tail + 1)
+            columns = torch.arange(tail, device=self.device)
+            first = length - 1
+            # Dead columns (a row's past its own tail) stay at its last position fed.
+            positions = torch.minimum(first[:, None] + columns,
+                                      (first + (missing - 1).clamp_min(0))[:, None])
+            last_token = self.seq[:rows].gather(1, first[:, None])
+            tokens = torch.where(columns[None, :] == 0, last_token, plan.pad_token_id)
+            target.runner.forward(target.cache, tokens, positions,
+                                  columns[None, :] < missing[:, None])
+        mask = plan.attention_mask.to(self.device).long()
+        prompt = torch.where(mask.bool(), mask.cumsum(dim=1) - 1, -1)
+        generated = self.prompt_length[:rows, None] + torch.arange(new_tokens, device=self.device)
+        column_positions = torch.cat([prompt, generated], dim=1)[:, : width + new_tokens - 1]
+        return kv_by_column(target.cache, rows, column_positions)
 
     # ---- steps (fixed shapes, no host reads: captured on CUDA) ---------------------------
 
@@ -520,3 +605,10 @@ def _with_flags(buffers: SamplingParams, flags_from: SamplingParams) -> Sampling
         source = buffers if field.init else flags_from
         object.__setattr__(params, field.name, getattr(source, field.name))
     return params
+
+
+@dataclasses.dataclass
+class _Fills:
+    """What `Slot.ensure_room` reads of a `Report`: each cache's fill."""
+
+    fills: list
