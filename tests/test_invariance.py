@@ -127,16 +127,16 @@ def test_invariant_kernels_give_the_same_tokens_with_drafts_and_in_a_batch(monke
     attention of every forward goes through them), and each row's seeded tokens are the same
     alone, drafted by itself and by prompt lookup, and in a batch. (On CPU the torch path is
     invariant for this model too; the GPU test is the one that fails without the kernels.)"""
-    from flashspec.kernels import invariant as kernels
+    from flashspec.kernels import attention, invariant
 
     calls = {"linear": 0, "attention": 0}
-    for name in calls:
-        run = getattr(kernels, name)
+    for module, name in ((invariant, "linear"), (attention, "attention")):
+        run = getattr(module, name)
 
         def counted(*args, _run=run, _name=name, **kwargs):
             calls[_name] += 1
             return _run(*args, **kwargs)
-        monkeypatch.setattr(kernels, name, counted)
+        monkeypatch.setattr(module, name, counted)
     model = tiny_model("llama").to(DEVICE)
     ids, seeds = _prompts()[:3].to(DEVICE), torch.arange(3)
     kwargs = dict(sampler="flash", max_new_tokens=6, pad_token_id=0, do_sample=True, top_k=0,
@@ -177,9 +177,16 @@ def test_invariant_is_checked(call, error, words):
         model.generate(_prompts()[:1], max_new_tokens=2, pad_token_id=0, **call)
 
 
-def test_invariant_refuses_a_decoder_its_attention_cannot_run():
-    model = tiny_model("gemma2")
-    with pytest.raises(ValueError, match=r"`invariant`=True is not supported for Gemma2Model: "
-                                         "its attention softcaps logits"):
-        model.generate(_prompts()[:1], sampler="flash", max_new_tokens=2, pad_token_id=0,
-                       invariant=True)
+@pytest.mark.usefixtures("index_order_dot")
+def test_invariant_runs_softcapped_sliding_window_attention():
+    """Gemma-2 (attention logits softcapped, sliding-window and full layers): seeded tokens
+    alone equal those of a batch and of prompt lookup with ``invariant=True``."""
+    model = tiny_model("gemma2").to(DEVICE)
+    ids, seeds = _prompts()[:2].to(DEVICE), torch.arange(2)
+    kwargs = dict(sampler="flash", max_new_tokens=5, pad_token_id=0, do_sample=True, top_k=0,
+                  invariant=True)
+    alone = torch.cat([model.generate(ids[r:r + 1], seed=seeds[r:r + 1], **kwargs)
+                       for r in range(2)])
+    assert torch.equal(model.generate(ids, seed=seeds, **kwargs), alone)
+    assert torch.equal(model.generate(ids, seed=seeds, prompt_lookup_num_tokens=2, **kwargs),
+                       alone)

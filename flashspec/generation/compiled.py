@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from . import attention
 from .invariant import invariant_forward
 from .kv_cache import WindowCache, engine_causal_mask, first_rows, takes_padding_mask
 
@@ -125,6 +126,10 @@ class DecoderRunner:
         self.eager = False
         # The decoder's forward reads the 2-D padding mask itself (ALiBi: Bloom, Falcon-ALiBi).
         self.padding_mask = takes_padding_mask(decoder)
+        # Compiled steps attend by position (`attention`): no mask to build, grouped heads'
+        # keys read once. The prefill's many queries keep the model's own attention and mask.
+        self.steps_by_position = invariant or (compile and attention.unsupported_reason(decoder)
+                                               is None)
         if compile:
             use_disk_cache()
 
@@ -156,8 +161,8 @@ class DecoderRunner:
         """Final hidden states ``[B, n, D]`` of `input_ids` at `position_ids` ``[B, n]``,
         eager (the prefill, whose width varies from call to call); checks that every layer
         kept its state in `cache`."""
-        with self._kernels():
-            hidden = self._forward(cache, input_ids, position_ids, new_live)
+        with self._kernels(self.invariant):
+            hidden = self._forward(cache, input_ids, position_ids, new_live, self.invariant)
         layers = self.decoder.config.num_hidden_layers
         if cache.num_updates != layers:
             raise ValueError(
@@ -167,48 +172,53 @@ class DecoderRunner:
                 "cache; run generate() without sampler='flash'")
         return hidden
 
-    def _kernels(self):
+    def _kernels(self, by_position: bool):
         """What a forward of this runner runs inside (entered outside any compiled code): the
-        invariant kernels (`invariant.invariant_forward`) when this runner uses them, and for
-        a decoder that takes the 2-D padding mask, its `create_causal_mask` answering with the
-        cache's mask (`kv_cache.engine_causal_mask`)."""
+        invariant kernels (`invariant.invariant_forward`) when this runner uses them, else
+        the attention by position if `by_position`, and for a decoder that takes the 2-D
+        padding mask, its `create_causal_mask` answering with the cache's mask
+        (`kv_cache.engine_causal_mask`)."""
         stack = contextlib.ExitStack()
         if self.invariant:
             stack.enter_context(invariant_forward(self.decoder))
+        elif by_position:
+            stack.enter_context(attention.by_position(self.decoder))
         if self.padding_mask:
             stack.enter_context(engine_causal_mask(self.decoder))
         return stack
 
     def _forward(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                 new_live: torch.Tensor | None = None) -> torch.Tensor:
-        mask = cache.begin(position_ids, new_live, masks=not self.invariant)
+                 new_live: torch.Tensor | None = None, by_position: bool = False) -> torch.Tensor:
+        mask = cache.begin(position_ids, new_live, masks=not by_position)
         if self.padding_mask and mask is not None:
             # The decoder builds its ALiBi biases from the 2-D mask, each live key's position
             # as in stock; its create_causal_mask returns `mask` (`engine_causal_mask`).
             mask = cache.padding_mask(input_ids.shape[0])
-        # The invariant attention reads keys by position through the cache's index.
+        # The attention by position reads keys through the cache's index.
         extra = ({"key_index": first_rows(cache.key_index, input_ids.shape[0])}
-                 if self.invariant else {})
+                 if by_position else {})
         extra[cache_keyword(type(self.decoder).forward)] = cache
         return self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                             use_cache=True, **extra).last_hidden_state
 
     def _regional_forward(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                          new_live: torch.Tensor | None = None) -> torch.Tensor:
+                          new_live: torch.Tensor | None = None,
+                          by_position: bool = False) -> torch.Tensor:
         with self._layers:
-            return self._forward(cache, input_ids, position_ids, new_live)
+            return self._forward(cache, input_ids, position_ids, new_live, by_position)
 
     def step(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
              new_live: torch.Tensor) -> torch.Tensor:
         """`forward` of a fixed-shape step (at least two rows and two tokens per row):
         compiled when this runner compiles, unless `eager` is set."""
-        with self._kernels():
+        with self._kernels(self.steps_by_position):
             return self._step(cache, input_ids, position_ids, new_live)
 
     def _step(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
               new_live: torch.Tensor) -> torch.Tensor:
+        by_position = self.steps_by_position
         if not self.compile or self.eager:
-            return self._forward(cache, input_ids, position_ids, new_live)
+            return self._forward(cache, input_ids, position_ids, new_live, by_position)
         if min(input_ids.shape) < 2:
             raise ValueError(f"a compiled step needs at least 2 rows and 2 tokens per row, got "
                              f"{tuple(input_ids.shape)}")
@@ -217,14 +227,14 @@ class DecoderRunner:
             for dim in dims:
                 torch._dynamo.maybe_mark_dynamic(tensor, dim)
         if self.compiled:
-            return self._compiled(cache, input_ids, position_ids, new_live)
+            return self._compiled(cache, input_ids, position_ids, new_live, by_position)
         started = time.perf_counter()
         if self._compiled is None:
             self._compiled = self._compiled_forward()
         # Sizes that happen to be equal (say 2 rows feeding 2 tokens) must stay separate
         # symbols, or a later call where they differ would compile again.
         with torch.fx.experimental._config.patch(use_duck_shape=False):
-            hidden = self._compiled(cache, input_ids, position_ids, new_live)
+            hidden = self._compiled(cache, input_ids, position_ids, new_live, by_position)
         self.compiled = True
         kernels = ", invariant kernels" if self.invariant else ""
         event = Event("compile", f"{self.role} ({type(self.decoder).__name__}{kernels}), first at "

@@ -4,10 +4,9 @@
 `flashspec.kernels.invariant` in place of the operations whose summation order depends on
 the shape of the call: its linear layers (``F.linear``, and ``torch.addmm`` as GPT-2's
 Conv1D uses it), its means over the last dimension (RMSNorm), ``F.layer_norm`` and
-``F.rms_norm``, and its attention (registered in transformers' `AttentionInterface` as
-``"flashspec_invariant"``; it reads keys by sequence position through the cache's
-``key_index``). Everything else a decoder does is elementwise or a gather, which no call
-shape changes. The operations are swapped by a `TorchFunctionMode`, which torch.compile
+``F.rms_norm``; its attention is `flashspec.generation.attention`'s, by sequence position
+through the cache's ``key_index``. Everything else a decoder does is elementwise or a
+gather, which no call shape changes. The operations are swapped by a `TorchFunctionMode`, which torch.compile
 traces through, so the compiled layers and the eager prefill use the same kernels.
 
 Seeded sampling then gives the same tokens with or without drafts (a verification forward
@@ -20,16 +19,13 @@ decode step (BENCHMARKS.md), so it is off by default.
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from transformers import AttentionInterface
 
 from ..kernels import invariant as kernels
-
-ATTENTION = "flashspec_invariant"
+from .attention import by_position, unsupported_reason
 
 
 @torch.library.custom_op("flashspec::invariant_linear", mutates_args=())
@@ -50,19 +46,6 @@ def _row_mean(x: torch.Tensor, keepdim: bool) -> torch.Tensor:
 @_row_mean.register_fake
 def _(x, keepdim):
     return x.new_empty(*x.shape[:-1], *((1,) if keepdim else ()))
-
-
-@torch.library.custom_op("flashspec::invariant_attention", mutates_args=())
-def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               key_index: torch.Tensor, positions: torch.Tensor, scaling: float,
-               window: int) -> torch.Tensor:
-    return kernels.attention(query, key, value, key_index, positions, scaling, window)
-
-
-@_attention.register_fake
-def _(query, key, value, key_index, positions, scaling, window):
-    B, H, T, D = query.shape
-    return query.new_empty(B, T, H, D)
 
 
 def _last_dim_mean(args, kwargs) -> tuple[torch.Tensor, bool] | None:
@@ -133,67 +116,20 @@ class InvariantOps(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                      sliding_window=None, softcap=None, key_index=None, position_ids=None,
-                      **kwargs):
-    """transformers' attention interface: causal attention by position (the mask is not
-    read; the cache's ``key_index`` and the queries' ``position_ids`` say the same)."""
-    if key_index is None or position_ids is None:
-        raise ValueError(
-            f"{type(module).__name__} did not pass `key_index` and `position_ids` to its "
-            "attention function; flashspec's invariant forward supports models whose "
-            "attention passes its keyword arguments on (transformers' own models)")
-    if softcap is not None or getattr(module, "sinks", None) is not None or dropout:
-        raise ValueError(f"{type(module).__name__}'s attention uses a logit softcap, sinks or "
-                         "dropout, which flashspec's invariant attention does not implement")
-    scaling = module.head_dim ** -0.5 if scaling is None else scaling
-    return _attention(query, key, value, key_index, position_ids, float(scaling),
-                      int(sliding_window or 0)), None
-
-
-AttentionInterface.register(ATTENTION, attention_forward)
-
-
 @contextlib.contextmanager
 def invariant_forward(decoder: torch.nn.Module):
-    """Run `decoder` (called inside) with the invariant kernels: its attention implementation
-    is ``"flashspec_invariant"`` meanwhile; the caller passes ``key_index``."""
-    config = decoder.config
-    previous = config._attn_implementation
-    config._attn_implementation = ATTENTION
-    try:
-        with InvariantOps():
-            yield
-    finally:
-        config._attn_implementation = previous
-
-
-def unsupported_reason(decoder: torch.nn.Module) -> str | None:
-    """Why `decoder` cannot run invariantly, or None."""
-    if getattr(decoder.config, "attn_logit_softcapping", None):
-        return "its attention softcaps logits"
-    if not uses_attention_interface(decoder):
-        return ("its attention is computed by the model's own code (as Bloom's, Falcon's, "
-                "MPT's, GPT-J's is) rather than through transformers' attention interface")
-    return None
-
-
-def uses_attention_interface(decoder: torch.nn.Module) -> bool:
-    """Whether one of the modeling files of `decoder`'s modules looks its attention up in
-    transformers' attention interface (``ALL_ATTENTION_FUNCTIONS``). Those that do not
-    (transformers 5.17's Bloom, Falcon, MPT, GPT-J, GPT-Neo, CodeGen, XGLM...) compute
-    attention themselves, with the mask the invariant forward does not build."""
-    names = {type(module).__module__ for module in decoder.modules()}
-    return any("ALL_ATTENTION_FUNCTIONS" in vars(sys.modules[name])
-               for name in names if name in sys.modules)
+    """Run `decoder` (called inside) with the invariant kernels and the attention by position
+    (`flashspec.generation.attention`); the caller passes ``key_index``."""
+    with by_position(decoder), InvariantOps():
+        yield
 
 
 def check_supported(decoders) -> None:
     """ValueError naming `invariant` if one of `decoders` cannot run the invariant kernels."""
     for decoder in decoders:
-        reason = unsupported_reason(decoder)
+        reason = unsupported_reason(decoder)   # its attention cannot run by position
         if reason is not None:
             raise ValueError(f"`invariant`=True is not supported for {type(decoder).__name__}: "
-                             f"{reason}, which flashspec's invariant attention does not "
-                             "implement; drop `invariant` (seeded tokens may then differ with "
+                             f"{reason}, which flashspec's attention by position does not "
+                             "serve; drop `invariant` (seeded tokens may then differ with "
                              "drafts or batch)")

@@ -16,11 +16,9 @@ Each kernel here fixes the order of every sum by the row's own data alone:
   parallel programs (split-K) and the last program to finish a tile adds them; for many rows
   one program loops over them. Both add the same numbers in the same order.
 * `row_mean`: the mean over the last dimension, one program per row, one block shape.
-* `attention`: each query reads its keys by *sequence position* (through the cache's
-  position -> column index), in blocks of `BLOCK_N` positions aligned at position 0, with an
-  online softmax in that order; a block that is entirely masked for a query leaves its state
-  bitwise unchanged. A query's result does not depend on the other queries of its tile, on
-  the cache's layout (holes, left padding, compaction) or on the view.
+
+Attention is `flashspec.kernels.attention`'s (by sequence position), whose result for a
+query does not depend on the call either.
 
 The same code runs under Triton's CPU interpreter (the CPU tests).
 """
@@ -38,7 +36,6 @@ CHUNK_STEPS = 4                             # BLOCK_K steps per chunk of the red
 CHUNK_K = BLOCK_K * CHUNK_STEPS
 LINEAR_WARPS, LINEAR_STAGES = 4, 4
 MEAN_BLOCK = 1024
-ATTENTION_BLOCK_M, ATTENTION_BLOCK_N = 16, 64  # (query, head) rows per tile; key positions per block
 _MAX_TILES = 1 << 14                           # split-K tickets per device
 
 
@@ -170,82 +167,3 @@ def row_mean(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
         _row_mean_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0),
                                            BLOCK=MEAN_BLOCK, num_warps=4)
     return out.reshape(*shape[:-1], *((1,) if keepdim else ()))
-
-
-@triton.jit
-def _attention_kernel(q_ptr, k_ptr, v_ptr, index_ptr, pos_ptr, out_ptr,
-                      T, G, num_positions, qk_scale, window,
-                      sq_b, sq_h, sq_t, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
-                      si_b, sp_b, so_b, so_t, so_h,
-                      HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, BM: tl.constexpr,
-                      BN: tl.constexpr, IEEE: tl.constexpr):
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    # Tile rows are (query, head of the group) pairs: GQA heads share the key loads.
-    r = tl.program_id(2) * BM + tl.arange(0, BM)
-    t = r // G
-    head = kv_head * G + r % G
-    valid = t < T
-    d = tl.arange(0, D_BLOCK)       # the head dimension, padded to a power of two >= 16
-    q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + t[:, None] * sq_t + d[None, :],
-                mask=valid[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-    q_pos = tl.load(pos_ptr + b * sp_b + t, mask=valid, other=-1)
-    m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BM,), dtype=tl.float32)
-    acc = tl.zeros((BM, D_BLOCK), dtype=tl.float32)
-    last = tl.max(q_pos, axis=0)
-    for start in range(0, last + 1, BN):
-        positions = start + tl.arange(0, BN)
-        columns = tl.load(index_ptr + b * si_b + positions,
-                          mask=positions < num_positions, other=0)
-        k = tl.load(k_ptr + b * sk_b + kv_head * sk_h + columns[:, None] * sk_n + d[None, :],
-                    mask=d[None, :] < HEAD_DIM, other=0.0)
-        v = tl.load(v_ptr + b * sv_b + kv_head * sv_h + columns[:, None] * sv_n + d[None, :],
-                    mask=d[None, :] < HEAD_DIM, other=0.0)
-        seen = positions[None, :] <= q_pos[:, None]
-        if window > 0:
-            seen = seen & (positions[None, :] > q_pos[:, None] - window)
-        s = tl.where(seen, _dot(q, tl.trans(k), tl.zeros((BM, BN), dtype=tl.float32), IEEE)
-                     * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # Exact no-op where the block is masked for the row (alpha 1, p 0): a query's state
-        # depends only on the blocks it sees, not on how far its tile's loop runs.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp2(m_i - m_safe))
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
-        m_i = m_new
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + b * so_b + t[:, None] * so_t + head[:, None] * so_h + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (d[None, :] < HEAD_DIM))
-
-
-def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              key_index: torch.Tensor, positions: torch.Tensor, scaling: float,
-              window: int | None = None) -> torch.Tensor:
-    """Causal attention by sequence position: query ``[B, Hq, T, D]`` at `positions`
-    ``[B, T]`` attends to the keys at positions ``<= its own`` (and ``> own - window``), whose
-    columns in `key` / `value` ``[B, Hkv, N, D]`` are ``key_index[b, position]``. Every
-    position up to a query's own must be indexed. Returns ``[B, T, Hq, D]``."""
-    B, Hq, T, D = query.shape
-    Hkv = key.shape[1]
-    group = Hq // Hkv
-    out = torch.empty(B, T, Hq, D, dtype=query.dtype, device=query.device)
-    if B == 0 or T == 0:
-        return out
-    for name, tensor in (("query", query), ("key", key), ("value", value)):
-        if tensor.stride(-1) != 1:
-            raise ValueError(f"invariant attention needs a contiguous head dimension in `{name}`")
-    key_index = key_index.contiguous()
-    positions = positions.contiguous()
-    grid = (B, Hkv, triton.cdiv(T * group, ATTENTION_BLOCK_M))
-    _attention_kernel[grid](
-        query, key, value, key_index, positions, out, T, group, key_index.shape[1],
-        scaling * 1.4426950408889634, window or 0,
-        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1),
-        key.stride(2), value.stride(0), value.stride(1), value.stride(2),
-        key_index.stride(0), positions.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        HEAD_DIM=D, D_BLOCK=max(16, triton.next_power_of_2(D)), BM=ATTENTION_BLOCK_M, BN=ATTENTION_BLOCK_N,
-        IEEE=query.dtype == torch.float32, num_warps=4)
-    return out
