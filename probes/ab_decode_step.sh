@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Issue 46's A/B on four GPUs of one host, in one device call (nvidia-h100-x4):
 #   GPU 0: this tree, B = 1: stock (hf, the control), flash plain and flash + draft (G = 5),
-#          Qwen3-1.7B and Llama-3.1-8B shapes (random peaked bf16), then probes/step_breakdown.py
+#          Qwen3-1.7B and Llama-3.1-8B shapes (random peaked bf16)
 #   GPU 1: the old tree (OLD, a `git archive` of it) on the same B = 1 rows, the same control
 #   GPU 2: issue 45's reproducer: both pairs, B = 8 and 32, plain then drafted
-#   GPU 3: the GPU tests (each file its own process)
+#   GPU 3: the GPU tests (each file its own process), then probes/step_breakdown.py
 # Everything lands in $OUT/ab.tgz; a short table is printed last.
 #   OLD=.ab/c1bb73c TODAY=.ab/today bash probes/ab_decode_step.sh
 set -uo pipefail
@@ -18,17 +18,16 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 single="--batch-sizes 1 --prompt-length 128 --new-tokens 256 --num-drafts 5 --decoding greedy --reps 3 --weights peaked --variants hf,flash_plain,flash_draft"
 
 b1() {   # tree, gpu, label
-    for pair in qwen3 llama; do
-        (cd "$1" && CUDA_VISIBLE_DEVICES=$2 PYTHONPATH=. timeout 280 python3 scripts/tok_per_s.py \
-            --pair $pair $single --out "$work/$3_$pair") > "$work/$3_$pair.log" 2>&1
+    for pair in qwen3:250 llama:300; do
+        (cd "$1" && CUDA_VISIBLE_DEVICES=$2 PYTHONPATH=. timeout ${pair#*:} python3 \
+            scripts/tok_per_s.py --pair ${pair%:*} $single --out "$work/$3_${pair%:*}") \
+            > "$work/$3_${pair%:*}.log" 2>&1
     done
 }
-b1 "$TODAY" 0 today && (cd "$TODAY" && CUDA_VISIBLE_DEVICES=0 PYTHONPATH=. timeout 200 \
-    python3 probes/step_breakdown.py --pairs qwen3,llama --out "$work/breakdown") \
-    > "$work/breakdown.log" 2>&1 &
+b1 "$TODAY" 0 today &
 b1 "$OLD" 1 old &
 (for pair in qwen3 llama; do
-    (cd "$TODAY" && CUDA_VISIBLE_DEVICES=2 PYTHONPATH=. timeout 270 python3 scripts/tok_per_s.py \
+    (cd "$TODAY" && CUDA_VISIBLE_DEVICES=2 PYTHONPATH=. timeout 285 python3 scripts/tok_per_s.py \
         --pair $pair --batch-sizes 8,32 --prompt-length 128 --new-tokens 128 --num-drafts 5 \
         --decoding greedy --reps 1 --weights peaked --variants flash_plain,flash_draft \
         --out "$work/crash_$pair") > "$work/crash_$pair.log" 2>&1
@@ -36,9 +35,11 @@ b1 "$OLD" 1 old &
 done) &
 (cd "$TODAY" && for file in tests/test_generate_gpu.py tests/test_attention_kernel.py \
         tests/test_invariance_gpu.py tests/test_invariant_kernels.py; do
-    CUDA_VISIBLE_DEVICES=3 PYTHONPATH=. timeout 520 python3 -m pytest -q -p no:cacheprovider \
+    CUDA_VISIBLE_DEVICES=3 PYTHONPATH=. timeout 380 python3 -m pytest -q -p no:cacheprovider \
         "$file" > "$work/pytest_$(basename "$file" .py).log" 2>&1 &
-done; wait) &
+done; wait
+CUDA_VISIBLE_DEVICES=3 PYTHONPATH=. timeout 190 python3 probes/step_breakdown.py \
+    --pairs qwen3,llama --out "$work/breakdown" > "$work/breakdown.log" 2>&1) &
 wait
 tar czf "$OUT/ab.tgz" -C "$work" .
 cat "$work/device.txt"
