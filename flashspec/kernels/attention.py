@@ -29,6 +29,7 @@ import triton.language as tl
 BLOCK_M, BLOCK_N = 16, 64    # (query, head) rows per tile; key positions per block
 CHUNK = 512                  # key positions per program; longer contexts merge chunks
 LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)  # the kernels' copy (a Triton kernel reads constexpr globals only)
 
 
 @triton.jit
@@ -83,7 +84,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, index_ptr, pos_ptr, out_ptr, part_ptr
             seen = seen & (positions[None, :] > q_pos[:, None] - window)
         s = _dot(q, tl.trans(k), tl.zeros((BM, BN), dtype=tl.float32), IEEE)
         if SOFTCAP:      # Gemma-2's softcap of the scaled scores, then log2 units
-            s = softcap * _tanh(s * (qk_scale / LOG2E / softcap)) * LOG2E
+            s = softcap * _tanh(s * (qk_scale / _LOG2E / softcap)) * _LOG2E
         else:
             s = s * qk_scale
         s = tl.where(seen, s, float("-inf"))
