@@ -4,8 +4,9 @@ token, `position_ids`, `token_type_ids`) on the engine, each against stock `gene
 tiny models of tests/_models.py (greedy tokens equal; seeded sampling equal with and without
 speculation, and between one call and two calls that continue a returned cache).
 
-What still runs on stock (right padding, other positions, holes under a sliding window the
-call's columns exceed) is checked to say so and to give stock's tokens.
+What still runs on stock (other positions, holes or right padding under a sliding window the
+call's columns exceed) is checked to say so and to give stock's tokens; right padding has
+tests/test_right_padding.py.
 """
 
 from __future__ import annotations
@@ -325,10 +326,10 @@ def test_masks_with_holes_give_stocks_tokens(arch):
         assert torch.equal(ours, model.generate(IDS, attention_mask=holes, max_new_tokens=4))
 
 
-def test_right_padding_runs_on_stock_and_says_why():
+def test_right_padding_runs_on_the_engine_as_stock():
     model = target()
     mask = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0, 0], [1] * 9])
-    with pytest.warns(UserWarning, match="right padding"):
+    with on_engine():
         ours = model.generate(IDS, attention_mask=mask, sampler="flash", max_new_tokens=4)
     assert torch.equal(ours, model.generate(IDS, attention_mask=mask, max_new_tokens=4))
 

@@ -133,7 +133,7 @@ def test_logprobs_need_the_output_object():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(num_beams=2), r"`num_beams`=2 \(set in the call\) selects transformers' 'beam_search'"),
     (dict(guidance_scale=1.5), "classifier-free guidance"),
-    (dict(output_attentions=True, return_dict_in_generate=True), "attentions are not collected"),
+    (dict(assistant_early_exit=1), "self-speculation by early exit"),
     (dict(position_ids=torch.arange(10)[None] + 2), "`position_ids` are not the positions"),
 ])
 def test_other_methods_defer_to_stock_with_a_warning(kwargs, message):
@@ -233,20 +233,21 @@ def test_huge_limit_allocates_by_what_is_generated():
 
 def test_int32_ids_and_other_inputs_stock_takes_give_stock_tokens():
     """int32 ids, holed masks, the position_ids stock derives and inputs_embeds run on the
-    engine; right-padded masks and other position_ids run on stock generate (a warning says
-    so). All give stock's tokens (tests/test_cache_and_inputs.py has the rest)."""
+    engine, and so do right-padded masks; other position_ids run on stock generate (a
+    warning says so). All give stock's tokens (tests/test_cache_and_inputs.py and
+    tests/test_right_padding.py have the rest)."""
     model = target()
     assert torch.equal(model.generate(_IDS.int(), sampler="flash", max_new_tokens=3),
                        model.generate(_IDS, max_new_tokens=3))
     for kwargs in (dict(attention_mask=torch.tensor([[1, 0, 1, 1]])),
+                   dict(attention_mask=torch.tensor([[1, 1, 1, 0]])),
                    dict(position_ids=torch.arange(4)[None]),
                    dict(inputs_embeds=model.get_input_embeddings()(_IDS).detach())):
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message=".*defers this call to stock")
             ours = model.generate(_IDS, sampler="flash", max_new_tokens=3, **kwargs)
         assert torch.equal(ours, model.generate(_IDS, max_new_tokens=3, **kwargs))
-    for kwargs in (dict(attention_mask=torch.tensor([[1, 1, 1, 0]])),
-                   dict(position_ids=torch.arange(4)[None] + 3)):
+    for kwargs in (dict(position_ids=torch.arange(4)[None] + 3),):
         with pytest.warns(UserWarning, match="defers this call to stock"):
             ours = model.generate(_IDS, sampler="flash", max_new_tokens=3, **kwargs)
         assert torch.equal(ours, model.generate(_IDS, max_new_tokens=3, **kwargs))

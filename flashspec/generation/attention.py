@@ -12,8 +12,9 @@ whole prompt, keeps the model's own (sdpa or eager) with the cache's mask. The i
 forward (`flashspec.generation.invariant`) runs it in every forward: a query's result
 depends only on its own keys and position.
 
-Models that compute attention in their own code (Bloom, Falcon, GPT-J...) or whose attention
-has sinks are not served (`unsupported_reason`): their steps keep the mask path.
+Models that compute attention in their own code (Bloom, Falcon, GPT-J, GPT-Neo...), whose
+attention has sinks, or whose mask is made from the keys' values (Doge) are not served
+(`unsupported_reason`): their steps keep the mask path.
 """
 
 from __future__ import annotations
@@ -45,9 +46,13 @@ def _(query, key, value, key_index, positions, scaling, window, softcap):
 
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                       sliding_window=None, softcap=None, key_index=None, position_ids=None,
-                      **kwargs):
+                      query_positions=None, **kwargs):
     """transformers' attention interface: causal attention by position (the mask is not
-    read; the cache's ``key_index`` and the queries' ``position_ids`` say the same)."""
+    read; the cache's ``key_index`` and the queries' cache positions say the same). The
+    engine passes those as ``query_positions``: the model's ``position_ids`` (its rotary
+    positions) may differ from them (a right-padded row's new tokens, as stock feeds them)."""
+    if query_positions is not None:
+        position_ids = query_positions
     if key_index is None or position_ids is None:
         raise ValueError(
             f"{type(module).__name__} did not pass `key_index` and `position_ids` to its "
@@ -84,6 +89,10 @@ def unsupported_reason(decoder: torch.nn.Module) -> str | None:
                 "MPT's, GPT-J's is) rather than through transformers' attention interface")
     if any(getattr(module, "sinks", None) is not None for module in decoder.modules()):
         return "its attention has sinks"
+    if any(hasattr(module, "prepare_dynamic_mask") for module in decoder.modules()):
+        return ("its attention mask is made from the keys' values (Doge's dynamic mask: a "
+                "bias per key, and its top `keep_window_size` keys), which the attention by "
+                "position does not read")
     return None
 
 

@@ -39,7 +39,8 @@ import torch
 
 from . import attention
 from .invariant import invariant_forward
-from .kv_cache import WindowCache, engine_causal_mask, first_rows, takes_padding_mask
+from .kv_cache import (WindowCache, engine_causal_mask, engine_layer_masks, first_rows,
+                       layer_mask_modules, takes_padding_mask)
 
 LOG = logging.getLogger("flashspec")
 CACHE_ENV = "FLASHSPEC_CACHE_DIR"
@@ -126,10 +127,15 @@ class DecoderRunner:
         self.eager = False
         # The decoder's forward reads the 2-D padding mask itself (ALiBi: Bloom, Falcon-ALiBi).
         self.padding_mask = takes_padding_mask(decoder)
-        # Compiled steps attend by position (`attention`): no mask to build, grouped heads'
-        # keys read once. The prefill's many queries keep the model's own attention and mask.
-        self.steps_by_position = invariant or (compile and attention.unsupported_reason(decoder)
-                                               is None)
+        # Its attention modules pick their layer's window themselves (GPT-Neo): each takes its
+        # own kind's mask (`kv_cache.engine_layer_masks`). Weak, as the decoder.
+        self._layer_masks = [weakref.ref(module) for module in layer_mask_modules(decoder)]
+        # Compiled steps on CUDA attend by position (`attention`): no mask to build, grouped
+        # heads' keys read once. The prefill's many queries keep the model's own attention
+        # and mask, as do CPU forwards (Triton runs there through its interpreter).
+        cuda = next(decoder.parameters()).is_cuda
+        self.steps_by_position = invariant or (compile and cuda
+                                               and attention.unsupported_reason(decoder) is None)
         if compile:
             use_disk_cache()
 
@@ -157,12 +163,15 @@ class DecoderRunner:
         return self._regional_forward
 
     def forward(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                new_live: torch.Tensor | None = None) -> torch.Tensor:
+                new_live: torch.Tensor | None = None,
+                model_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states ``[B, n, D]`` of `input_ids` at `position_ids` ``[B, n]``,
         eager (the prefill, whose width varies from call to call); checks that every layer
-        kept its state in `cache`."""
+        kept its state in `cache`. `model_positions`: the position ids the model takes, if
+        not the cache's `WindowCache.model_positions` (the prefill's: stock's)."""
         with self._kernels(self.invariant):
-            hidden = self._forward(cache, input_ids, position_ids, new_live, self.invariant)
+            hidden = self._forward(cache, input_ids, position_ids, new_live, self.invariant,
+                                   model_positions)
         layers = self.decoder.config.num_hidden_layers
         if cache.num_updates != layers:
             raise ValueError(
@@ -185,20 +194,36 @@ class DecoderRunner:
             stack.enter_context(attention.by_position(self.decoder))
         if self.padding_mask:
             stack.enter_context(engine_causal_mask(self.decoder))
+        if self._layer_masks:
+            stack.enter_context(engine_layer_masks([module() for module in self._layer_masks]))
         return stack
 
     def _forward(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                 new_live: torch.Tensor | None = None, by_position: bool = False) -> torch.Tensor:
+                 new_live: torch.Tensor | None = None, by_position: bool = False,
+                 model_positions: torch.Tensor | None = None) -> torch.Tensor:
         mask = cache.begin(position_ids, new_live, masks=not by_position)
         if self.padding_mask and mask is not None:
             # The decoder builds its ALiBi biases from the 2-D mask, each live key's position
             # as in stock; its create_causal_mask returns `mask` (`engine_causal_mask`).
             mask = cache.padding_mask(input_ids.shape[0])
-        # The attention by position reads keys through the cache's index.
-        extra = ({"key_index": first_rows(cache.key_index, input_ids.shape[0])}
-                 if by_position else {})
+        if self._layer_masks and isinstance(mask, dict):
+            # The decoder hands one mask to every layer; each of its attention modules takes
+            # its own kind's from the cache (`engine_layer_masks`).
+            mask = next(iter(mask.values()))
+        # The attention by position reads keys through the cache's index, by the queries'
+        # cache positions (the model's position ids may differ: `model_positions`); a dead
+        # query (no key of its own: a right-padded row's last column, whose query gives the
+        # row's first token) reads those before its position, as the cache's mask has it.
+        extra = {}
+        if by_position:
+            queries = (position_ids if new_live is None
+                       else torch.where(new_live, position_ids, position_ids - 1))
+            extra = {"key_index": first_rows(cache.key_index, input_ids.shape[0]),
+                     "query_positions": queries}
         extra[cache_keyword(type(self.decoder).forward)] = cache
-        return self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+        if model_positions is None:
+            model_positions = cache.model_positions(position_ids)
+        return self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=model_positions,
                             use_cache=True, **extra).last_hidden_state
 
     def _regional_forward(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -211,12 +236,13 @@ class DecoderRunner:
              new_live: torch.Tensor) -> torch.Tensor:
         """`forward` of a fixed-shape step (at least two rows and two tokens per row):
         compiled when this runner compiles, unless `eager` is set."""
-        with self._kernels(self.steps_by_position):
-            return self._step(cache, input_ids, position_ids, new_live)
+        # An uncompiled call (max_time) compiles nothing: not the attention's Triton kernel.
+        by_position = self.invariant or (self.steps_by_position and not self.eager)
+        with self._kernels(by_position):
+            return self._step(cache, input_ids, position_ids, new_live, by_position)
 
     def _step(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
-              new_live: torch.Tensor) -> torch.Tensor:
-        by_position = self.steps_by_position
+              new_live: torch.Tensor, by_position: bool) -> torch.Tensor:
         if not self.compile or self.eager:
             return self._forward(cache, input_ids, position_ids, new_live, by_position)
         if min(input_ids.shape) < 2:

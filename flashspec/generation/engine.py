@@ -229,9 +229,10 @@ class Engine:
         max_drafts = _max_drafts(plan)
         capacity = bucket(width + max(max_drafts, 1) + 2)
         slot = self.slots.pop(batch, None)
-        if slot is not None and slot.target.runner.invariant != self.invariant:
-            self._drop_graphs(slot)             # its runners use the other decoder kernels
-            slot = None
+        if slot is not None and (slot.target.runner.invariant != self.invariant
+                                 or _stale_masks(slot, self.dtype_of)):
+            self._drop_graphs(slot)             # its runners use the other decoder kernels,
+            slot = None                         # or its caches make masks of the other kind
         if slot is None:
             kv_bytes = self._slot_bytes(plan, batch, capacity)
             self._make_room(kv_bytes, keep=None)
@@ -325,12 +326,16 @@ class Engine:
                  if plan.stop_criteria is not None or plan.custom_stops is not None else None)
         steps = []
         deadline = None if plan.max_time is None else started + plan.max_time
-        report = self._prefill(slot, drafter, prompt)
-        if self._decodes_ahead(slot, plan, stops, warm_widths):
-            self._decode_ahead(slot, plan, drafter, report, steps, num_rows)
-        else:
-            self._decode(slot, plan, drafter, report, steps, num_rows, stops, deadline,
-                         warm_widths)
+        # The materialized path's forwards return what `output_attentions` /
+        # `output_hidden_states` keep (`recording`), inside.
+        with (plan.processing.recording(slot) if plan.processing is not None
+              else contextlib.nullcontext()):
+            report = self._prefill(slot, drafter, prompt)
+            if self._decodes_ahead(slot, plan, stops, warm_widths):
+                self._decode_ahead(slot, plan, drafter, report, steps, num_rows)
+            else:
+                self._decode(slot, plan, drafter, report, steps, num_rows, stops, deadline,
+                             warm_widths)
         if plan.persist_schedule is not None:
             plan.persist_schedule(slot.num_drafts[:num_rows].clone())
         if plan.streamer is not None:
@@ -701,6 +706,21 @@ class Engine:
                     step_row[b] = redone_row[b]
         return dataclasses.replace(report, finished=redone.finished, length=redone.length,
                                    num_drafts=redone.num_drafts, fills=redone.fills)
+
+
+def _stale_masks(slot: Slot, dtype_of) -> bool:
+    """Whether a cache of `slot` makes masks of another kind than its decoder's attention
+    takes now (boolean for sdpa, additive in the decoder's dtype otherwise, as `Slot.add_cache`
+    chose them): the model's attention implementation changed since (say to "eager", for
+    `output_attentions`), and eager attention would add a boolean mask to its scores."""
+    for entry in slot.caches:
+        decoder = entry.runner.decoder
+        if decoder is None:
+            continue
+        wanted = None if decoder.config._attn_implementation == "sdpa" else dtype_of(decoder)
+        if entry.cache.mask_dtype != wanted:
+            return True
+    return False
 
 
 def _allowed_names(slot: Slot) -> str:

@@ -23,6 +23,8 @@ import inspect
 
 import torch
 
+from .kv_cache import WindowCache
+
 
 def takes(decoder: torch.nn.Module, name: str) -> bool:
     """Whether `decoder`'s forward takes the keyword argument `name`."""
@@ -78,7 +80,11 @@ class TokenTypes:
         return self._padded[key]
 
     def __call__(self, kwargs: dict) -> dict:
-        positions = kwargs["position_ids"]
+        # By the tokens' cache positions (the model's position ids differ for a right-padded
+        # row's new tokens: `WindowCache.model_positions`).
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        positions = (cache.positions_fed if isinstance(cache, WindowCache)
+                     else kwargs["position_ids"])
         by_position, last, length = self._rows(positions.shape[0], positions.device)
         prompt = by_position.gather(1, positions.clamp(0, by_position.shape[1] - 1))
         kwargs["token_type_ids"] = torch.where(positions < length[:, None], prompt, last[:, None])

@@ -37,7 +37,13 @@ forward reads that 2-D mask itself (ALiBi: Bloom, Falcon with ``alibi=True``;
 `PADDING_MASK_DECODERS`) get it (`WindowCache.padding_mask`), and the causal mask their
 forward then builds from it is the cache's own position-addressed mask
 (`engine_causal_mask`). ALiBi by key column (MPT, `COLUMN_ALIBI_DECODERS`) cannot be served:
-a row's keys need not sit in adjacent columns.
+a row's keys need not sit in adjacent columns. GPT-Neo's attention modules, which apply their
+own causal buffer by key column with a window in their "local" layers, attend with the
+cache's mask of their own kind instead (`engine_layer_masks`).
+
+The position ids the model takes (rotary or learned positions) are the cache's positions,
+but for a right-padded row's new tokens, which stock feeds at the positions after its last
+(padding) column's: a per-row offset (`WindowCache.model_positions`).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import contextlib
 import functools
 import inspect
 import threading
+from types import MethodType
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -65,6 +72,15 @@ PADDING_MASK_DECODERS = {"BloomModel": None, "FalconModel": "alibi"}
 # position-addressed cache does not keep (other rows' longer accepted drafts and compaction
 # leave holes). Refused (`heads.check_decoder`).
 COLUMN_ALIBI_DECODERS = ("MptModel",)
+# Attention modules (by class name) that pick their layer's window themselves: GPT-Neo's
+# (``config.attention_layers``: "global" or "local" per layer, ``config.window_size``) slices
+# a causal buffer ``bias`` ``[1, 1, max_positions, max_positions]`` to the last KV columns
+# (``bias[..., k - q : k, :k]``: a window of key columns for "local" layers) and adds the one
+# mask its decoder's forward hands every layer. Each names the attribute holding its kind.
+# Inside `engine_layer_masks`, the buffer is all True and each module takes the cache's
+# position-addressed mask of its own kind.
+LAYER_MASK_ATTENTION = {"GPTNeoSelfAttention": "attention_type"}
+LAYER_KIND_NAMES = {"global": FULL, "local": SLIDING}     # GPT-Neo's names of the mask kinds
 
 
 class WindowLayer(CacheLayerMixin):
@@ -125,6 +141,12 @@ class WindowCache(Cache):
         self.key_index = torch.zeros(batch_size, capacity + 1, dtype=torch.long, device=device)
         self.column_index = torch.arange(capacity + 1, device=device)
         self.columns = self.column_index[:0]
+        # Per row, what the model's position ids add to the cache's positions from
+        # `offset_from` on (`model_positions`): stock's positions of a right-padded row's new
+        # tokens (`Slot.load`); zeros otherwise.
+        self.offset = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.offset_from = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.positions_fed = None           # the last `begin`'s positions (cache positions)
         self.num_updates = 0
         self.mask = None                    # what the last `begin` returned
         self._views: dict[int, torch.Tensor] = {}
@@ -155,7 +177,8 @@ class WindowCache(Cache):
         layers = [(t, (0, 2)) for layer in self.layers if layer.is_initialized
                   for t in (layer.keys, layer.values)]
         return [(self.live, (0, 1)), (self.position, (0, 1)), (self.key_index, (0, 1)),
-                (self.column_index, (0,)), (self.view_columns, (0,)), *layers]
+                (self.column_index, (0,)), (self.view_columns, (0,)), (self.offset, (0,)),
+                (self.offset_from, (0,)), *layers]
 
     def reset(self) -> None:
         self.live.zero_()
@@ -183,6 +206,7 @@ class WindowCache(Cache):
         spare = self.key_index.shape[1] - 1      # a size, not an int a compiled step guards on
         first_rows(self.key_index, rows).scatter_(
             1, torch.where(live, position_ids, spare), self.columns.expand(rows, -1))
+        self.positions_fed = position_ids
         self.num_updates = 0
         self.mask = None
         if not masks:
@@ -190,6 +214,22 @@ class WindowCache(Cache):
         masks = {kind: self._mask(position_ids, window) for kind, window in self.layer_kinds.items()}
         self.mask = masks if len(masks) > 1 else next(iter(masks.values()))
         return self.mask
+
+    def set_offsets(self, offset: torch.Tensor, offset_from: torch.Tensor) -> None:
+        """From now on, row b's model position ids are its cache positions plus
+        ``offset[b]`` from position ``offset_from[b]`` on (`model_positions`)."""
+        self.offset.copy_(offset)
+        self.offset_from.copy_(offset_from)
+
+    def model_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """The position ids the model takes (rotary or learned positions) for a forward of
+        the cache positions `position_ids` ``[b, n]`` (the cache's first b rows): the same,
+        but for each row's positions from ``offset_from`` on, shifted by ``offset`` (stock's
+        positions of a right-padded row's new tokens, `Slot.load`)."""
+        rows = position_ids.shape[0]
+        shift = torch.where(position_ids >= first_rows(self.offset_from, rows)[:, None],
+                            first_rows(self.offset, rows)[:, None], 0)
+        return position_ids + shift
 
     def padding_mask(self, rows: int) -> torch.Tensor:
         """``[rows, view]`` bool: which of the view's columns hold a live entry of each of the
@@ -280,9 +320,14 @@ def first_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 def layer_kinds(config) -> dict[str, int | None] | None:
     """Mask kinds the decoder's layers use, each with its sliding window (None = full
     attention), read from the model config the way transformers' models choose their
-    masks; None if some layer uses another kind of attention (chunked, linear...)."""
+    masks (GPT-Neo's attention modules from ``attention_layers`` and ``window_size``:
+    `LAYER_MASK_ATTENTION`); None if some layer uses another kind of attention (chunked,
+    linear...)."""
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
+    if getattr(config, "model_type", None) == "gpt_neo":   # its modules pick: LAYER_MASK_ATTENTION
+        window = config.window_size
+        types = [LAYER_KIND_NAMES.get(kind, kind) for kind in config.attention_layers]
     if types is None:        # one mask for every layer: Llama, GPT-2, Mistral...
         return {FULL: window if window else None}
     if not set(types) <= {FULL, SLIDING}:
@@ -315,6 +360,67 @@ def column_alibi(decoder: torch.nn.Module) -> str | None:
     """The class (of `COLUMN_ALIBI_DECODERS`) by which `decoder` adds ALiBi biases by key
     column, or None."""
     return _base_class(decoder, COLUMN_ALIBI_DECODERS)
+
+
+def layer_mask_modules(decoder: torch.nn.Module) -> list[torch.nn.Module]:
+    """`decoder`'s attention modules that pick their layer's window themselves
+    (`LAYER_MASK_ATTENTION`: GPT-Neo's)."""
+    return [module for module in decoder.modules()
+            if _base_class(module, LAYER_MASK_ATTENTION) is not None]
+
+
+def _layer_kind(module: torch.nn.Module) -> str:
+    """The mask kind (`FULL` or `SLIDING`) of one of `layer_mask_modules`."""
+    kind = getattr(module, LAYER_MASK_ATTENTION[_base_class(module, LAYER_MASK_ATTENTION)])
+    return LAYER_KIND_NAMES.get(kind, kind)
+
+
+def _forward_with_own_mask(self: torch.nn.Module, *args, **kwargs):
+    """The module's class forward, with the mask of the module's own kind that
+    `WindowCache.begin` made for a forward over a `WindowCache` (its ``layer_past``) instead
+    of the one its decoder passed every layer (`engine_layer_masks` installs it)."""
+    cache = kwargs.get("layer_past")
+    cache = cache.cache if isinstance(cache, WindowLayer) else cache
+    if isinstance(cache, WindowCache) and isinstance(cache.mask, dict):
+        kwargs["attention_mask"] = cache.mask[_layer_kind(self)]
+    return type(self).forward(self, *args, **kwargs)
+
+
+_ALL_TRUE: dict[torch.device, torch.Tensor] = {}
+_LAYER_USERS: dict[int, tuple[int, torch.Tensor]] = {}   # id(module) -> (forwards inside, bias)
+
+
+@contextlib.contextmanager
+def engine_layer_masks(modules: list[torch.nn.Module]):
+    """Inside, each of `modules` (`layer_mask_modules`) attends with the cache's
+    position-addressed mask of its own kind, its causal buffer by key column (``bias``)
+    all True: a GPT-Neo "local" layer's window then counts the row's positions, as its
+    buffer counts stock's columns (equal for stock's rows, whose tokens lie in adjacent
+    columns; `plan._mask_deferral` sends masks with holes to stock). The module's buffer and
+    forward are its own again when the last forward inside ends."""
+    with _LOCK:
+        for module in modules:
+            users, bias = _LAYER_USERS.get(id(module), (0, None))
+            if users == 0:
+                bias = module.bias
+                device = bias.device
+                if device not in _ALL_TRUE:   # stride 0: any key length slices it
+                    _ALL_TRUE[device] = torch.ones((), dtype=torch.bool, device=device).expand(
+                        1, 1, 1 << 30, 1 << 30)
+                module.bias = _ALL_TRUE[device]
+                module.forward = MethodType(_forward_with_own_mask, module)
+            _LAYER_USERS[id(module)] = (users + 1, bias)
+    try:
+        yield
+    finally:
+        with _LOCK:
+            for module in modules:
+                users, bias = _LAYER_USERS.pop(id(module))
+                if users > 1:
+                    _LAYER_USERS[id(module)] = (users - 1, bias)
+                else:
+                    module.bias = bias
+                    del module.forward
 
 
 def forward_globals(decoder: torch.nn.Module) -> dict:

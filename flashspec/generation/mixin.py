@@ -148,6 +148,7 @@ class FlashGenerationMixin(GenerationMixin):
                 kind = "fused" if sampler == "flash" else "materialized"
                 if invariant:
                     check_supported([plan.head.decoder, *getattr(plan.drafter, "decoders", ())])
+                    _check_invariant_outputs(plan)
                 generated = engine_for(plan, kind, invariant).run(plan)
                 # The cache stock returns, or the caller's updated in place as stock updates it.
                 cache = (returned_cache(self, plan, generated.kv) if generated.kv is not None
@@ -160,7 +161,10 @@ class FlashGenerationMixin(GenerationMixin):
             return sequences
         logprobs = generated.logprobs[:, :width] if generated.logprobs is not None else None
         scores, logits = plan.processing.outputs() if plan.processing is not None else (None, None)
+        forwards = plan.processing.forwards if plan.processing is not None else None
+        attentions, hidden_states = forwards.outputs() if forwards is not None else (None, None)
         return FlashGenerateOutput(sequences=sequences, scores=scores, logits=logits,
+                                   attentions=attentions, hidden_states=hidden_states,
                                    past_key_values=cache if plan.return_cache else None,
                                    logprobs=logprobs, flash_stats=generated.stats)
 
@@ -172,6 +176,18 @@ def _flash_options_given(seed, output_logprobs, drafter, invariant, **others) ->
                  drafter=drafter is not None, invariant=invariant is not False,
                  **{name: value is not None for name, value in others.items()})
     return [name for name in _FLASH_OPTIONS if given[name]]
+
+
+def _check_invariant_outputs(plan) -> None:
+    """`invariant=True` runs the decoder through flashspec's own kernels, which form no
+    attention probabilities and read a padding column's query by position: refuse
+    `output_attentions` / `output_hidden_states` there."""
+    forwards = plan.processing.forwards if plan.processing is not None else None
+    if forwards is not None:
+        name = "output_attentions" if forwards.attentions else "output_hidden_states"
+        raise ValueError(f"`{name}=True` is not supported with `invariant=True`: the invariant "
+                         "kernels form no attention probabilities and compute padding columns "
+                         "otherwise than stock; drop invariant=True")
 
 
 def _check_stock_call(plan: StockDelegation, seed, given: list[str]) -> None:

@@ -120,7 +120,10 @@ class Generated:
 class FlashGenerateOutput(GenerateDecoderOnlyOutput):
     """transformers' `GenerateDecoderOnlyOutput`: ``sequences``; ``scores`` and ``logits``
     with `output_scores` / `output_logits` (one ``[B, V]`` tensor per new token, formed on
-    the materialized path; NaN for a row after its end), else None; plus:
+    the materialized path; NaN for a row after its end), else None; ``attentions`` and
+    ``hidden_states`` with `output_attentions` / `output_hidden_states` (per new token a
+    tuple over layers, as stock lays them out: `flashspec.generation.recording`; NaN for a
+    row after its end), else None; plus:
 
     Attributes:
         logprobs: float32 ``[B, new_tokens]`` with ``output_logprobs=True``: log-probability

@@ -17,23 +17,24 @@ flashspec's `allowed_tokens_fn` (`allowed.AllowedTokens`) while nothing else nee
 materialized path;
 everything else that edits the logits (transformers' processors, the unfused warpers, a
 user's `logits_processor`, watermarking, a softcap after a logit scale, `output_scores` /
-`output_logits`) on the engine's exact materialized path
-(`processing`), with one warning naming what forced it. What selects another decoding
-method (beam search, contrastive search, DoLa, constrained beams, guidance, SynthID
-watermarking, ...) or output flashspec does not collect is `StockDelegation`: `generate`
-defers to stock transformers with a warning. What neither can run is refused with a
+`output_logits`), and `output_attentions` / `output_hidden_states` (`recording`), on the
+engine's exact materialized path (`processing`), with one warning naming what forced it.
+What selects another decoding method (beam search, contrastive search, DoLa, constrained
+beams, guidance, SynthID watermarking, ...) is `StockDelegation`: `generate` defers to stock
+transformers with a warning. What neither can run is refused with a
 ValueError naming the option, where its value came from and the override that works.
 
 What a decoder-only model's forward takes besides the ids runs on the engine as stock feeds
 it: `inputs_embeds` (the prefill takes them; ``sequences`` then start with the given
-`input_ids`, none without), any 0/1 `attention_mask` whose rows end with a live token (holes
-included: live tokens at positions ``mask.cumsum(-1) - 1``, the rest dead in the cache),
-`position_ids` equal to those positions, `token_type_ids` of a decoder that takes them, and
+`input_ids`, none without), any 0/1 `attention_mask` with a live token in every row (holes
+included: live tokens at positions ``mask.cumsum(-1) - 1``, the rest dead in the cache; right
+padding as stock runs it, `_stock_positions`), `position_ids` equal to those positions,
+`token_type_ids` of a decoder that takes them, and
 `past_key_values` (`past`: a transformers Cache holding the prompt's first columns is read
 into the engine's cache; with `return_dict_in_generate` the output holds the cache stock's
-would, and a cache passed in is updated in place, as stock's is). Right padding (a row whose
-last column is padding), other `position_ids` and holes under a sliding window that the
-call's columns exceed run on stock: `_mask_deferral` and `_inputs_deferral` say why.
+would, and a cache passed in is updated in place, as stock's is). Other `position_ids`, and
+holes or right padding under a sliding window that the call's columns exceed, run on stock:
+`_mask_deferral` and `_inputs_deferral` say why.
 
 Deliberate differences: `num_assistant_tokens` passed to `generate` is honoured (stock
 transformers reads only the assistant's generation config); batches work with an
@@ -43,7 +44,11 @@ continued with an assistant or prompt lookup as without them (stock assisted gen
 returns it unchanged); with `inputs_embeds`, an assistant and prompt lookup draft from the
 ids given beside them (if any) and the new tokens, and the tokens are those without drafts
 (transformers 5.17's assisted generation fails there with an assistant, and its prompt
-lookup over embeddings alone returns other tokens than its greedy search).
+lookup over embeddings alone returns other tokens than its greedy search); with an assistant
+or prompt lookup, `attentions` and `hidden_states` hold each token's own, as greedy search's
+(stock's assisted generation returns the prompt's first rows for the tokens its first
+verification emits after the first: `recording`), and with sdpa attention a tuple per token
+with no layer's attentions, as stock's greedy search returns (its assisted generation fails).
 
 (About 700 lines: one function's decisions, each option read once in transformers' merged
 config, with the tables of what runs where beside them.)
@@ -75,9 +80,10 @@ from .drafters import AssistantDrafter, Drafter, PromptLookupDrafter
 from .edits import FUSED_OPTIONS, EditRules
 from .heads import OutputHead, check_decoder, check_logits, model_hooks, output_head
 from .inputs import takes
-from .kv_cache import layer_kinds
+from .kv_cache import layer_kinds, takes_padding_mask
 from .past import check_past
 from .processing import LogitsProcessing
+from .recording import ForwardOutputs, key_layouts
 
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 DRAFTER_DEFAULT_DRAFTS = 4     # drafts per step of a caller's `drafter` without num_assistant_tokens
@@ -106,6 +112,9 @@ PROCESSOR_OPTIONS = {
     "watermarking_config": lambda v: v is None,
     "output_scores": lambda v: not v,
     "output_logits": lambda v: not v,
+    # Not edits: the per-token outputs the materialized path's eager forwards collect.
+    "output_attentions": lambda v: not v,
+    "output_hidden_states": lambda v: not v,
 }
 # Warpers transformers applies only when sampling, which the fused kernels do not make.
 UNFUSED_WARPERS = {
@@ -122,8 +131,6 @@ STOCK_OPTIONS = {
     "assistant_ensemble_weight": (lambda v: v is None, "it mixes the assistant's distribution "
                                                        "into the target's"),
     "token_healing": (lambda v: not v, "it rewrites the prompt with a tokenizer"),
-    "output_attentions": (lambda v: not v, "per-step attentions are not collected"),
-    "output_hidden_states": (lambda v: not v, "per-step hidden states are not collected"),
     "assistant_early_exit": (lambda v: v is None, "self-speculation by early exit is not "
                                                   "implemented"),
     "use_mtp": (lambda v: not v, "multi-token-prediction drafts are not implemented"),
@@ -141,7 +148,9 @@ STOCK_HOOKS = {
     "assistant_tokenizer": "an assistant with another tokenizer (universal assisted decoding) "
                            "needs the target's vocabulary translated",
 }
-_MODEL_KWARGS = ("attention_mask", "input_ids", "use_cache", "logits_to_keep")
+# transformers keeps the output_* options in the model's kwargs too (read from the config here).
+_MODEL_KWARGS = ("attention_mask", "input_ids", "use_cache", "logits_to_keep", "output_attentions",
+                 "output_hidden_states")
 # Inputs of the model's forward the engine takes where its decoder does (`_inputs_deferral`).
 _ENGINE_INPUTS = ("inputs_embeds", "position_ids", "token_type_ids", "past_key_values")
 
@@ -154,7 +163,7 @@ class GenerationPlan:
                                        # the prompts' last L_s columns (L_s = L, but 0 with
                                        # inputs_embeds alone, L - N with past_key_values
                                        # holding N columns and only the new ids passed)
-    attention_mask: torch.Tensor       # [B, L] the prompts' columns, 0/1, each row ending live
+    attention_mask: torch.Tensor       # [B, L] the prompts' columns, 0/1, a live token per row
     params: SamplingParams             # per row, logit scale folded into temperature
     head: OutputHead                   # target decoder and LM-head weight
     drafter: Drafter | None
@@ -181,6 +190,9 @@ class GenerationPlan:
     return_cache: bool = False         # the output holds past_key_values (return_dict, use_cache)
     cache_implementation: str | None = None   # of the returned cache ("static": stock's StaticCache)
     max_cache_length: int = 0          # a static cache's columns, as stock sizes it
+    # [B, L] the position ids stock feeds the prompt's columns (`_stock_positions`); None where
+    # the model's forward takes none (its decoder derives positions from the 2-D mask)
+    prompt_positions: torch.Tensor | None = None
 
     @property
     def wants_kv(self) -> bool:
@@ -318,6 +330,8 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
         return None if tensor is None else tensor.repeat_interleave(options.num_return_sequences, dim=0)
 
     input_ids = expanded(ids)
+    prompt_positions = expanded(_stock_positions(model, model_kwargs.get("position_ids"),
+                                                 attention_mask))
     attention_mask = expanded(attention_mask)
     batch_size, input_length = input_ids.shape
 
@@ -330,7 +344,8 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
     # sequence index past the noise's last position can be generated.
     max_new_tokens = min(math.ceil(config.max_length - input_length),
                          rng.MAX_POSITION + 1 - width)
-    deferral = _mask_deferral(attention_mask, head.decoder.config, max_new_tokens)
+    deferral = _mask_deferral(attention_mask, head.decoder.config, max_new_tokens,
+                              prompt_positions is not None or takes_padding_mask(head.decoder))
     if deferral is not None:
         return StockDelegation(deferral, sampling)
     if streamer is not None:
@@ -380,7 +395,11 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
         additive = None
         processing = LogitsProcessing(processors, head, input_ids, pad_token_id, tuple(reasons),
                                       keep_scores=bool(config.output_scores),
-                                      keep_logits=bool(config.output_logits))
+                                      keep_logits=bool(config.output_logits),
+                                      forwards=_forward_outputs(model, config, attention_mask, past,
+                                                                past_length, embeds is not None,
+                                                                expanded(token_type_ids),
+                                                                max_cache_length))
         warnings.warn(f"sampler='flash' runs this call on its exact materialized path (the "
                       f"logits formed per step, transformers' processors applied as stock "
                       f"generate applies them), slower than the fused kernels, because of: "
@@ -435,10 +454,26 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
         return_dict_in_generate=bool(config.return_dict_in_generate), processing=processing,
         edits=edits, additive=additive, allowed=allowed, inputs_embeds=expanded(embeds),
         token_type_ids=expanded(token_type_ids), past_key_values=past, past_length=past_length,
+        prompt_positions=prompt_positions,
         # Stock feeds inputs_embeds with a cache whatever use_cache says.
         return_cache=bool(config.return_dict_in_generate) and (config.use_cache is not False
                                                                or embeds is not None),
         cache_implementation=config.cache_implementation, max_cache_length=max_cache_length)
+
+
+def _forward_outputs(model, config: GenerationConfig, attention_mask: torch.Tensor, past,
+                     past_length: int, embeds: bool, token_type_ids,
+                     max_cache_length: int) -> ForwardOutputs | None:
+    """What collects `output_attentions` / `output_hidden_states` (stock returns them with
+    `return_dict_in_generate` only), or None. Stock runs without a cache where `use_cache`
+    is False (but with `inputs_embeds`), each forward feeding the whole sequence."""
+    attentions, hidden = bool(config.output_attentions), bool(config.output_hidden_states)
+    if not config.return_dict_in_generate or not (attentions or hidden):
+        return None
+    layouts = key_layouts(model.config.get_text_config(decoder=True), past,
+                          config.cache_implementation, max_cache_length,
+                          use_cache=config.use_cache is not False or embeds)
+    return ForwardOutputs(attention_mask, past_length, token_type_ids, attentions, hidden, layouts)
 
 
 def _check_tensor_parallel(config: GenerationConfig, source: Sources) -> None:
@@ -588,36 +623,73 @@ def _check_mask(attention_mask, rows: int, width: int) -> None:
                          f"got {type(attention_mask).__name__} of shape {shape}")
 
 
-def _mask_deferral(mask: torch.Tensor, config, max_new_tokens: int) -> str | None:
+def _mask_deferral(mask: torch.Tensor, config, max_new_tokens: int,
+                   positions_known: bool) -> str | None:
     """Why stock generate must run a mask the engine does not reproduce, else None. The
-    engine takes any 0/1 mask whose rows end with a live token: live tokens at positions
-    ``mask.cumsum(-1) - 1`` (as stock's), the others dead in its cache. Stock continues a
-    row's positions from its last column's, a padding column's 0 under right padding, and
-    samples its first token there; and its sliding windows count columns, not positions,
-    which holes set apart."""
+    engine takes any 0/1 mask with a live token in every row: live tokens at positions
+    ``mask.cumsum(-1) - 1`` (as stock's), the others dead in its cache; a right-padded row
+    as stock runs it (`_stock_positions`) where stock's positions are known:
+    `positions_known`, the model takes position ids (stock's) or derives them from the 2-D
+    mask (ALiBi: as the engine's `WindowCache.padding_mask`). Stock's sliding windows count
+    columns, not positions, which holes (and right padding) set apart."""
     if bool(((mask != 0) & (mask != 1)).any()):
         return ("`attention_mask` holds values other than 0 and 1, which the engine's "
                 "position-addressed cache does not take")
-    if bool((mask[:, -1] == 0).any()):
-        return ("`attention_mask` ends a row with padding (right padding): stock continues that "
-                "row's positions from its last column's (0, a padding column's) and samples its "
-                "first token from that column, which the engine's position-addressed cache does "
-                "not reproduce; pad on the left")
+    if bool((mask == 0).all(dim=1).any()):
+        return ("`attention_mask` has a row without a live token, whose first token stock "
+                "samples from a query that sees no key")
+    if bool((mask[:, -1] == 0).any()) and not positions_known:
+        return ("`attention_mask` ends a row with padding (right padding) and the model's "
+                "forward takes no position_ids: its decoder derives the positions of that "
+                "row's tokens itself, which the engine does not reproduce; pad on the left")
     holes = bool((mask[:, 1:] < mask[:, :-1]).any())
     windows = [w for w in (layer_kinds(config) or {}).values() if w is not None]
     columns = mask.shape[1] + max_new_tokens - 1
     if holes and windows and columns > min(windows):
-        return (f"`attention_mask` has padding between a row's tokens, and the call's {columns} "
-                f"columns exceed the model's sliding window ({min(windows)}): stock's window "
-                "counts columns, padding included, the engine's counts tokens")
+        return (f"`attention_mask` has padding between a row's tokens (or after them: right "
+                f"padding), and the call's {columns} columns exceed the model's sliding window "
+                f"({min(windows)}): stock's window counts columns, padding included, the "
+                "engine's counts tokens")
     return None
+
+
+def _stock_positions(model, position_ids, mask: torch.Tensor) -> torch.Tensor | None:
+    """The position ids ``[B, L]`` stock generate (transformers 5.17) feeds the prompt's
+    columns (`mask`'s): the call's `position_ids` (all columns', or the last columns' after
+    a passed cache's), else, where the model's forward takes position ids, its own
+    ``mask.cumsum(-1) - 1`` at live columns and 0 at padding
+    (`_prepare_position_ids_for_generation`); None where the forward takes none (the decoder
+    derives its positions: Bloom's ALiBi from the 2-D mask, which the engine hands it).
+
+    What stock then does with a right-padded row (its last column padding; transformers'
+    `CausalLMModelTester` builds such masks with `torch.tril`): the prefill feeds every
+    column at these positions, causal by column with padding keys masked, and `_sample`
+    takes the first token from the last column's logits: the padding column's id, at its
+    position id p (0), attending to every live prompt token (its own key masked). Each new
+    token is fed at the last position id plus one (`_update_model_kwargs_for_generation`:
+    p + 1, p + 2, ..., positions the prompt's tokens also hold), sees the live prompt
+    tokens and the new tokens before it (the mask grows by ones; the padding columns stay
+    masked), and the returned cache holds the padding columns too. The engine reproduces
+    this (`Slot.load`): the prefill feeds the model these position ids while the cache keeps
+    its own positions (the row's live tokens at 0, 1, ..., k - 1, its new tokens from k on),
+    each row's new tokens take their cache position plus ``p + 1 - k`` as their position ids
+    (`WindowCache.model_positions`; 0 for a row ending live, whose p is k - 1), and the
+    fused sampler's noise stays keyed by the row's sequence index (its token count)."""
+    stock = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    if position_ids is not None:
+        stock[:, mask.shape[1] - position_ids.shape[1]:] = position_ids.to(stock.device).long()
+        return stock
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return None
+    return stock
 
 
 def _positions_deferral(position_ids, mask: torch.Tensor, past_length: int) -> str | None:
     """Why stock generate must run the call's `position_ids` (None if not given): the engine
     addresses its cache by the positions stock derives from the mask (``mask.cumsum(-1) - 1``
-    of each live token; a padding column's do not matter), and takes those alone, for all of
-    the prompt's columns or for those after the cache's `past_length`."""
+    of each live token; a padding column's are free: a right-padded row's new tokens
+    continue from its last column's, as in stock, `_stock_positions`), and takes those
+    alone, for all of the prompt's columns or for those after the cache's `past_length`."""
     if position_ids is None:
         return None
     expected = mask.cumsum(dim=1) - 1

@@ -3,8 +3,8 @@
 Transformers' logits processors that are not fused (encoder_*, exponential decay, ... a user's
 `logits_processor`; the fused ones too when one of those is set), the warpers flashspec does
 not fuse (typical_p, epsilon_cutoff, eta_cutoff, top_h), watermarking, a softcap after a
-logit scale and `output_scores` / `output_logits` run here, inside the same engine and its
-steps. Per step:
+logit scale, `output_scores` / `output_logits` and `output_attentions` /
+`output_hidden_states` (`recording`) run here, inside the same engine and its steps. Per step:
 
 1. the target's logits are formed for the call's rows and the positions the step verifies,
    ``[B, W, V]``, as the model computes them (`heads.head_logits`: bias, scale, softcap),
@@ -36,12 +36,15 @@ then applies it here.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import LogitsProcessorList
 
 from .. import reference
 from ..outputs import NON_FINITE, OK
 from .heads import OutputHead, head_logits
+from .recording import ForwardOutputs
 
 
 class LogitsProcessing:
@@ -56,12 +59,15 @@ class LogitsProcessing:
         reasons: what forced this path, named in the warning.
         keep_scores / keep_logits: collect each emitted token's processed scores / raw
             logits ``[V]`` (`output_scores` / `output_logits`).
+        forwards: collects each emitted token's attentions and hidden states
+            (`recording.ForwardOutputs`: `output_attentions` / `output_hidden_states`), or None.
     """
 
     def __init__(self, processors: LogitsProcessorList, head: OutputHead, prompt_ids: torch.Tensor,
                  pad_token_id: int, reasons: tuple[str, ...], keep_scores: bool = False,
-                 keep_logits: bool = False):
+                 keep_logits: bool = False, forwards: ForwardOutputs | None = None):
         self.processors = processors
+        self.forwards = forwards
         self.head = head
         self.prompt_ids = prompt_ids
         self.pad_token_id = pad_token_id
@@ -74,6 +80,11 @@ class LogitsProcessing:
 
     def sampler(self, slot) -> "ProcessedSampler":
         return ProcessedSampler(self, slot)
+
+    def recording(self, slot):
+        """What the call's steps in `slot` run inside: the target's forwards return the
+        attentions and hidden states `forwards` keeps (nothing without)."""
+        return contextlib.nullcontext() if self.forwards is None else self.forwards.recording(slot)
 
     def apply(self, logits: torch.Tensor, drafts: torch.Tensor | None, slot) -> torch.Tensor:
         """Scores ``[B, W, V]``: `logits` ``[B, W, V]`` (position j of row b predicts the
@@ -98,7 +109,10 @@ class LogitsProcessing:
 
     def record(self, emitted: list[int]) -> None:
         """Keep the scores and logits of each row's tokens the last step emitted (its first
-        ``emitted[b]`` positions, after EOS, budget and stop-string cuts)."""
+        ``emitted[b]`` positions, after EOS, budget and stop-string cuts), and their
+        attentions and hidden states."""
+        if self.forwards is not None:
+            self.forwards.record(emitted)
         if self._step is None:
             return
         scores, logits = self._step

@@ -125,7 +125,8 @@ class Slot:
         # as embeddings or by a passed cache only): prompt lookup does not search them.
         self.known_from = torch.zeros(batch_size, **long)
         self.token_types = False                  # the call's forwards take token types
-        self._target_prompt = None                # the target's prefill: (ids, positions, live)
+        # The target's prefill: (ids, positions, live, the model's position ids or None)
+        self._target_prompt = None
         self._prompt_embeds = None                # ... its embeddings, if given
         self._past_columns = 0                    # ... and the columns a passed cache held
         self.length = torch.zeros(batch_size, **long)
@@ -177,12 +178,7 @@ class Slot:
     def _resize_report(self) -> None:
         rows = Report.FIELDS + len(self.caches) + (self.max_drafts + 1) + self.max_drafts
         self.report = torch.zeros(rows, self.batch_size, dtype=torch.long, device=self.device)
-        # Two host copies: a step's while the host reads the one before (`copy_report`).
-        cuda = self.device.type == "cuda"
-        self.host_reports = [torch.zeros(self.report.shape, dtype=torch.long, pin_memory=cuda)
-                             for _ in range(2)]
-        self.copies = [torch.cuda.Event() if cuda else None for _ in range(2)]
-        self.next_copy = 0
+        self.host_reports = None    # `copy_report`'s, made at its first use
         self.generation += 1
 
     def attached(self, drafter):
@@ -259,8 +255,12 @@ class Slot:
         drafter reads it (`AttachedDrafter.start`): ids, positions and live flags ``[B, L]``,
         the columns whose ids the call does not know (given as embeddings, or by a passed
         cache only) dead. Each live column is at position ``mask.cumsum(-1) - 1``; a dead one
-        at the next live column's (so that no forward from there drops a live entry); `seq`
-        holds the live tokens by position. A passed cache (`plan.past_key_values`) is read
+        at the next live column's (so that no forward from there drops a live entry; a
+        right-padded row's last column, whose query gives its first token, sees all of its
+        prompt); `seq` holds the live tokens by position. The model takes stock's position
+        ids (`plan._stock_positions`): the prefill's as they are, the new tokens' as their
+        cache positions plus the row's offset (`WindowCache.model_positions`, nonzero for a
+        right-padded row). A passed cache (`plan.past_key_values`) is read
         into the target's cache here; the target's prefill (`prefill_target`) feeds the
         columns after it."""
         rows, width = plan.attention_mask.shape
@@ -309,10 +309,21 @@ class Slot:
         self._load_edits(plan.edits, stock_ids, plan.additive)
         self.heuristic = plan.schedule == "heuristic" and plan.drafter is not None
         self.token_types = plan.token_type_ids is not None
+        # Position ids as stock feeds them (`plan._stock_positions`): the prefill's are stock's;
+        # each row continues from its last column's (a right-padded row's: a padding
+        # column's), its new tokens from cache position `prompt_length` on.
+        model_positions = plan.prompt_positions
+        offset = torch.zeros_like(self.prompt_length)
+        if model_positions is not None:
+            model_positions = model_positions.to(self.device).long()
+            if pad:
+                model_positions = torch.cat([model_positions, model_positions[:1].expand(pad, -1)])
+            offset = model_positions[:, -1] + 1 - self.prompt_length
         for entry in self.caches:
             entry.cache.reset()
+            entry.cache.set_offsets(offset, self.prompt_length)
         positions = mask.cumsum(dim=1) - mask
-        self._target_prompt = (input_ids, positions, live)
+        self._target_prompt = (input_ids, positions, live, model_positions)
         self._prompt_embeds = plan.inputs_embeds
         self._past_columns = plan.past_length
         if plan.past_length:
@@ -367,12 +378,14 @@ class Slot:
         return self.edits.verify_edits(generated, drafts, allowed)
 
     def forward_prompt(self, runner: DecoderRunner, cache: WindowCache, input_ids: torch.Tensor,
-                       positions: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+                       positions: torch.Tensor, live: torch.Tensor,
+                       model_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Eager forward of the prompts (and any first drafts) over the call's own rows: rows
         that only pad the bucket emit nothing, and reading a prompt would cost as much for
         them as for a real row. Their hidden states are zeros."""
         rows = self.rows
-        hidden = runner.forward(cache, input_ids[:rows], positions[:rows], live[:rows])
+        hidden = runner.forward(cache, input_ids[:rows], positions[:rows], live[:rows],
+                                None if model_positions is None else model_positions[:rows])
         if rows == self.batch_size:
             return hidden
         return torch.cat([hidden, hidden.new_zeros(self.batch_size - rows, *hidden.shape[1:])])
@@ -382,13 +395,15 @@ class Slot:
         (`load`), their embeddings instead of their ids when the call gave `inputs_embeds`.
         Returns the hidden states ``[B, n, D]``."""
         start = self._past_columns
-        ids, positions, live = (t[:, start:] for t in self._target_prompt)
+        ids, positions, live, model_positions = (None if t is None else t[:, start:]
+                                                 for t in self._target_prompt)
         target = self.target
         embeds = self._prompt_embeds
         self._target_prompt = self._prompt_embeds = None      # the slot outlives the call
         supply = None if embeds is None else embeddings_instead(embeds[: self.rows, start:])
         with decoder_inputs(target.runner.decoder, supply):
-            return self.forward_prompt(target.runner, target.cache, ids, positions, live)
+            return self.forward_prompt(target.runner, target.cache, ids, positions, live,
+                                       model_positions)
 
     def returned_kv(self, plan, new_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The target's keys and values of the call's rows as stock's returned cache holds
@@ -554,6 +569,14 @@ class Slot:
         """Start copying the last step's report to host memory (after the step, in stream
         order) and return it pending: the next step may overwrite the report meanwhile.
         The two host buffers alternate: at most two copies may be pending."""
+        if self.host_reports is None:
+            # Two host copies: a step's while the host reads the one before. Pinned memory
+            # costs a host allocation: only calls that decode ahead make them.
+            cuda = self.device.type == "cuda"
+            self.host_reports = [torch.zeros(self.report.shape, dtype=torch.long,
+                                             pin_memory=cuda) for _ in range(2)]
+            self.copies = [torch.cuda.Event() if cuda else None for _ in range(2)]
+            self.next_copy = 0
         index, self.next_copy = self.next_copy, 1 - self.next_copy
         host, done = self.host_reports[index], self.copies[index]
         host.copy_(self.report, non_blocking=done is not None)
