@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import warnings
 
 import pytest
 import torch
-import transformers
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from _models import SLIDING_WINDOW, tiny_draft, tiny_model
+from _models import SLIDING_WINDOW
+from test_generate import _quiet_single_threaded, draft, target  # noqa: F401 (fixture)
 
 ARCHS = ("llama", "qwen3", "gpt2", "mistral", "gemma2")
 SLIDING = ("mistral", "gemma2")
@@ -31,27 +30,6 @@ IDS = torch.tensor([[0, 0, 5, 6, 7, 8, 9, 10, 11],
 MASK = (torch.arange(9)[None, :] >= torch.tensor([[2], [0]])).long()
 MORE = torch.tensor([[7, 8], [9, 10]])       # the next turn's ids
 DEFERS = "sampler='flash' defers this call to stock"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _quiet_single_threaded():
-    threads = torch.get_num_threads()
-    verbosity = transformers.logging.get_verbosity()
-    torch.set_num_threads(1)
-    transformers.logging.set_verbosity_error()
-    yield
-    torch.set_num_threads(threads)
-    transformers.logging.set_verbosity(verbosity)
-
-
-@functools.lru_cache(maxsize=None)
-def target(arch: str = "llama"):
-    return tiny_model(arch)
-
-
-@functools.lru_cache(maxsize=None)
-def draft(arch: str = "llama"):
-    return tiny_draft(arch)
 
 
 @contextlib.contextmanager

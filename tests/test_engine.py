@@ -125,8 +125,9 @@ class _FlaggingSampler(samplers.MaterializedSampler):
         return num_accepted, tokens, logprobs, accept_probs, status
 
 
-@pytest.mark.parametrize("mode", ["plain", "assistant"])
-def test_flagged_rows_are_completed_exactly(monkeypatch, mode):
+def _flagged_and_unflagged(monkeypatch, mode):
+    """The same seeded call without and with `_FlaggingSampler` (fresh engines): both outputs,
+    after checking that rows were flagged and that tokens and logprobs are the same."""
     ids, mask = left_pad(PROMPTS)
     kwargs = dict(RAGGED) if mode == "assistant" else {}
     sampling = dict(do_sample=True, top_k=5, seed=11, max_new_tokens=12, output_logprobs=True)
@@ -140,6 +141,12 @@ def test_flagged_rows_are_completed_exactly(monkeypatch, mode):
     assert _FlaggingSampler.flagged > 0
     assert torch.equal(fast.sequences, unflagged.sequences)
     torch.testing.assert_close(fast.logprobs, unflagged.logprobs)
+    return fast, unflagged
+
+
+@pytest.mark.parametrize("mode", ["plain", "assistant"])
+def test_flagged_rows_are_completed_exactly(monkeypatch, mode):
+    fast, unflagged = _flagged_and_unflagged(monkeypatch, mode)
     for name in ("emitted", "accepted"):
         assert torch.equal(getattr(fast.flash_stats, name), getattr(unflagged.flash_stats, name))
     torch.testing.assert_close(fast.flash_stats.accept_probs, unflagged.flash_stats.accept_probs,
@@ -197,19 +204,7 @@ def test_flagged_rows_are_completed_exactly_when_steps_run_ahead(decoding_ahead,
     """A row flagged for exact completion while the next step is already in flight: that
     step computes the row's position again and its report completes it; the output is the
     unflagged run's (tokens, logprobs, tokens per row)."""
-    ids, mask = left_pad(PROMPTS)
-    kwargs = dict(RAGGED) if mode == "assistant" else {}
-    sampling = dict(do_sample=True, top_k=5, seed=11, max_new_tokens=12, output_logprobs=True)
-    engine_module.drop_engine(target().model)
-    unflagged = flash(target(), ids, mask, **kwargs, **sampling)
-    monkeypatch.setattr(samplers, "MaterializedSampler", _FlaggingSampler)
-    _FlaggingSampler.flagged = 0
-    engine_module.drop_engine(target().model)
-    fast = flash(target(), ids, mask, **kwargs, **sampling)
-    engine_module.drop_engine(target().model)
-    assert _FlaggingSampler.flagged > 0
-    assert torch.equal(fast.sequences, unflagged.sequences)
-    torch.testing.assert_close(fast.logprobs, unflagged.logprobs)
+    fast, unflagged = _flagged_and_unflagged(monkeypatch, mode)
     assert torch.equal(fast.flash_stats.emitted.sum(dim=0), unflagged.flash_stats.emitted.sum(dim=0))
 
 

@@ -16,17 +16,14 @@ columns exceed still runs on stock (its window counts the padding columns).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import warnings
 
 import pytest
 import torch
-import transformers
 
-from _models import tiny_draft, tiny_model
+from test_cache_and_inputs import modes, on_engine
+from test_generate import _quiet_single_threaded, target  # noqa: F401 (fixture)
 
-DEFERS = "sampler='flash' defers this call to stock"
 ARCHS = ("llama", "gpt2", "qwen3")
 NEW = 12
 torch.manual_seed(3)
@@ -37,40 +34,6 @@ MASK[3] = 1
 # A mixed batch: right padding, left padding, padding on both sides, a full row.
 MIXED = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 1, 1, 1, 1],
                       [0, 1, 1, 1, 1, 0, 0, 0, 0], [1] * 9])
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _quiet_single_threaded():
-    threads = torch.get_num_threads()
-    verbosity = transformers.logging.get_verbosity()
-    torch.set_num_threads(1)
-    transformers.logging.set_verbosity_error()
-    yield
-    torch.set_num_threads(threads)
-    transformers.logging.set_verbosity(verbosity)
-
-
-@functools.lru_cache(maxsize=None)
-def target(arch: str = "llama"):
-    return tiny_model(arch)
-
-
-@functools.lru_cache(maxsize=None)
-def draft(arch: str = "llama"):
-    return tiny_draft(arch)
-
-
-@contextlib.contextmanager
-def on_engine():
-    """Inside, a call that flashspec hands to stock fails the test."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=DEFERS)
-        yield
-
-
-def modes(arch: str) -> dict:
-    return {"plain": {}, "lookup": dict(prompt_lookup_num_tokens=3),
-            "assistant": dict(assistant_model=draft(arch), num_assistant_tokens=3)}
 
 
 @functools.lru_cache(maxsize=None)
