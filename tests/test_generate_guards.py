@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from transformers import LlamaForCausalLM, MambaConfig, MambaForCausalLM
+from transformers import CompileConfig, LlamaForCausalLM, MambaConfig, MambaForCausalLM
 
 import flashspec
 
@@ -135,6 +135,7 @@ def test_logprobs_need_the_output_object():
     (dict(guidance_scale=1.5), "classifier-free guidance"),
     (dict(assistant_early_exit=1), "self-speculation by early exit"),
     (dict(position_ids=torch.arange(10)[None] + 2), "`position_ids` are not the positions"),
+    (dict(compile_config=CompileConfig()), "configures stock's torch.compile"),
 ])
 def test_other_methods_defer_to_stock_with_a_warning(kwargs, message):
     """What the engine does not do runs stock generate (same tokens), with a warning."""

@@ -138,6 +138,9 @@ STOCK_OPTIONS = {
                                               "are implemented"),
     "cache_implementation": (lambda v: v in (None, "dynamic", "hybrid", "static"),
                              "flashspec keeps its own full-precision KV caches"),
+    "compile_config": (lambda v: v is None,
+                       "it configures stock's torch.compile of the model's forward, which the "
+                       "engine never calls (it compiles its own layers once per model)"),
 }
 # Arguments of generate() for which it defers to stock transformers: name -> why.
 STOCK_HOOKS = {

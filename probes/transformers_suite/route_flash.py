@@ -98,6 +98,11 @@ def _route(model, original, args, kwargs):
     record = {"test": _CURRENT["test"], "model": type(model).__name__,
               **_decoding(model, args, kwargs)}
     rng = torch.get_rng_state()
+    compare = os.environ.get("FLASHSPEC_ROUTE_COMPARE") == "1"
+    # A passed cache is updated in place by the call (as stock's is): the comparison gets
+    # its own copy of the cache as the test passed it, and the test never sees stock's.
+    before = {name: copy.deepcopy(value) for name, value in kwargs.items()
+              if name == "past_key_values" and value is not None} if compare else {}
     assistant = kwargs.get("assistant_model")
     assistant_config = copy.deepcopy(getattr(assistant, "generation_config", None))
     cls, real_warn = model.__class__, warnings.warn
@@ -121,10 +126,9 @@ def _route(model, original, args, kwargs):
         model.__class__, warnings.warn = cls, real_warn
         _STATE.inside, _STATE.seen = False, None
     record["seconds"] = round(time.perf_counter() - started, 3)
-    if record["outcome"].startswith("RAN") and record["greedy"] \
-            and os.environ.get("FLASHSPEC_ROUTE_COMPARE") == "1":
-        record.update(_compare(model, original, args, kwargs, output, rng, assistant,
-                               assistant_config))
+    if record["outcome"].startswith("RAN") and record["greedy"] and compare:
+        record.update(_compare(model, original, args, {**kwargs, **before}, output, rng,
+                               assistant, assistant_config))
     _write(record)
     return output
 
