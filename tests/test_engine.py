@@ -767,6 +767,21 @@ def test_memory_follows_what_is_generated_not_the_limit():
     assert engine_module.cached_engine(model.model).slots[1].capacity == slot_module.MIN_VIEW
 
 
+def test_ngram_context_follows_the_slot_not_the_limit():
+    """no_repeat_ngram_size's context holds what a row can hold, growing with the slot: a
+    call with max_new_tokens=10**12 and max_time allocates a context of the slot's columns
+    (it took memory by the limit: 32 GiB for this call), and a call that grows its slot
+    past 256 columns keeps its context and equals stock."""
+    model = tiny_model("llama")
+    ids = torch.tensor([[1]])
+    flash(model, ids, max_new_tokens=10**12, max_time=0.1, no_repeat_ngram_size=2)
+    slot = engine_module.cached_engine(model.model).slots[1]
+    assert slot.edit_state.context.shape[1] <= 2 * slot.seq.shape[1]
+    out = flash(model, ids, max_new_tokens=300, no_repeat_ngram_size=2).sequences
+    assert slot.capacity > slot_module.MIN_VIEW
+    assert torch.equal(out, stock(model, ids, max_new_tokens=300, no_repeat_ngram_size=2))
+
+
 @pytest.mark.parametrize("verify", [False, True])
 def test_compiled_kernel_variants_cover_every_sampling_setting(verify):
     """The variants a call compiles up front (`samplers.kernel_settings`) are every variant

@@ -314,15 +314,20 @@ class EditState:
         self.frequency = torch.zeros(batch_size, dtype=torch.float64, device=device)
 
     def load(self, rules: EditRules, input_ids: torch.Tensor,
-             additive: AdditiveEdits | None = None) -> bool:
+             additive: AdditiveEdits | None = None, new_columns: int | None = None) -> bool:
         """The call's `rules` and `additive` edits for rows whose left-padded prompts are
         `input_ids` ``[B, L]`` (padding tokens are context too, as in stock's ``input_ids``).
+        `new_columns`: the most tokens a row can hold after its prompt now (the slot's
+        columns; `grow_context` when they grow), else the call's limit.
         Returns whether the steps' buffers changed: other buffers for the words or the
         n-gram context (steps captured before do not read them)."""
         device = self.base.device
         position_bans = rules.min_count > 0 or rules.begin_count != NEVER or bool(rules.forced)
         replaced = self._load_words(rules.words, rules.bias_words)
-        replaced = self._load_context(rules, input_ids.shape[1]) or replaced
+        width = input_ids.shape[1]
+        needed = rules.context_columns if new_columns is None else min(
+            rules.context_columns, width + new_columns)
+        replaced = self._load_context(rules.ngram, max(needed, width)) or replaced
         self.position_bans = position_bans
         self.forces = bool(rules.forced)
         self.penalty.fill_(rules.penalty)
@@ -397,17 +402,24 @@ class EditState:
         self.tail = self.tail.new_empty(self.tail.shape[0], longest + 1)
         return True
 
-    def _load_context(self, rules: EditRules, prompt_width: int) -> bool:
-        self.ngram = rules.ngram if rules.ngram > 1 else 0
-        columns = 1
-        if self.ngram:
-            needed = max(rules.context_columns, prompt_width)
-            columns = max(MIN_CONTEXT, 1 << (needed - 1).bit_length())
+    def _load_context(self, ngram: int, needed: int) -> bool:
+        self.ngram = ngram if ngram > 1 else 0
+        return self.grow_context(needed)
+
+    def grow_context(self, needed: int) -> bool:
+        """Room for `needed` context tokens per row (with n-grams), the tokens kept; whether
+        the buffer was replaced. Sized by what a row can hold, not by the call's limit
+        (``max_new_tokens=10**12`` with `max_time`): the slot grows it with its columns."""
+        if not self.ngram:
+            return False
+        columns = max(MIN_CONTEXT, 1 << (needed - 1).bit_length())
         # The buffer only grows: a replaced buffer invalidates every graph of the slot, and
         # calls without n-grams never read it.
         if self.context.shape[1] >= columns:
             return False
-        self.context = self.context.new_empty(self.context.shape[0], columns)
+        grown = self.context.new_full((self.context.shape[0], columns), NO_TOKEN)
+        grown[:, :self.context.shape[1]] = self.context
+        self.context = grown
         return True
 
     def key(self) -> tuple:

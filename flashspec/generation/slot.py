@@ -233,11 +233,14 @@ class Slot:
             entry.cache.set_view(view)
 
     def grow(self, capacity: int) -> None:
-        """Larger buffers for every cache and the token columns (graphs are captured anew)."""
+        """Larger buffers for every cache, the token columns and the call's n-gram context
+        (graphs are captured anew)."""
         self.capacity = capacity
         self._allocate_columns()
         for entry in self.caches:
             entry.cache.grow(capacity)
+        if self.edits is not None:
+            self.edits.grow_context(self.prompt_width + self.seq.shape[1])
         self._resize_report()
 
     def widen(self, max_drafts: int) -> None:
@@ -343,7 +346,8 @@ class Slot:
         if rules is not None and self.edit_state is None:
             self.edit_state = EditState(self.batch_size, self.engine.head.vocab_size, self.device)
         edits = self.edit_state if rules is not None else None
-        if edits is not None and edits.load(rules, input_ids, additive):
+        self.prompt_width = input_ids.shape[1]
+        if edits is not None and edits.load(rules, input_ids, additive, self.seq.shape[1]):
             self.generation += 1
         self.edits = edits
 
