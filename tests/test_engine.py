@@ -171,7 +171,7 @@ def decoding_ahead(emulated_graphs, monkeypatch):
     copy_report, read = slot_module.Slot.copy_report, slot_module.PendingReport.read
     monkeypatch.setattr(engine_module.Engine, "_decodes_ahead", ahead)
     monkeypatch.setattr(slot_module.Slot, "copy_report",
-                        lambda self: order.append("launch") or copy_report(self))
+                        lambda self, *args: order.append("launch") or copy_report(self, *args))
     monkeypatch.setattr(slot_module.PendingReport, "read",
                         lambda self: order.append("read") or read(self))
     return order

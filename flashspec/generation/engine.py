@@ -400,7 +400,7 @@ class Engine:
                 width = self._width(slot, report) if drafter is not None else 0
                 outputs = self._launch(slot, plan, drafter, report, width,
                                        ahead=len(in_flight))
-                in_flight.append((outputs, slot.copy_report()))
+                in_flight.append((outputs, slot.copy_report(_verified(outputs[1]))))
                 continue
             (hidden, drafts), pending = in_flight.popleft()
             report = pending.read()
@@ -646,7 +646,7 @@ class Engine:
     def _finish(self, slot: Slot, hidden, drafts, report: Report | None = None) -> Report:
         """Read the step's report (or take it, read from its host copy); raise on
         non-finite logits; complete flagged rows."""
-        report = slot.read_report() if report is None else report
+        report = slot.read_report(_verified(drafts)) if report is None else report
         if any(report.broken):
             raise NonFiniteLogitsError([b for b, x in enumerate(report.broken) if x],
                                        source="assistant_model")
@@ -696,7 +696,7 @@ class Engine:
                     torch.zeros(batch, dtype=torch.int32, device=device),
                     schedule=drafts is not None, rows=selected,
                     accept_probs=None if accept_probs is None else full(accept_probs, 0))
-        redone = slot.read_report()
+        redone = slot.read_report(_verified(drafts))
         for b in flagged:       # the other rows' values are the step's own
             for name in ("emitted", "drafted", "accepted", "status", "broken"):
                 getattr(report, name)[b] = getattr(redone, name)[b]
@@ -811,6 +811,11 @@ def _anchor(pool, device: torch.device) -> "torch.cuda.CUDAGraph":
     with torch.cuda.graph(graph, pool=pool):
         torch.zeros(1, device=device)
     return graph
+
+
+def _verified(drafts: torch.Tensor | None) -> int:
+    """Drafts a step verified: its drafts' columns (0 for a plain step)."""
+    return 0 if drafts is None else drafts.shape[1]
 
 
 def _may_run(report: Report, ends: list[int], num_rows: int, in_flight: int) -> bool:

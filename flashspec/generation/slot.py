@@ -75,26 +75,34 @@ class Report:
     FIELDS = 8
 
     @classmethod
-    def read(cls, report: torch.Tensor, num_caches: int, max_drafts: int) -> "Report":
-        rows = report.tolist()
+    def read(cls, report: torch.Tensor, num_caches: int, max_drafts: int,
+             width: int | None = None) -> "Report":
+        """The report of a step that verified `width` drafts (0: a plain step; None: any):
+        only its own token and probability rows become Python lists (a slot sized for
+        thousands of drafts would otherwise make tens of thousands of objects per step)."""
         tokens_start = cls.FIELDS + num_caches
         probs_start = tokens_start + max_drafts + 1
-        probs = torch.tensor(rows[probs_start:], dtype=torch.int64).view(torch.float64)
+        width = max_drafts if width is None else width
+        rows = torch.cat([report[:tokens_start + width + 1],
+                          report[probs_start:probs_start + width]]).tolist()
+        probs = torch.tensor(rows[tokens_start + width + 1:], dtype=torch.int64)
         return cls(*rows[: cls.FIELDS], fills=[row[0] for row in rows[cls.FIELDS:tokens_start]],
-                   tokens=rows[tokens_start:probs_start], accept_probs=probs.tolist())
+                   tokens=rows[tokens_start:tokens_start + width + 1],
+                   accept_probs=probs.view(torch.float64).tolist())
 
 
 class PendingReport:
     """A step's report on its way to host memory (`Slot.copy_report`): `read` waits for it."""
 
-    def __init__(self, host: torch.Tensor, done, num_caches: int, max_drafts: int):
+    def __init__(self, host: torch.Tensor, done, num_caches: int, max_drafts: int,
+                 width: int | None):
         self.host, self.done = host, done
-        self.num_caches, self.max_drafts = num_caches, max_drafts
+        self.num_caches, self.max_drafts, self.width = num_caches, max_drafts, width
 
     def read(self) -> Report:
         if self.done is not None:
             self.done.synchronize()
-        return Report.read(self.host, self.num_caches, self.max_drafts)
+        return Report.read(self.host, self.num_caches, self.max_drafts, self.width)
 
 
 class _Cache:
@@ -566,10 +574,11 @@ class Slot:
         kept = cache.live & (cache.position < (self.length - entry.refeed)[:, None])
         return torch.where(kept.any(dim=0), cache.column_index + 1, 0).max()
 
-    def read_report(self) -> Report:
-        return Report.read(self.report, len(self.caches), self.max_drafts)
+    def read_report(self, width: int | None = None) -> Report:
+        """The last step's report (`Report.read`; `width`: the drafts it verified)."""
+        return Report.read(self.report, len(self.caches), self.max_drafts, width)
 
-    def copy_report(self) -> PendingReport:
+    def copy_report(self, width: int | None = None) -> PendingReport:
         """Start copying the last step's report to host memory (after the step, in stream
         order) and return it pending: the next step may overwrite the report meanwhile.
         The two host buffers alternate: at most two copies may be pending."""
@@ -586,7 +595,7 @@ class Slot:
         host.copy_(self.report, non_blocking=done is not None)
         if done is not None:
             done.record()
-        return PendingReport(host, done, len(self.caches), self.max_drafts)
+        return PendingReport(host, done, len(self.caches), self.max_drafts, width)
 
     def stop_rows(self, rows: list[int], lengths: list[int]) -> None:
         """End the given rows at the given lengths (a stop string completed inside a step)."""
