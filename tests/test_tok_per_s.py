@@ -390,7 +390,9 @@ def test_torchrun_report_header(torchrun_run):
     assert pair["draft_weight_bytes"] == pair["target_weight_bytes"]      # replicated
     assert not list(temp.glob("flashspec_*"))   # the random-init models' folder is deleted
     # Rank 0 alone writes and prints.
-    assert stdout.count("wrote ") == 1 and "cpu, 2 ranks (gloo)" in stdout
+    written = [line for line in stdout.splitlines() if line.startswith("wrote ")]
+    assert written and written[0].endswith("tok_per_s.json"), stdout   # the plot follows
+    assert len(written) == len(set(written)) and "cpu, 2 ranks (gloo)" in stdout
     assert any(line.split()[:5] == ["tp", "2", "greedy", "-", "flash_plain"]
                and line.split()[-2] == "16.0" for line in stdout.splitlines()), stdout
 
