@@ -210,7 +210,8 @@ def test_flagged_rows_are_completed_exactly_when_steps_run_ahead(decoding_ahead,
 
 @pytest.mark.parametrize("schedule, allowed", [
     ("constant", {3}), ("heuristic", {1, 2, 4, 8, 16, 19})])
-def test_verification_steps_take_few_distinct_widths(monkeypatch, schedule, allowed):
+def test_verification_steps_take_few_distinct_widths(emulated_graphs, monkeypatch, schedule,
+                                                     allowed):
     """Each verification width is a compilation and a captured graph on CUDA, so the steps
     after the prompt verify a constant schedule's G (rows near their budget verify padding)
     or the heuristic schedule's next power of two (up to its most drafts, 19 here). The
@@ -650,6 +651,8 @@ def emulated_graphs(monkeypatch):
         return captured[full_key]()
 
     monkeypatch.setattr(engine_module.Engine, "_run_step", run_step)
+    monkeypatch.setattr(engine_module.Engine, "_verification_width",
+                        lambda self, slot, width, step: step)
     return order
 
 

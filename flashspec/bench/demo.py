@@ -85,12 +85,16 @@ def main(argv=None) -> int:
     print(f"target {args.target} ({millions(target):.1f}M params), draft {args.draft} "
           f"({millions(draft):.1f}M), {device}, {str(dtype).replace('torch.', '')}, "
           f"{args.max_new_tokens} new tokens, greedy unless said, times the median of "
-          f"{args.repeats} runs\n")
+          f"{args.repeats} runs")
+    print("On a CPU this shows exactness (the same tokens as stock) and acceptance at stock's "
+          "speed or better; on a GPU flashspec's fused LM head and captured steps add "
+          "speed (BENCHMARKS.md).\n" if device == "cpu" else "")
 
     draft.generation_config.num_assistant_tokens = args.num_drafts
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     modes = {
         "stock HF": dict(),
+        "stock HF + prompt lookup": dict(prompt_lookup_num_tokens=args.num_drafts),
         "stock HF + assistant": dict(assistant_model=draft),
         "flash": dict(sampler="flash"),
         "flash + prompt lookup": dict(sampler="flash", prompt_lookup_num_tokens=args.num_drafts),

@@ -44,6 +44,7 @@ from ..checks import NonFiniteLogitsError
 from ..outputs import OK
 from . import samplers
 from .compiled import LOG, DecoderRunner, Event
+from .cpu import decode_steps
 from .inputs import TokenTypes, decoder_inputs
 from .outputs import Generated, SpeculationStats
 from .slot import Report, Slot, bucket
@@ -334,8 +335,10 @@ class Engine:
             if self._decodes_ahead(slot, plan, stops, warm_widths):
                 self._decode_ahead(slot, plan, drafter, report, steps, num_rows)
             else:
-                self._decode(slot, plan, drafter, report, steps, num_rows, stops, deadline,
-                             warm_widths)
+                with decode_steps(self.device, _step_weights(self.head, plan.drafter),
+                                  eager=not slot.target.runner.compile):
+                    self._decode(slot, plan, drafter, report, steps, num_rows, stops,
+                                 deadline, warm_widths)
         if plan.persist_schedule is not None:
             plan.persist_schedule(slot.num_drafts[:num_rows].clone())
         if plan.streamer is not None:
@@ -427,10 +430,23 @@ class Engine:
         slot.ensure_room(report, (step + 2) * (ahead + 1))
         for key, fn in drafter.steps(width):
             self._run_step(slot, key, fn, plan.drafter.key)
+        step = self._verification_width(slot, width, step)
         if step > width:  # fewer drafts than columns: those past them are an old step's
             slot.drafts[:, width:step] = -1
             slot.draft_failed[:, width:step] = False
         return self._run_step(slot, ("verify", step), lambda: slot.verify(step))
+
+    def _verification_width(self, slot: Slot, width: int, step: int) -> int:
+        """Positions the verification of `width` drafts checks: `step` (`_step_width`)
+        where steps are compiled (a fixed set of shapes); for the eager steps of the CPU,
+        which read the drafts for free and pay a row of every matmul per position, one past
+        the last column some row drafted (or failed to draft: the verification reports
+        that row), 0 when none did (the step samples one token, as stock's prompt lookup
+        does without a match)."""
+        if self.device.type != "cpu" or slot.target.runner.compile:
+            return step
+        used = ((slot.drafts[:, :width] >= 0) | slot.draft_failed[:, :width]).any(dim=0)
+        return int(used.nonzero().max()) + 1 if used.any() else 0
 
     def timed_widths(self, slot: Slot) -> list[int]:
         """The verification widths a call with `max_time` can meet in `slot` (its drafts cut
@@ -811,6 +827,16 @@ def _anchor(pool, device: torch.device) -> "torch.cuda.CUDAGraph":
     with torch.cuda.graph(graph, pool=pool):
         torch.zeros(1, device=device)
     return graph
+
+
+def _step_weights(head, drafter):
+    """The weights a call's decode steps read, for the CPU's thread policy: the target's
+    decoder and head, and the drafter's decoders (an assistant's head, often tied to its
+    embeddings, is left out)."""
+    models = (head.decoder, *getattr(drafter, "decoders", ()))
+    yield head.weight
+    for model in models:
+        yield from model.parameters()
 
 
 def _verified(drafts: torch.Tensor | None) -> int:

@@ -124,6 +124,22 @@ def invariant_forward(decoder: torch.nn.Module):
         yield
 
 
+def check_device(model: torch.nn.Module) -> None:
+    """ValueError naming `invariant` when `model` sits where the invariant kernels cannot run:
+    they are Triton's, which runs CUDA tensors, or any under its interpreter
+    (TRITON_INTERPRET=1: tests; far too slow for use). Checked before anything runs."""
+    import triton
+
+    device = next(model.parameters()).device
+    if device.type != "cuda" and not triton.knobs.runtime.interpret:
+        raise ValueError(
+            f"`invariant`=True is not supported for a model on {device}: its batch-invariant "
+            "decoder kernels are Triton kernels, which need a CUDA GPU (or Triton's "
+            "interpreter, TRITON_INTERPRET=1, meant for tests); drop `invariant` (seeded "
+            "tokens may then differ with drafts or batch where the float rounding of two "
+            "tokens' logits ties them)")
+
+
 def check_supported(decoders) -> None:
     """ValueError naming `invariant` if one of `decoders` cannot run the invariant kernels."""
     for decoder in decoders:

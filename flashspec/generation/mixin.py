@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, GenerationMixin
 
 from .engine import engine_for
 from .heads import tensor_parallel_head
-from .invariant import check_supported
+from .invariant import check_device, check_supported
 from .outputs import FlashGenerateOutput
 from .past import returned_cache
 from .plan import StockDelegation, plan_generation
@@ -126,6 +126,8 @@ class FlashGenerationMixin(GenerationMixin):
                              "`generation_config` by keyword")
         if not isinstance(invariant, bool):
             raise TypeError(f"`invariant` must be True or False, got {invariant!r}")
+        if invariant:
+            check_device(self)
         if allowed_tokens_fn is not None and not callable(allowed_tokens_fn):
             raise TypeError(f"`allowed_tokens_fn` must be a callable (rows, input_ids) -> mask, "
                             f"got {type(allowed_tokens_fn).__name__}")

@@ -29,6 +29,7 @@ import torch
 
 from ..params import SamplingParams
 from .compiled import DecoderRunner
+from .cpu import outside_inference_mode
 from ..outputs import NO_TOKEN_LEFT, OK
 from .edits import EditState, bans_every_token
 from .inputs import decoder_inputs, embeddings_instead
@@ -226,7 +227,13 @@ class Slot:
     def ensure_room(self, report: Report, columns: int) -> None:
         """Make every cache able to write `columns` more entries after what the next step
         keeps: compact a cache whose holes leave too little, grow the slot when even its live
-        entries do not fit; then set the caches' view (one for all of them: fewer graphs)."""
+        entries do not fit; then set the caches' view (one for all of them: fewer graphs).
+        Outside inference mode (in which the CPU's decode loop runs, `cpu.decode_steps`):
+        the buffers it makes outlive the call."""
+        with outside_inference_mode():
+            self._make_room(report, columns)
+
+    def _make_room(self, report: Report, columns: int) -> None:
         fills = list(report.fills)
         for index, entry in enumerate(self.caches):
             if fills[index] + columns > self.capacity:

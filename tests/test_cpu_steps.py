@@ -1,0 +1,120 @@
+"""The CPU form of the engine's steps (`flashspec.generation.cpu`, issue 48): how the LM head's
+few rows are multiplied, the decode loop's threads and inference mode, verifications that
+check only the drafted columns, and `invariant=True` refused where its kernels cannot run.
+What they compute stays stock's: tokens equal stock's and the plain run's throughout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashspec import reference
+from flashspec.generation import cpu
+from flashspec.generation import engine as engine_module
+from flashspec.generation import slot as slot_module
+
+from _models import tiny_model
+
+
+@pytest.mark.parametrize("vocab, width", [(8192, 32), (1000, 600), (23, 64), (7, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_head_product_of_few_rows_is_the_matrix_product(vocab, width, dtype):
+    """Blocks of 16 weight rows (and a remainder: 1000 = 62 * 16 + 8; 7 rows: no block)
+    multiply the hidden rows as ``hidden @ weight.T`` does, up to the order of the sums,
+    in every shape the samplers pass (``[B, D]``, ``[B, G+1, D]``)."""
+    g = torch.Generator().manual_seed(vocab)
+    weight = torch.randn(vocab, width, generator=g, dtype=dtype)
+    for shape in [(1, width), (3, width), (2, 4, width), (9, width)]:
+        hidden = torch.randn(*shape, generator=g, dtype=dtype)
+        exact = hidden.double() @ weight.double().T
+        got = reference._matmul(hidden, weight)
+        assert got.shape == exact.shape and got.dtype == dtype
+        tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+        torch.testing.assert_close(got.double(), exact, rtol=tolerance, atol=tolerance * width)
+
+
+def test_head_product_of_many_rows_is_torchs():
+    """More rows than a decode step has (a prefill's): torch's own product, bit for bit."""
+    weight, hidden = torch.randn(512, 64), torch.randn(9, 64)
+    assert torch.equal(reference._matmul(hidden, weight), hidden @ weight.T)
+
+
+@pytest.fixture
+def two_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_decode_steps_of_a_small_model_run_on_one_thread_in_inference_mode(two_threads,
+                                                                         monkeypatch):
+    monkeypatch.setattr(cpu, "SMALL_STEP_BYTES", 1000)
+    small, large = [torch.zeros(100)] * 3, [torch.zeros(300)]    # a tied tensor counts once
+    with cpu.decode_steps(torch.device("cpu"), small, eager=True):
+        assert torch.get_num_threads() == 1 and torch.is_inference_mode_enabled()
+        with cpu.outside_inference_mode():
+            assert not torch.is_inference_mode_enabled() and not torch.is_grad_enabled()
+    assert torch.get_num_threads() == 2 and not torch.is_inference_mode_enabled()
+    with cpu.decode_steps(torch.device("cpu"), large, eager=True):
+        assert torch.get_num_threads() == 2 and torch.is_inference_mode_enabled()
+    with pytest.raises(RuntimeError, match="inside"):
+        with cpu.decode_steps(torch.device("cpu"), small, eager=True):
+            raise RuntimeError("inside")
+    assert torch.get_num_threads() == 2
+    # Compiled steps (inference mode would compile them again) and CUDA: left as they are.
+    for device, eager in [(torch.device("cpu"), False), (torch.device("cuda"), True)]:
+        with cpu.decode_steps(device, small, eager=eager):
+            assert torch.get_num_threads() == 2 and not torch.is_inference_mode_enabled()
+
+
+def test_outputs_and_state_outlive_the_decode_loop(two_threads):
+    """What a call returns, and the slot it grows inside its decode loop (which runs in
+    inference mode), are ordinary tensors: the caller may write them, the next call too."""
+    model = tiny_model("llama")
+    ids = torch.randint(1, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(sampler="flash", do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    for new in (8, 300, 20):                               # the second call grows the slot
+        out = model.generate(ids, max_new_tokens=new, prompt_lookup_num_tokens=3, **kwargs)
+        assert not out.sequences.is_inference()
+        out.sequences[0, 0] = 1                            # writable in place
+    assert torch.get_num_threads() == 2
+
+
+@pytest.mark.parametrize("sampling", [dict(do_sample=False),
+                                      dict(do_sample=True, top_k=0, seed=3)])
+def test_cpu_verifications_check_only_drafted_columns(monkeypatch, sampling):
+    """On the CPU a verification checks up to the last column some row drafted, none when
+    no row found an n-gram (a one-token step, as stock's prompt lookup then takes); the
+    tokens are the plain call's (and greedy, stock's)."""
+    widths = []
+    verify = slot_module.Slot.verify
+    monkeypatch.setattr(slot_module.Slot, "verify",
+                        lambda self, width: (widths.append(width), verify(self, width))[1])
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(2)
+    phrase = torch.randint(1, 100, (6,), generator=g)
+    ids = torch.stack([torch.cat([phrase, torch.randint(1, 100, (4,), generator=g), phrase]),
+                       torch.randint(1, 100, (16,), generator=g)])
+    kwargs = dict(sampler="flash", max_new_tokens=24, pad_token_id=0, **sampling)
+    lookup = model.generate(ids, prompt_lookup_num_tokens=4, **kwargs)
+    assert 0 in widths and max(widths) == 4 and len(set(widths)) > 2, widths
+    assert torch.equal(lookup, model.generate(ids, **kwargs))
+    if not sampling["do_sample"]:
+        stock = tiny_model("llama").generate(ids, max_new_tokens=24, do_sample=False,
+                                             pad_token_id=0)
+        assert torch.equal(lookup, stock)
+
+
+def test_invariant_without_its_kernels_is_refused_before_anything_runs(monkeypatch):
+    """A CPU model without Triton's interpreter: `invariant=True` cannot run its kernels
+    (Triton would fail with "0 active drivers" inside the first forward)."""
+    import triton
+
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"`invariant`=True is not supported for a model on "
+                                         r"cpu: .* need a CUDA GPU"):
+        model.generate(torch.tensor([[5, 6, 7]]), sampler="flash", invariant=True,
+                       max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert engine_module.cached_engine(model.model) is None
