@@ -61,7 +61,9 @@ def main(argv=None) -> int:
                   return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id,
                   eos_token_id=None)   # measure full-length continuations
     results = {}
-    for mode, drafting in {"assistant": dict(assistant_model=draft, num_assistant_tokens=args.num_drafts),
+    # No confidence threshold: every verification checks G drafts, on the CPU as on CUDA.
+    for mode, drafting in {"assistant": dict(assistant_model=draft, num_assistant_tokens=args.num_drafts,
+                                             assistant_confidence_threshold=0.0),
                            "prompt_lookup": dict(prompt_lookup_num_tokens=args.num_drafts)}.items():
         stats = target.generate(prompts, **common, **drafting).flash_stats
         verifications = int((stats.drafted > 0).sum())

@@ -118,3 +118,36 @@ def test_invariant_without_its_kernels_is_refused_before_anything_runs(monkeypat
         model.generate(torch.tensor([[5, 6, 7]]), sampler="flash", invariant=True,
                        max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert engine_module.cached_engine(model.model) is None
+
+
+@pytest.mark.parametrize("threshold, most", [(1.0, 1), (0.0, 4)])
+def test_an_unconfident_draft_ends_the_rows_drafts_on_the_cpu(monkeypatch, threshold, most):
+    """With `assistant_confidence_threshold` 1 every draft is below it: each row drafts one
+    token per step (kept, as stock keeps it), and the verification checks that column
+    alone; 0 drafts the full count. Rows stop on their own in a batch; the tokens are the
+    plain call's either way."""
+    from _models import tiny_draft
+
+    widths = []
+    verify = slot_module.Slot.verify
+    monkeypatch.setattr(slot_module.Slot, "verify",
+                        lambda self, width: (widths.append(width), verify(self, width))[1])
+    model, assistant = tiny_model("llama"), tiny_draft("llama")
+    ids = torch.randint(1, 100, (3, 7), generator=torch.Generator().manual_seed(4))
+    kwargs = dict(sampler="flash", max_new_tokens=16, pad_token_id=0, do_sample=True, top_k=0,
+                  seed=5)
+    drafted = model.generate(ids, assistant_model=assistant, num_assistant_tokens=4,
+                             assistant_confidence_threshold=threshold, **kwargs)
+    assert widths and max(widths) == most
+    assert torch.equal(drafted, model.generate(ids, **kwargs))
+
+
+def test_the_confidence_threshold_is_checked():
+    from _models import tiny_draft
+
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"`assistant_confidence_threshold` must be a number "
+                                         r"in \[0, 1\], got 2 \(set in the call\)"):
+        model.generate(torch.tensor([[5, 6, 7]]), sampler="flash", max_new_tokens=4,
+                       assistant_model=tiny_draft("llama"), assistant_confidence_threshold=2,
+                       pad_token_id=0)

@@ -950,7 +950,8 @@ def test_a_step_cut_by_time_verifies_only_its_own_drafts(monkeypatch):
     ids = torch.randint(1, 100, (1, 8), generator=torch.Generator().manual_seed(0))
     out = model.generate(ids, sampler="flash", max_new_tokens=40, do_sample=False,
                          assistant_model=assistant, num_assistant_tokens=4, max_time=100.0,
-                         pad_token_id=0, return_dict_in_generate=True)
+                         assistant_confidence_threshold=0, pad_token_id=0,
+                         return_dict_in_generate=True)
     # The prefill drafts nothing; each step emits one token (these drafts are all rejected),
     # so the row's token budget cuts only the last few steps' drafts.
     drafted = out.flash_stats.drafted[1:31, 0].tolist()

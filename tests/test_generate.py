@@ -331,15 +331,18 @@ def test_heuristic_schedule_grows_and_shrinks_like_transformers():
     """num_assistant_tokens_schedule="heuristic": +2 drafts after a fully accepted step, -1
     (at least 1) otherwise, capped by the remaining budget (transformers' rule). The prompt's
     step drafts nothing (the first token comes from the prefill); greedy self-drafting then
-    accepts everything: 2, 4, 6, 8 drafts, then budget 30 - 25 - 1 = 4."""
+    accepts everything: 2, 4, 6, 8 drafts, then budget 30 - 25 - 1 = 4. (No confidence
+    threshold: every step drafts its count.)"""
     ids, mask = left_pad(PROMPTS[:1])
+    every = dict(assistant_confidence_threshold=0)
     out = flash(target(), ids, mask, max_new_tokens=30, assistant_model=target(),
-                num_assistant_tokens=2, num_assistant_tokens_schedule="heuristic")
+                num_assistant_tokens=2, num_assistant_tokens_schedule="heuristic", **every)
     assert out.flash_stats.drafted[:, 0].tolist() == [0, 2, 4, 6, 8, 4]
     assert torch.equal(out.sequences, stock(target(), ids, mask, max_new_tokens=30))
     # A useless random assistant (sampled target): mostly rejected, checked step by step.
     out = flash(target(), ids, mask, max_new_tokens=8, assistant_model=draft(), seed=0,
-                num_assistant_tokens=2, num_assistant_tokens_schedule="heuristic", do_sample=True)
+                num_assistant_tokens=2, num_assistant_tokens_schedule="heuristic", do_sample=True,
+                **every)
     drafted, accepted = out.flash_stats.drafted[:, 0].tolist(), out.flash_stats.accepted[:, 0].tolist()
     assert drafted[:2] == [0, 2]
     for step in range(2, len(drafted)):
@@ -409,7 +412,7 @@ def test_assistant_drafts_are_its_greedy_continuation(monkeypatch, sampling):
     assistant = draft()
     ids, mask = left_pad(PROMPTS)
     flash(target(), ids, mask, max_new_tokens=16, assistant_model=assistant, num_assistant_tokens=5,
-          num_assistant_tokens_schedule="heuristic", **sampling)
+          num_assistant_tokens_schedule="heuristic", assistant_confidence_threshold=0, **sampling)
 
     def greedy(row, k):
         return assistant.generate(row, max_new_tokens=k, do_sample=False)[0, row.shape[1]:].tolist()

@@ -44,8 +44,9 @@ def _runs(sampling: str, drafters=DRAFTERS) -> dict:
     model, assistant = _bf16(tiny_model("llama")), _bf16(tiny_draft("llama"))
     ids, seeds = _prompts(), torch.arange(ROWS)
     kwargs = dict(sampler="flash", max_new_tokens=NEW_TOKENS, pad_token_id=0, **SAMPLINGS[sampling])
-    drafting = {"plain": {}, "self": dict(assistant_model=model, num_assistant_tokens=5),
-                "assistant": dict(assistant_model=assistant, num_assistant_tokens=3),
+    every = dict(assistant_confidence_threshold=0)      # full-width verifications
+    drafting = {"plain": {}, "self": dict(assistant_model=model, num_assistant_tokens=5, **every),
+                "assistant": dict(assistant_model=assistant, num_assistant_tokens=3, **every),
                 "lookup": dict(prompt_lookup_num_tokens=4)}
     runs = {name: torch.cat([model.generate(ids[r:r + 1], seed=seeds[r:r + 1], **drafting[name],
                                             **kwargs) for r in range(ROWS)])

@@ -39,8 +39,10 @@ def drafter_kwargs(drafter: str, num_drafts: int, target, draft,
     if drafter == "lookup":
         return {"prompt_lookup_num_tokens": num_drafts,
                 "max_matching_ngram_size": args.max_matching_ngram_size}
+    # No confidence threshold: every step drafts its G, the positions' rates count them all.
     return {"assistant_model": target if drafter == "self" else draft,
-            "num_assistant_tokens": num_drafts, "num_assistant_tokens_schedule": "constant"}
+            "num_assistant_tokens": num_drafts, "num_assistant_tokens_schedule": "constant",
+            "assistant_confidence_threshold": 0.0}
 
 
 def encode_set(tokenizer, name: str, args: argparse.Namespace, device: str) -> tuple[list, dict]:

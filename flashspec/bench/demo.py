@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .. import from_pretrained
 from ..assets import tiny_pair_path
+from ..generation.cpu import SMALL_STEP_BYTES, weight_bytes
 
 TINY_PAIR = tiny_pair_path()
 
@@ -82,6 +83,13 @@ def main(argv=None) -> int:
     target = from_pretrained(args.target, dtype=dtype).to(device).eval()
     draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype).to(device).eval()
     millions = lambda m: sum(p.numel() for p in m.parameters()) / 1e6  # noqa: E731
+    threads = torch.get_num_threads()
+    if device == "cpu" and weight_bytes([*target.parameters(), *draft.parameters()]) < SMALL_STEP_BYTES:
+        # Stock's rows too: models this small decode fastest on one thread (flashspec's
+        # CPU decode steps choose it themselves), and on a busy machine many times faster.
+        torch.set_num_threads(1)
+        print(f"torch threads: 1 for every row, of {threads} ({SMALL_STEP_BYTES >> 20} MiB "
+              "of weights or fewer: `flashspec.generation.cpu`)")
     print(f"target {args.target} ({millions(target):.1f}M params), draft {args.draft} "
           f"({millions(draft):.1f}M), {device}, {str(dtype).replace('torch.', '')}, "
           f"{args.max_new_tokens} new tokens, greedy unless said, times the median of "

@@ -44,11 +44,14 @@ def invariance_runs(model, assistant, ids: torch.Tensor, new_tokens: int, sampli
     rows = ids.shape[0]
     seeds = torch.arange(rows)
     kwargs = dict(sampler="flash", max_new_tokens=new_tokens, invariant=invariant, **sampling)
-    constant = dict(num_assistant_tokens=num_drafts, num_assistant_tokens_schedule="constant")
+    # No confidence threshold: every step drafts its count, every verification is as wide.
+    constant = dict(num_assistant_tokens=num_drafts, num_assistant_tokens_schedule="constant",
+                    assistant_confidence_threshold=0.0)
     drafters = {"plain": {}, "self": dict(assistant_model=model, **constant),
                 # Draft counts grow while drafts are accepted: wider verifications.
                 "self heuristic": dict(assistant_model=model, num_assistant_tokens=num_drafts,
-                                       num_assistant_tokens_schedule="heuristic"),
+                                       num_assistant_tokens_schedule="heuristic",
+                                       assistant_confidence_threshold=0.0),
                 "assistant": dict(assistant_model=assistant, **constant),
                 "lookup": dict(prompt_lookup_num_tokens=num_drafts)}
     tokens, seconds = {}, {}

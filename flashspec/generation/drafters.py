@@ -28,6 +28,7 @@ from typing import Callable, Hashable
 
 import torch
 
+from .. import reference
 from .heads import OutputHead
 
 Step = tuple[Hashable, Callable[[], None]]
@@ -35,6 +36,10 @@ Step = tuple[Hashable, Callable[[], None]]
 
 class AttachedDrafter:
     """A drafter bound to one slot: the state it keeps there and its steps."""
+
+    def use(self, drafter: "Drafter") -> None:
+        """This call's `drafter` (a key equal to the attachment's), with its per-call
+        settings."""
 
     def start(self, prompt) -> None:
         """A new call's prompts are in the slot (``prompt``: input ids, positions and live
@@ -68,10 +73,18 @@ class Drafter:
 
 
 class AssistantDrafter(Drafter):
-    """Greedy drafts from an assistant model that shares the target's vocabulary."""
+    """Greedy drafts from an assistant model that shares the target's vocabulary.
 
-    def __init__(self, head: OutputHead):
+    `confidence_threshold` (transformers' ``assistant_confidence_threshold``; 0: none): a row
+    stops drafting after a draft whose probability under the assistant is below it, as
+    stock's assistant does, where steps run eagerly (the CPU's), which read the
+    probabilities for free and save the later drafts' and their verification's forwards.
+    Captured steps and tensor-parallel heads draft their fixed count (a verification's width
+    is fixed there; the tokens are the same either way)."""
+
+    def __init__(self, head: OutputHead, confidence_threshold: float = 0.0):
         self.head = head
+        self.confidence_threshold = confidence_threshold
         self.decoders = (head.decoder,)
         # Captured graphs read the assistant's parameters where they are now.
         self.key = ("assistant", id(head.decoder), head.weight.data_ptr(),
@@ -92,6 +105,20 @@ class _AttachedAssistant(AttachedDrafter):
         self.slot = slot
         self.runner, self.cache = slot.add_cache(head.decoder, "assistant_model", refeed=2)
         self.count = torch.zeros((), dtype=torch.long, device=slot.device)
+        self.confidence_threshold = 0.0
+        # Eager CPU steps with a threshold: rows done drafting this step (host-read).
+        self.stopped: torch.Tensor | None = None
+
+    def use(self, drafter: AssistantDrafter) -> None:
+        self.confidence_threshold = drafter.confidence_threshold
+
+    @property
+    def _stops_unconfident(self) -> bool:
+        """Whether this call's rows stop drafting below the threshold: eager steps of a whole
+        LM head (a tensor-parallel rank holds a shard: its ranks draft alike through the
+        sampler's exchange, the full count)."""
+        return (self.confidence_threshold > 0 and self.slot.device.type == "cpu"
+                and not self.runner.compile and self.head.shards is None)
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [self.count]
@@ -114,12 +141,18 @@ class _AttachedAssistant(AttachedDrafter):
         live = positions >= 0
         positions = positions.clamp_min(0)
         hidden = self.runner.step(self.cache, slot.seq.gather(1, positions), positions, live)[:, -1]
-        self._write(0, self.sampler.argmax(hidden.to(self.head.weight.dtype)))
+        self.stopped = torch.zeros_like(slot.finished) if self._stops_unconfident else None
+        self._write(0, *self._argmax(hidden))
         self.count.fill_(1)
 
     def _draft_next(self) -> None:
         slot = self.slot
         count = self.count.view(1)
+        if self.stopped is not None and bool(self.stopped.all()):
+            no_draft = torch.full_like(slot.length, -1)
+            self._write(int(count), no_draft, torch.zeros_like(self.stopped))  # no forward
+            self.count.add_(1)
+            return
         # A compiled step takes two tokens or more: the previous draft and a dead copy. An
         # eager one takes the draft alone (on CPU a second row of every matmul costs 1.7x
         # the first).
@@ -130,15 +163,31 @@ class _AttachedAssistant(AttachedDrafter):
         positions = torch.minimum(slot.length[:, None] + count - 1, (slot.end - 1)[:, None])
         hidden = self.runner.step(self.cache, previous, positions.repeat(1, fed),
                                   slot.one_live[:, :fed])[:, 0]
-        tokens = self.sampler.argmax(hidden.to(self.head.weight.dtype))
+        tokens, failed = self._argmax(hidden)
         self.slot.drafts.index_copy_(1, count, tokens[:, None])
-        # The argmax is -1 where the assistant's logits are not finite.
-        self.slot.draft_failed.index_copy_(1, count, (tokens < 0)[:, None])
+        self.slot.draft_failed.index_copy_(1, count, failed[:, None])
         self.count.add_(1)
 
-    def _write(self, column: int, tokens: torch.Tensor) -> None:
+    def _argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The assistant's greedy draft of each row (-1 where its logits are not finite),
+        and where it failed so. With `stopped`: -1 and not failed for the rows that stopped
+        drafting, which then take in those whose draft's probability is below the threshold
+        (the draft itself is kept, as stock's stopping criterion keeps it)."""
+        hidden = hidden.to(self.head.weight.dtype)
+        if self.stopped is None:
+            tokens = self.sampler.argmax(hidden)
+            return tokens, tokens < 0
+        logits = reference.compute_logits(hidden, self.head.weight)
+        tokens = reference.argmax_logits(logits).tokens
+        failed = (tokens < 0) & ~self.stopped
+        tokens = torch.where(self.stopped, -1, tokens)
+        probability = (logits.amax(dim=-1) - logits.logsumexp(dim=-1)).exp()
+        self.stopped |= probability < self.confidence_threshold
+        return tokens, failed
+
+    def _write(self, column: int, tokens: torch.Tensor, failed: torch.Tensor) -> None:
         self.slot.drafts[:, column] = tokens
-        self.slot.draft_failed[:, column] = tokens < 0
+        self.slot.draft_failed[:, column] = failed
 
 
 class PromptLookupDrafter(Drafter):

@@ -790,7 +790,12 @@ def _drafter(head: OutputHead, assistant_model, config, requested: dict, source:
     # count on the assistant for its next call (the mean over rows, for a batch).
     persist = _persist_draft_count(assistant_config) if schedule == "heuristic" else None
     schedule = "constant" if schedule == "constant" else "heuristic"
-    return AssistantDrafter(draft), int(num_drafts), schedule, persist
+    threshold, where = setting("assistant_confidence_threshold", 0.4)
+    if (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+            or not 0.0 <= threshold <= 1.0):
+        raise ValueError(f"`assistant_confidence_threshold` must be a number in [0, 1], got "
+                         f"{threshold!r} ({where})")
+    return AssistantDrafter(draft, float(threshold)), int(num_drafts), schedule, persist
 
 
 def _persist_draft_count(assistant_config):

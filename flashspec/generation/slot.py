@@ -191,10 +191,13 @@ class Slot:
         self.generation += 1
 
     def attached(self, drafter):
-        """`drafter` attached to this slot (once; later calls share the attachment)."""
+        """`drafter` attached to this slot (once; later calls share the attachment), with
+        this call's settings."""
         if drafter.key not in self.drafters:
             self.drafters[drafter.key] = drafter.attach(self)
-        return self.drafters[drafter.key]
+        attached = self.drafters[drafter.key]
+        attached.use(drafter)
+        return attached
 
     def sampler(self, weight: torch.Tensor, shards=None):
         """The LM-head operations on `weight` (this rank's rows with `shards`) for this
