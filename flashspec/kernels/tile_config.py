@@ -3,7 +3,8 @@
 Tile sizes come from a fixed table keyed by the number of rows and the epilogue's weight (no
 autotuning: re-tuning per batch size is what wrecks serving); results never depend on them.
 Each entry was chosen by `probes/sweep_tiles.py` against cuBLAS matmul of the same rows in one
-run; the measurements behind the numbers are in BENCHMARKS.md's history and docs/bench/.
+run; the measurements behind the numbers are in BENCHMARKS.md's history and the git history of
+docs/bench/.
 """
 
 from __future__ import annotations
