@@ -50,7 +50,7 @@ def compute_logits(hidden: torch.Tensor, weight: torch.Tensor, chunk_rows: int =
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     hidden = hidden.to(dtype)
     if weight.dtype == dtype:
-        logits = _matmul(hidden, weight)
+        logits = matmul(hidden, weight)
     else:
         logits = torch.cat([hidden @ weight[v:v + chunk_rows].to(dtype).T
                             for v in range(0, weight.shape[0], chunk_rows)], dim=-1)
@@ -59,25 +59,29 @@ def compute_logits(hidden: torch.Tensor, weight: torch.Tensor, chunk_rows: int =
     return softcapped(logits, softcap)
 
 
-# Rows of the weight that one product of `_matmul`'s batch reads.
+# Rows of the weight that one product of `matmul`'s batch reads; the most rows it takes so.
 _BLOCK_ROWS = 16
+FEW_ROWS = 8
 
 
-def _matmul(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``hidden[..., D] @ weight[V, D].T``. On the CPU, for the few rows of a decode step, as a
-    batch of ``[16, D] @ [D, rows]`` products over the weight's blocks of 16 rows (a view: no
-    copy): MKL's matrix-vector product reads a row-major weight with short rows at about
-    8 GB/s where the batched form reads 16-20 (2026-11-28, AMD EPYC, torch 2.13: 0.46 against
-    1.1 ms for an 8192 x 256 fp32 head, one thread). The same sums, rounded in another order.
-    With more than one row the batched form pays only for short rows (D <= 512)."""
+def matmul(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``hidden[..., D] @ weight[V, D].T``. On the CPU, for the few rows of a decode step (at
+    most `FEW_ROWS`), as a batch of ``[16, D] @ [D, rows]`` products over the weight's blocks
+    of 16 rows (a view: no copy): MKL's matrix-vector product reads a row-major weight with
+    short rows at about 8 GB/s where the batched form reads 16-20 (2026-11-28, AMD EPYC,
+    torch 2.13: 0.46 against 1.1 ms for an 8192 x 256 fp32 head, one thread). The same sums,
+    rounded in another order. With more than one row the batched form pays only for short
+    rows (D <= 512). The CPU's decode steps multiply their linear layers' rows so too
+    (`flashspec.generation.cpu`)."""
     rows, (vocab, width) = hidden.numel() // hidden.shape[-1], weight.shape
     blocked = vocab - vocab % _BLOCK_ROWS
-    if (hidden.device.type != "cpu" or not blocked or rows > 8
+    if (hidden.device.type != "cpu" or not blocked or rows > FEW_ROWS
             or (rows > 1 and width > 512)):
         return hidden @ weight.T
     flat = hidden.reshape(rows, width)
     blocks = weight[:blocked].view(blocked // _BLOCK_ROWS, _BLOCK_ROWS, width)
-    logits = torch.bmm(blocks, flat.T.expand(blocks.shape[0], width, rows)).view(blocked, rows).T
+    logits = torch.bmm(blocks, flat.T.expand(blocks.shape[0], width, rows)).view(blocked, rows)
+    logits = logits.T.contiguous()       # row-major, as a product of torch's (a few rows)
     if blocked < vocab:
         logits = torch.cat([logits, flat @ weight[blocked:].T], dim=1)
     return logits.reshape(*hidden.shape[:-1], vocab)

@@ -27,8 +27,8 @@ def test_head_product_of_few_rows_is_the_matrix_product(vocab, width, dtype):
     for shape in [(1, width), (3, width), (2, 4, width), (9, width)]:
         hidden = torch.randn(*shape, generator=g, dtype=dtype)
         exact = hidden.double() @ weight.double().T
-        got = reference._matmul(hidden, weight)
-        assert got.shape == exact.shape and got.dtype == dtype
+        got = reference.matmul(hidden, weight)
+        assert got.shape == exact.shape and got.dtype == dtype and got.is_contiguous()
         tolerance = 1e-12 if dtype == torch.float64 else 1e-5
         torch.testing.assert_close(got.double(), exact, rtol=tolerance, atol=tolerance * width)
 
@@ -36,7 +36,7 @@ def test_head_product_of_few_rows_is_the_matrix_product(vocab, width, dtype):
 def test_head_product_of_many_rows_is_torchs():
     """More rows than a decode step has (a prefill's): torch's own product, bit for bit."""
     weight, hidden = torch.randn(512, 64), torch.randn(9, 64)
-    assert torch.equal(reference._matmul(hidden, weight), hidden @ weight.T)
+    assert torch.equal(reference.matmul(hidden, weight), hidden @ weight.T)
 
 
 @pytest.fixture
@@ -49,23 +49,57 @@ def two_threads():
 
 def test_decode_steps_of_a_small_model_run_on_one_thread_in_inference_mode(two_threads,
                                                                          monkeypatch):
-    monkeypatch.setattr(cpu, "SMALL_STEP_BYTES", 1000)
-    small, large = [torch.zeros(100)] * 3, [torch.zeros(300)]    # a tied tensor counts once
-    with cpu.decode_steps(torch.device("cpu"), small, eager=True):
+    monkeypatch.setattr(cpu, "SMALL_STEP_BYTES", 2000)
+    decoder = torch.nn.Linear(10, 20, bias=False)             # 800 bytes
+    small, large = torch.zeros(100), torch.zeros(400)
+    cpu_device = torch.device("cpu")
+    with cpu.decode_steps(cpu_device, [decoder], small, eager=True, invariant=False):
         assert torch.get_num_threads() == 1 and torch.is_inference_mode_enabled()
         with cpu.outside_inference_mode():
             assert not torch.is_inference_mode_enabled() and not torch.is_grad_enabled()
     assert torch.get_num_threads() == 2 and not torch.is_inference_mode_enabled()
-    with cpu.decode_steps(torch.device("cpu"), large, eager=True):
+    with cpu.decode_steps(cpu_device, [decoder, decoder], decoder.weight, eager=True,
+                          invariant=False):
+        assert torch.get_num_threads() == 1            # a tied head and a shared model: once
+    with cpu.decode_steps(cpu_device, [decoder], large, eager=True, invariant=False):
         assert torch.get_num_threads() == 2 and torch.is_inference_mode_enabled()
     with pytest.raises(RuntimeError, match="inside"):
-        with cpu.decode_steps(torch.device("cpu"), small, eager=True):
+        with cpu.decode_steps(cpu_device, [decoder], small, eager=True, invariant=False):
             raise RuntimeError("inside")
-    assert torch.get_num_threads() == 2
+    assert torch.get_num_threads() == 2 and "forward" not in decoder.__dict__
+    with cpu.decode_steps(cpu_device, [decoder], small, eager=True, invariant=True):
+        assert "forward" not in decoder.__dict__        # the invariant kernels' linears
     # Compiled steps (inference mode would compile them again) and CUDA: left as they are.
-    for device, eager in [(torch.device("cpu"), False), (torch.device("cuda"), True)]:
-        with cpu.decode_steps(device, small, eager=eager):
+    for device, eager in [(cpu_device, False), (torch.device("cuda"), True)]:
+        with cpu.decode_steps(device, [decoder], small, eager=eager, invariant=False):
             assert torch.get_num_threads() == 2 and not torch.is_inference_mode_enabled()
+            assert "forward" not in decoder.__dict__
+
+
+def test_few_rows_of_plain_float32_linears_go_by_blocks(monkeypatch):
+    """Inside `few_row_linears` a plain fp32 `nn.Linear` sends up to 8 rows to
+    `reference.matmul` (bias added after); more rows, other dtypes, subclasses and forwards
+    replaced by hooks keep theirs; every forward is restored after."""
+    calls = []
+    monkeypatch.setattr(cpu, "matmul", lambda x, w: calls.append(x.shape) or x @ w.T)
+
+    class Sub(torch.nn.Linear):
+        pass
+
+    plain, biased, half, sub = (torch.nn.Linear(8, 32, bias=False), torch.nn.Linear(8, 32),
+                                torch.nn.Linear(8, 32).to(torch.bfloat16), Sub(8, 32))
+    hooked = torch.nn.Linear(8, 32)
+    hooked.forward = lambda x: x          # as accelerate's hooks replace a module's forward
+    model = torch.nn.ModuleList([plain, biased, half, sub, hooked])
+    x = torch.randn(2, 3, 8)
+    with cpu.few_row_linears([model]):
+        torch.testing.assert_close(biased(x), torch.nn.functional.linear(x, biased.weight,
+                                                                         biased.bias))
+        plain(x), plain(torch.randn(9, 8)), half(x.bfloat16()), sub(x)
+        assert hooked(x) is x
+    assert calls == [(2, 3, 8), (2, 3, 8)]
+    assert all("forward" not in layer.__dict__ for layer in (plain, biased, half, sub))
+    assert "forward" in hooked.__dict__
 
 
 def test_outputs_and_state_outlive_the_decode_loop(two_threads):

@@ -84,7 +84,8 @@ def main(argv=None) -> int:
     draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype).to(device).eval()
     millions = lambda m: sum(p.numel() for p in m.parameters()) / 1e6  # noqa: E731
     threads = torch.get_num_threads()
-    if device == "cpu" and weight_bytes([*target.parameters(), *draft.parameters()]) < SMALL_STEP_BYTES:
+    weights = [*target.parameters(), *draft.parameters()]
+    if device == "cpu" and weight_bytes(weights) < SMALL_STEP_BYTES:
         # Stock's rows too: models this small decode fastest on one thread (flashspec's
         # CPU decode steps choose it themselves), and on a busy machine many times faster.
         torch.set_num_threads(1)

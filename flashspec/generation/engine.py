@@ -335,8 +335,10 @@ class Engine:
             if self._decodes_ahead(slot, plan, stops, warm_widths):
                 self._decode_ahead(slot, plan, drafter, report, steps, num_rows)
             else:
-                with decode_steps(self.device, _step_weights(self.head, plan.drafter),
-                                  eager=not slot.target.runner.compile):
+                decoders = (self.head.decoder, *getattr(plan.drafter, "decoders", ()))
+                with decode_steps(self.device, decoders, self.head.weight,
+                                  eager=not slot.target.runner.compile,
+                                  invariant=self.invariant):
                     self._decode(slot, plan, drafter, report, steps, num_rows, stops,
                                  deadline, warm_widths)
         if plan.persist_schedule is not None:
@@ -827,16 +829,6 @@ def _anchor(pool, device: torch.device) -> "torch.cuda.CUDAGraph":
     with torch.cuda.graph(graph, pool=pool):
         torch.zeros(1, device=device)
     return graph
-
-
-def _step_weights(head, drafter):
-    """The weights a call's decode steps read, for the CPU's thread policy: the target's
-    decoder and head, and the drafter's decoders (an assistant's head, often tied to its
-    embeddings, is left out)."""
-    models = (head.decoder, *getattr(drafter, "decoders", ()))
-    yield head.weight
-    for model in models:
-        yield from model.parameters()
 
 
 def _verified(drafts: torch.Tensor | None) -> int:
