@@ -36,8 +36,8 @@ would, and a cache passed in is updated in place, as stock's is). Other `positio
 holes or right padding under a sliding window that the call's columns exceed, run on stock:
 `_mask_deferral` and `_inputs_deferral` say why.
 
-Deliberate differences: `num_assistant_tokens` passed to `generate` is honoured (stock
-transformers reads only the assistant's generation config); batches work with an
+Deliberate differences: `num_assistant_tokens` and `assistant_confidence_threshold` passed
+to `generate` are honoured (stock transformers reads only the assistant's generation config); batches work with an
 assistant or prompt lookup; a row ended by a stop string is padded even without an EOS
 token (stock transformers keeps generating that row); a prompt ending with an EOS token is
 continued with an assistant or prompt lookup as without them (stock assisted generation
