@@ -7,7 +7,11 @@ from flashspec.bench import demo
 
 
 def test_demo_runs_and_every_mode_matches_stock(capsys):
+    import torch
+
+    threads = torch.get_num_threads()
     assert demo.main(["--max-new-tokens", "12", "--device", "cpu"]) == 0
+    assert torch.get_num_threads() == threads     # the demo's one thread is given back
     printed = capsys.readouterr().out
     rows = [line.split() for line in printed.splitlines()
             if line.startswith("  stock HF") or line.startswith("  flash")]

@@ -74,7 +74,14 @@ def main(argv=None) -> int:
              "auto": torch.bfloat16 if device == "cuda" and not builtin else torch.float32}[args.dtype]
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
+    threads = torch.get_num_threads()
+    try:
+        return _demo(args, device, dtype)
+    finally:
+        torch.set_num_threads(threads)      # the demo may run on one (`_demo`)
 
+
+def _demo(args, device: str, dtype: torch.dtype) -> int:
     for name in (args.target, args.draft):
         if name.startswith(str(TINY_PAIR)) and not Path(name).is_dir():
             raise SystemExit(f"{name} is missing: train the pair with scripts/train_tiny_pair.py "

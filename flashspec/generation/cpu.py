@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from typing import Iterable, Iterator
 
 import torch
@@ -35,6 +36,8 @@ from ..reference import FEW_ROWS, matmul
 
 # Steps that read fewer weight bytes than this run on one intra-op thread.
 SMALL_STEP_BYTES = 256 * 2**20
+# Whether the innermost decode loop of this thread entered inference mode itself.
+_loop = threading.local()
 
 
 def weight_bytes(weights: Iterable[torch.Tensor]) -> int:
@@ -59,12 +62,19 @@ def decode_steps(device: torch.device, decoders: Iterable[torch.nn.Module],
     threads = torch.get_num_threads()
     weights = [head_weight, *(p for decoder in decoders for p in decoder.parameters())]
     single = threads > 1 and weight_bytes(weights) < SMALL_STEP_BYTES
+    # A caller already in inference mode made the call's buffers in it: the loop stays in
+    # it throughout (`outside_inference_mode` leaves only the mode entered here).
+    entering = not torch.is_inference_mode_enabled()
+    entered_before = getattr(_loop, "entered", False)
     if single:
         torch.set_num_threads(1)
     try:
-        with torch.inference_mode(), few_row_linears([] if invariant else decoders):
+        _loop.entered = entering
+        with (torch.inference_mode() if entering else contextlib.nullcontext()), \
+                few_row_linears([] if invariant else decoders):
             yield
     finally:
+        _loop.entered = entered_before
         if single:
             torch.set_num_threads(threads)
 
@@ -76,6 +86,7 @@ def few_row_linears(modules: Iterable[torch.nn.Module]) -> Iterator[None]:
     computes inputs of at most `FEW_ROWS` rows by `matmul`; others as before."""
     swapped = list({id(layer): layer for module in modules for layer in module.modules()
                     if type(layer) is torch.nn.Linear and "forward" not in layer.__dict__
+                    and type(layer.weight.data) is torch.Tensor     # not a quantized subclass
                     and layer.weight.dtype == torch.float32
                     and layer.weight.device.type == "cpu" and layer.weight.is_contiguous()
                     }.values())      # a model passed twice (self-drafting) is swapped once
@@ -85,22 +96,23 @@ def few_row_linears(modules: Iterable[torch.nn.Module]) -> Iterator[None]:
         yield
     finally:
         for layer in swapped:
-            del layer.forward
+            layer.__dict__.pop("forward", None)
 
 
-def _linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if x.numel() > FEW_ROWS * x.shape[-1]:
-        return F.linear(x, layer.weight, layer.bias)
-    out = matmul(x, layer.weight)
+def _linear(layer: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    if input.numel() > FEW_ROWS * input.shape[-1] or torch.is_autocast_enabled("cpu"):
+        return F.linear(input, layer.weight, layer.bias)
+    out = matmul(input, layer.weight)
     return out if layer.bias is None else out + layer.bias
 
 
 @contextlib.contextmanager
 def outside_inference_mode() -> Iterator[None]:
-    """Leave inference mode, if in it, for tensors that outlive the call (a tensor made in
-    inference mode can never be updated in place outside it); grad mode stays off
-    (``inference_mode(False)`` alone would turn it on)."""
-    if not torch.is_inference_mode_enabled():
+    """Leave the inference mode `decode_steps` entered, if in it, for tensors that outlive
+    the call (a tensor made in inference mode can never be updated in place outside it); a
+    caller's own inference mode stays (the call's buffers were made in it); grad mode stays
+    off (``inference_mode(False)`` alone would turn it on)."""
+    if not (torch.is_inference_mode_enabled() and getattr(_loop, "entered", False)):
         yield
         return
     with torch.inference_mode(False), torch.no_grad():

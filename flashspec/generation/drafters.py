@@ -141,7 +141,8 @@ class _AttachedAssistant(AttachedDrafter):
         live = positions >= 0
         positions = positions.clamp_min(0)
         hidden = self.runner.step(self.cache, slot.seq.gather(1, positions), positions, live)[:, -1]
-        self.stopped = torch.zeros_like(slot.finished) if self._stops_unconfident else None
+        # Finished rows (padding a batch) draft nothing.
+        self.stopped = slot.finished.clone() if self._stops_unconfident else None
         self._write(0, *self._argmax(hidden))
         self.count.fill_(1)
 

@@ -125,13 +125,18 @@ def invariant_forward(decoder: torch.nn.Module):
 
 
 def check_device(model: torch.nn.Module) -> None:
-    """ValueError naming `invariant` when `model` sits where the invariant kernels cannot run:
-    they are Triton's, which runs CUDA tensors, or any under its interpreter
-    (TRITON_INTERPRET=1: tests; far too slow for use). Checked before anything runs."""
-    import triton
-
-    device = next(model.parameters()).device
-    if device.type != "cuda" and not triton.knobs.runtime.interpret:
+    """ValueError naming `invariant` when `model` (its LM head, which sits on the GPU of a
+    model spread over devices) is where the invariant kernels cannot run: they are
+    Triton's, which runs CUDA tensors, or any under its interpreter (TRITON_INTERPRET=1:
+    tests; far too slow for use). Checked before anything runs."""
+    try:
+        import triton
+        interpreted = triton.knobs.runtime.interpret
+    except ImportError:           # no Triton (macOS, Windows): nothing runs the kernels
+        interpreted = False
+    head = model.get_output_embeddings()
+    device = (head.weight if head is not None else next(model.parameters())).device
+    if device.type != "cuda" and not interpreted:
         raise ValueError(
             f"`invariant`=True is not supported for a model on {device}: its batch-invariant "
             "decoder kernels are Triton kernels, which need a CUDA GPU (or Triton's "

@@ -59,6 +59,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import numbers
 import time
 import warnings
 
@@ -791,7 +792,7 @@ def _drafter(head: OutputHead, assistant_model, config, requested: dict, source:
     persist = _persist_draft_count(assistant_config) if schedule == "heuristic" else None
     schedule = "constant" if schedule == "constant" else "heuristic"
     threshold, where = setting("assistant_confidence_threshold", 0.4)
-    if (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+    if (isinstance(threshold, bool) or not isinstance(threshold, numbers.Real)
             or not 0.0 <= threshold <= 1.0):
         raise ValueError(f"`assistant_confidence_threshold` must be a number in [0, 1], got "
                          f"{threshold!r} ({where})")

@@ -196,7 +196,9 @@ class Slot:
         if drafter.key not in self.drafters:
             self.drafters[drafter.key] = drafter.attach(self)
         attached = self.drafters[drafter.key]
-        attached.use(drafter)
+        use = getattr(attached, "use", None)      # a caller's drafter may not subclass ours
+        if use is not None:
+            use(drafter)
         return attached
 
     def sampler(self, weight: torch.Tensor, shards=None):
