@@ -370,7 +370,8 @@ class Engine:
             step_started = time.monotonic()
             hidden, drafts = self._launch(slot, plan, drafter, report, width, timed)
             report = self._finish(slot, hidden, drafts)
-            per_forward = (time.monotonic() - step_started) / (width + 1)
+            # Per position the step verified (on the CPU, fewer than `width` may be).
+            per_forward = (time.monotonic() - step_started) / (_verified(drafts) + 1)
 
     def _decodes_ahead(self, slot: Slot, plan, stops, warm_widths: list[int]) -> bool:
         """Whether the call's steps can run one ahead of the host: captured steps, and no
