@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from _models import tiny_draft, tiny_model
-from test_generate import _quiet_single_threaded  # noqa: F401 - the module's autouse fixture
+from test_generate import _quiet_single_threaded, left_pad  # noqa: F401 - its autouse fixture
 
 pytestmark = pytest.mark.filterwarnings("ignore:sampler='flash' runs this call")
 
@@ -54,16 +54,6 @@ def target(arch: str):
 @functools.lru_cache(maxsize=None)
 def draft(arch: str):
     return eager(tiny_draft(arch))
-
-
-def left_pad(prompts):
-    length = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), length, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, length - len(prompt):] = torch.tensor(prompt)
-        mask[row, length - len(prompt):] = 1
-    return ids, mask
 
 
 def stock(model, *args, **kwargs):

@@ -20,14 +20,15 @@ import warnings
 
 import pytest
 import torch
-import transformers
 from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
 import flashspec
 from flashspec.generation.kv_cache import FULL, SLIDING, layer_kinds
 
+from test_generate import _quiet_single_threaded, left_pad  # noqa: F401 - its autouse fixture
+
 VOCAB = 128
-PAD = 0
+PAD = 0                      # test_generate.left_pad's
 HEAD_SCALE = 6.0
 WINDOW = 7
 NEW = 30                     # 20 + 30 columns: past the window, and past one eager KV view
@@ -39,17 +40,6 @@ PROMPTS = [
     [9, 10, 11, 12, 9, 10, 11, 12, 9, 10, 11, 12, 9],
     [20, 21, 22, 20, 21, 22, 20],
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _quiet_single_threaded():
-    threads = torch.get_num_threads()
-    verbosity = transformers.logging.get_verbosity()
-    torch.set_num_threads(1)
-    transformers.logging.set_verbosity_error()
-    yield
-    torch.set_num_threads(threads)
-    transformers.logging.set_verbosity(verbosity)
 
 
 def _config(size: str, window: int = WINDOW) -> GPTNeoConfig:
@@ -68,16 +58,6 @@ def model(size: str = "target"):
     with torch.no_grad():
         lm.get_output_embeddings().weight.mul_(HEAD_SCALE)
     return flashspec.wrap(lm)
-
-
-def left_pad(prompts) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        mask[row, width - len(prompt):] = 1
-    return ids, mask
 
 
 def generate(lm, ids, mask, **kwargs) -> torch.Tensor:
