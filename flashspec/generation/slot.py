@@ -84,12 +84,11 @@ class Report:
         tokens_start = cls.FIELDS + num_caches
         probs_start = tokens_start + max_drafts + 1
         width = max_drafts if width is None else width
-        rows = torch.cat([report[:tokens_start + width + 1],
-                          report[probs_start:probs_start + width]]).tolist()
-        probs = torch.tensor(rows[tokens_start + width + 1:], dtype=torch.int64)
+        report = report.cpu()           # one transfer from a device
+        rows = report[:tokens_start + width + 1].tolist()
+        probs = report[probs_start:probs_start + width].view(torch.float64).tolist()
         return cls(*rows[: cls.FIELDS], fills=[row[0] for row in rows[cls.FIELDS:tokens_start]],
-                   tokens=rows[tokens_start:tokens_start + width + 1],
-                   accept_probs=probs.view(torch.float64).tolist())
+                   tokens=rows[tokens_start:], accept_probs=probs)
 
 
 class PendingReport:

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Today's tree against older ones on two GPUs of one host (nvidia-h200-x2), one device call per
+# PART; a short table is printed last.
+#
+# PART=steady (issue 48: is the GPU path's steady state unchanged?): B = 1, both pairs
+#   (Qwen3-1.7B + 0.6B, Llama-3.1-8B + 3.2-1B shapes, random peaked bf16), 128 + 256 tokens,
+#   greedy, G = 5, 3 timed calls. Crossed so that each tree is timed on both GPUs and every
+#   ratio is taken on one GPU: GPU 0 runs today (hf, flash_plain, flash_draft) then OLD
+#   (flash_plain, flash_draft); GPU 1 runs OLD first with the stock row, then today. The stock
+#   row (hf) is each GPU's control.
+#     OLD=.ab/552a0d1 PART=steady bash probes/ab_two_gpus.sh           # about 400 s
+#
+# PART=tokens (issue 45: the B = 8 / 32 reproducer finishes, with the old tree's tokens): GPU 0
+#   runs the reproducer (both pairs, B = 8 and 32, 128 + 128 tokens, hf, flash_plain, flash_draft) in
+#   today's tree, GPU 1 in OLD, each through probes/sequence_digests.py, and the digests are
+#   compared. Then GPU 0, with HOST_OLD (another old tree), runs Qwen3's B = 1 drafted row in
+#   today's tree and in HOST_OLD, each with one more call under cProfile (host time), and GPU 1
+#   the CUDA fuzz (40 s of examples).
+#     OLD=.ab/c1bb73c HOST_OLD=.ab/552a0d1 PART=tokens bash probes/ab_two_gpus.sh  # <= 520 s
+#
+# PART=tests: the GPU tests, each file its own pytest process, dealt to the two GPUs.
+#
+# OLD is a directory holding an old tree's flashspec/ and scripts/ (`git archive COMMIT
+# flashspec scripts | tar -x -C .ab/COMMIT --exclude=flashspec/assets/tiny_pair`, in a
+# folder .git/info/exclude ignores, carried with the call). Everything lands in
+# $OUT/ab_$PART.tgz.
+set -uo pipefail
+PART=${PART:?steady, tokens or tests}
+[ "$PART" = tests ] || OLD=$(cd "${OLD:?an old tree (a directory holding flashspec/ and scripts/)}" && pwd)
+TODAY=$(cd "$(dirname "$0")/.." && pwd)
+RESULTS=$(mkdir -p "${OUT:-ab_out}" && cd "${OUT:-ab_out}" && pwd)
+OUT=${WORK:-$(mktemp -d)}    # the work folder (WORK: a caller that may stop the script tars it)
+mkdir -p "$OUT"
+DIGESTS=$TODAY/probes/sequence_digests.py
+export PYTHONUNBUFFERED=1 FLASHSPEC_LOG_LEVEL=WARNING
+nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem --format=csv,noheader > "$OUT/device.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" >> "$OUT/device.txt"
+echo "old tree: ${OLD:-none}" >> "$OUT/device.txt"
+
+tok_per_s() {   # tree gpu label timeout args...
+    local tree=$1 gpu=$2 label=$3 limit=$4
+    shift 4
+    (cd "$tree" && CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=. timeout "$limit" python3 \
+        scripts/tok_per_s.py "$@" --out "$OUT/$label") > "$OUT/$label.log" 2>&1
+    echo "$label rc=$?" >> "$OUT/rc.txt"
+}
+
+case $PART in
+steady)
+    single="--batch-sizes 1 --prompt-length 128 --new-tokens 256 --num-drafts 5 --decoding greedy --reps 3 --weights peaked"
+    crossed() {   # gpu first_tree first_label second_tree second_label
+        for pair in qwen3 llama; do
+            tok_per_s "$2" "$1" "gpu$1_$3_$pair" 200 --pair $pair $single --variants hf,flash_plain,flash_draft
+        done
+        for pair in qwen3 llama; do
+            tok_per_s "$4" "$1" "gpu$1_$5_$pair" 130 --pair $pair $single --variants flash_plain,flash_draft
+        done
+    }
+    crossed 0 "$TODAY" today "$OLD" old &
+    crossed 1 "$OLD" old "$TODAY" today &
+    wait ;;
+tokens)
+    repro="--batch-sizes 8,32 --prompt-length 128 --new-tokens 128 --num-drafts 5 --decoding greedy --reps 1 --weights peaked --variants hf,flash_plain,flash_draft"
+    reproduce() {   # gpu tree label timeout
+        for pair in qwen3 llama; do
+            (cd "$2" && CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=. timeout "$4" python3 "$DIGESTS" \
+                --digests "$OUT/digests_$3_$pair.json" -- --pair $pair $repro \
+                --out "$OUT/repro_$3_$pair") > "$OUT/repro_$3_$pair.log" 2>&1
+            echo "repro_$3_$pair rc=$?" >> "$OUT/rc.txt"
+        done
+    }
+    (reproduce 0 "$TODAY" today 200
+    [ -n "${HOST_OLD:-}" ] && for tree in today host_old; do
+        dir=$TODAY; [ $tree = host_old ] && dir=$(cd "$HOST_OLD" && pwd)
+        (cd "$dir" && CUDA_VISIBLE_DEVICES=0 PYTHONPATH=. timeout $([ $tree = today ] && echo 90 || echo 150) python3 "$DIGESTS" \
+            --digests "$OUT/host_$tree.json" --profile "$OUT/profile_$tree" \
+            -- --pair qwen3 --batch-sizes 1 --prompt-length 128 --new-tokens 256 \
+            --num-drafts 5 --decoding greedy --reps 5 --weights peaked --variants flash_draft \
+            --out "$OUT/host_$tree") > "$OUT/host_$tree.log" 2>&1
+        echo "host_$tree rc=$?" >> "$OUT/rc.txt"
+    done) &
+    (reproduce 1 "$OLD" old 230
+    (cd "$TODAY" && CUDA_VISIBLE_DEVICES=1 PYTHONPATH=. FLASHSPEC_FUZZ_CUDA_SECONDS=40 timeout 90 \
+        python3 -m pytest -q -p no:cacheprovider -s \
+        "tests/test_fuzz_generate.py::test_cuda_bf16_matches_stock_or_refuses_clearly") \
+        > "$OUT/fuzz.log" 2>&1) &
+    wait
+    for pair in qwen3 llama; do
+        python3 "$DIGESTS" --compare "$OUT/digests_old_$pair.json" "$OUT/digests_today_$pair.json" \
+            > "$OUT/digests_$pair.txt" 2>&1
+    done ;;
+tests)
+    # The GPU tests, each file in its own pytest process, the files dealt to the two GPUs.
+    gpu=0
+    for file in tests/test_generate_gpu.py tests/test_kernels_ws.py tests/test_screen.py \
+            tests/test_race.py tests/test_kernels.py tests/test_verify_kernel.py tests/test_rng.py \
+            tests/test_fused_edits.py tests/test_fused_edits_generate.py tests/test_edit_codes.py \
+            tests/test_fused_head.py tests/test_allowed_tokens.py tests/test_additive_edits.py \
+            tests/test_additive_generate.py tests/test_invariant_kernels.py \
+            tests/test_shard_summary.py tests/test_invariance_gpu.py tests/test_attention_kernel.py \
+            tests/test_cpu_steps.py tests/test_engine.py; do
+        (cd "$TODAY" && CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=. timeout "${TEST_TIMEOUT:-540}" \
+            python3 -m pytest -q -p no:cacheprovider --durations=5 "$file") \
+            > "$OUT/pytest_$(basename "$file" .py).log" 2>&1 &
+        gpu=$((1 - gpu))
+    done
+    wait ;;
+*) echo "ab_two_gpus.sh: PART is '$PART'; allowed: steady, tokens, tests" >&2; exit 2 ;;
+esac
+
+tar czf "$RESULTS/ab_$PART.tgz" -C "$OUT" .
+cat "$OUT/device.txt" "$OUT/rc.txt"
+for log in "$OUT"/pytest_*.log; do [ -e "$log" ] && echo "$(basename "$log"): $(tail -1 "$log")"; done
+cat "$OUT"/digests_*.txt 2>/dev/null
+[ -e "$OUT/fuzz.log" ] && tail -4 "$OUT/fuzz.log"
+python3 - "$OUT" <<'EOF'
+import json, pathlib, sys
+for path in sorted(pathlib.Path(sys.argv[1]).glob("*/tok_per_s.json")):
+    for row in json.loads(path.read_text())["rows"]:
+        steps = {k: round(v, 3) for k, v in (row.get("step_ms") or {}).items() if v}
+        print(f"{path.parent.name:<18} B={row['batch_size']:<3} {row['variant']:<12} "
+              f"{row['tok_s'] or 0:>8.1f} tok/s  same_as_hf={row.get('same_tokens_as_hf')} "
+              f"steps {json.dumps(steps)} {row['status'][:50]}")
+EOF
