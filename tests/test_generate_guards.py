@@ -130,22 +130,61 @@ def test_logprobs_need_the_output_object():
                           output_logprobs=True)
 
 
+def _compile_everywhere() -> CompileConfig:
+    """A compile_config stock honours on any device (transformers' own tests force it so)."""
+    config = CompileConfig()
+    config._compile_all_devices = True
+    return config
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(num_beams=2), r"`num_beams`=2 \(set in the call\) selects transformers' 'beam_search'"),
     (dict(guidance_scale=1.5), "classifier-free guidance"),
     (dict(assistant_early_exit=1), "self-speculation by early exit"),
     (dict(position_ids=torch.arange(10)[None] + 2), "`position_ids` are not the positions"),
-    (dict(compile_config=CompileConfig()), "configures stock's torch.compile"),
+    (dict(compile_config=_compile_everywhere(), cache_implementation="static"),
+     r"`compile_config` \(set in the call\) with a static cache on cpu: stock compiles"),
 ])
 def test_other_methods_defer_to_stock_with_a_warning(kwargs, message):
     """What the engine does not do runs stock generate (same tokens), with a warning."""
     ids, mask = left_pad(PROMPTS[:1])
-    with pytest.warns(UserWarning, match=message):
-        ours = target().generate(ids, attention_mask=mask, sampler="flash", max_new_tokens=3,
-                                 **kwargs)
-    theirs = target().generate(ids, attention_mask=mask, max_new_tokens=3, **kwargs)
+    # Stock's torch.compile (a compile_config's) runs its graphs eagerly: what is tested is
+    # who runs the call, not inductor on this machine.
+    with torch.compiler.set_stance("force_eager"):
+        with pytest.warns(UserWarning, match=message):
+            ours = target().generate(ids, attention_mask=mask, sampler="flash", max_new_tokens=3,
+                                     **kwargs)
+        theirs = target().generate(ids, attention_mask=mask, max_new_tokens=3, **kwargs)
     ours = ours if torch.is_tensor(ours) else ours.sequences
     assert torch.equal(ours, theirs if torch.is_tensor(theirs) else theirs.sequences)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(compile_config=CompileConfig(), cache_implementation="static"),  # not on this device
+    dict(compile_config=_compile_everywhere()),                           # a dynamic cache
+    dict(compile_config=_compile_everywhere(), cache_implementation="static", disable_compile=True),
+    dict(compile_config=_compile_everywhere(), cache_implementation="static", use_cache=False),
+    # Stock compiles only greedy search and sampling, never assisted generation.
+    dict(compile_config=_compile_everywhere(), cache_implementation="static",
+         prompt_lookup_num_tokens=2),
+])
+def test_a_compile_config_stock_would_not_use_runs_on_the_engine(kwargs):
+    """Where stock would not compile the forward with the call's `compile_config` (it warns
+    and skips compilation), the option changes nothing and the engine runs the call, with
+    stock's tokens."""
+    ids, mask = left_pad(PROMPTS[:2])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*defers this call to stock.*")
+        warnings.filterwarnings("error", message=".*compile_config.*")
+        ours = target().generate(ids, attention_mask=mask, sampler="flash", max_new_tokens=4,
+                                 return_dict_in_generate=True, **kwargs)
+    assert ours.flash_stats is not None                     # the engine's output
+    # Stock's assisted generation refuses a static cache; greedy tokens are the same without
+    # drafts.
+    plain = {name: value for name, value in kwargs.items() if name != "prompt_lookup_num_tokens"}
+    theirs = target().generate(ids, attention_mask=mask, max_new_tokens=4,
+                               return_dict_in_generate=True, **plain)
+    assert torch.equal(ours.sequences, theirs.sequences)
 
 
 def test_trust_remote_code_is_accepted():

@@ -66,7 +66,9 @@ import warnings
 import torch
 import torch.distributed as dist
 from transformers import GenerationConfig, LogitsProcessorList, SynthIDTextWatermarkingConfig
-from transformers.generation.configuration_utils import GenerationMode
+from transformers.cache_utils import DynamicCache
+from transformers.generation.configuration_utils import (ALL_STATIC_CACHE_IMPLEMENTATIONS,
+                                                          GenerationMode)
 from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria,
                                                        MaxTimeCriteria, StoppingCriteriaList,
                                                        StopStringCriteria)
@@ -139,9 +141,6 @@ STOCK_OPTIONS = {
                                               "are implemented"),
     "cache_implementation": (lambda v: v in (None, "dynamic", "hybrid", "static"),
                              "flashspec keeps its own full-precision KV caches"),
-    "compile_config": (lambda v: v is None,
-                       "it configures stock's torch.compile of the model's forward, which the "
-                       "engine never calls (it compiles its own layers once per model)"),
 }
 # Arguments of generate() for which it defers to stock transformers: name -> why.
 STOCK_HOOKS = {
@@ -255,7 +254,8 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
             isinstance(stopping_criteria, (list, tuple)) and all(map(callable, stopping_criteria))):
         raise TypeError(f"`stopping_criteria` must be a StoppingCriteriaList (or a list of "
                         f"StoppingCriteria), got {type(stopping_criteria).__name__}")
-    delegation = (_stock_delegation(model, config, model_kwargs, hooks, source)
+    delegation = (_stock_delegation(model, config, model_kwargs, hooks, source,
+                                    drafted=assistant_model is not None)
                   or _replaced_criteria(config, stopping_criteria))
     if delegation is not None:
         return delegation
@@ -574,8 +574,9 @@ def _replaced_criteria(config: GenerationConfig, custom) -> StockDelegation | No
 
 
 def _stock_delegation(model, config: GenerationConfig, model_kwargs: dict, hooks: dict,
-                      source: Sources) -> StockDelegation | None:
-    """A `StockDelegation` when the call selects what the engine does not do, else None."""
+                      source: Sources, drafted: bool = False) -> StockDelegation | None:
+    """A `StockDelegation` when the call selects what the engine does not do, else None
+    (`drafted`: the call has an assistant model)."""
     samples = bool(config.do_sample)
 
     def delegate(what: str) -> StockDelegation:
@@ -596,6 +597,11 @@ def _stock_delegation(model, config: GenerationConfig, model_kwargs: dict, hooks
         value = getattr(config, name, None)
         if not is_off(value):
             return delegate(f"`{name}`={value!r} ({source(name)}): {why}")
+    drafted = drafted or config.prompt_lookup_num_tokens is not None
+    if not drafted and _stock_compiles(model, config, model_kwargs.get("past_key_values")):
+        return delegate(f"`compile_config` ({source('compile_config')}) with a static cache on "
+                        f"{model.device}: stock compiles the model's forward with it, which the "
+                        "engine never calls (it compiles its own layers once per model)")
     if isinstance(config.watermarking_config, SynthIDTextWatermarkingConfig):
         return delegate(f"`watermarking_config` ({source('watermarking_config')}) is SynthID, "
                         "whose processor keeps state from step to step")
@@ -617,6 +623,32 @@ def _stock_delegation(model, config: GenerationConfig, model_kwargs: dict, hooks
         return delegate(f"`{name}`: the engine feeds its decoder input_ids or inputs_embeds, "
                         "attention_mask, position_ids, token_type_ids and its KV cache only")
     return None
+
+
+def _stock_compiles(model, config: GenerationConfig, past) -> bool:
+    """Whether stock generate would compile the model's forward with the call's
+    `compile_config` in greedy search or sampling (assisted generation never compiles it),
+    by transformers' auto-compile criteria: a compilable cache, not a
+    `DynamicCache`; a CUDA-like device or ``_compile_all_devices``; no `disable_compile`, no
+    quantizer that cannot compile, no CPU or disk offload. Where it would not, the option
+    changes nothing in stock either (stock warns and skips compilation) and the engine runs."""
+    compile_config = getattr(config, "compile_config", None)
+    if compile_config is None or config.disable_compile or not config.use_cache:
+        return False
+    if not (model.device.type in ("cuda", "xpu", "neuron", "tpu")
+            or getattr(compile_config, "_compile_all_devices", False)):
+        return False
+    if past is not None:
+        compilable = bool(getattr(past, "is_compileable", False)) and type(past) is not DynamicCache
+    else:
+        compilable = config.cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and not quantizer.is_compileable:
+        return False
+    devices = set(getattr(model, "hf_device_map", {}).values())
+    if "disk" in devices or ("cpu" in devices and len(devices) > 1):
+        return False
+    return compilable
 
 
 def _check_mask(attention_mask, rows: int, width: int) -> None:
