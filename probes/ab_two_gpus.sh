@@ -18,7 +18,11 @@
 #   the CUDA fuzz (40 s of examples).
 #     OLD=.ab/c1bb73c HOST_OLD=.ab/552a0d1 PART=tokens bash probes/ab_two_gpus.sh  # <= 520 s
 #
-# PART=tests: the GPU tests, each file its own pytest process, dealt to the two GPUs.
+# PART=tests: GPU 1 runs the GPU tests, each file its own pytest process; with HOST_OLD, GPU 0
+#   runs the drafted B = 1 rows of today's tree and HOST_OLD in turn (Qwen3, Llama, Qwen3),
+#   each with one more call under cProfile and one under torch.profiler (kernels by device
+#   time), to find where a difference in drafted tok/s comes from.
+#     HOST_OLD=.ab/552a0d1 PART=tests bash probes/ab_two_gpus.sh       # <= 560 s
 #
 # OLD is a directory holding an old tree's flashspec/ and scripts/ (`git archive COMMIT
 # flashspec scripts | tar -x -C .ab/COMMIT --exclude=flashspec/assets/tiny_pair`, in a
@@ -90,20 +94,31 @@ tokens)
             > "$OUT/digests_$pair.txt" 2>&1
     done ;;
 tests)
-    # The GPU tests, each file in its own pytest process, the files dealt to the two GPUs.
-    gpu=0
-    for file in tests/test_generate_gpu.py tests/test_kernels_ws.py tests/test_screen.py \
-            tests/test_race.py tests/test_kernels.py tests/test_verify_kernel.py tests/test_rng.py \
-            tests/test_fused_edits.py tests/test_fused_edits_generate.py tests/test_edit_codes.py \
-            tests/test_fused_head.py tests/test_allowed_tokens.py tests/test_additive_edits.py \
+    # GPU 1: the GPU tests, each file its own pytest process, all at once. GPU 0, with
+    # HOST_OLD: the drafted B = 1 rows of today and HOST_OLD in turn (Qwen3 twice, Llama once),
+    # each with one more call under cProfile and one under torch.profiler.
+    (cd "$TODAY" && for file in tests/test_generate_gpu.py tests/test_kernels_ws.py \
+            tests/test_screen.py tests/test_race.py tests/test_kernels.py \
+            tests/test_verify_kernel.py tests/test_rng.py tests/test_fused_edits.py \
+            tests/test_fused_edits_generate.py tests/test_edit_codes.py tests/test_fused_head.py \
+            tests/test_allowed_tokens.py tests/test_additive_edits.py \
             tests/test_additive_generate.py tests/test_invariant_kernels.py \
             tests/test_shard_summary.py tests/test_invariance_gpu.py tests/test_attention_kernel.py \
             tests/test_cpu_steps.py tests/test_engine.py; do
-        (cd "$TODAY" && CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=. timeout "${TEST_TIMEOUT:-540}" \
-            python3 -m pytest -q -p no:cacheprovider --durations=5 "$file") \
-            > "$OUT/pytest_$(basename "$file" .py).log" 2>&1 &
-        gpu=$((1 - gpu))
-    done
+        CUDA_VISIBLE_DEVICES=1 PYTHONPATH=. timeout "${TEST_TIMEOUT:-500}" python3 -m pytest -q \
+            -p no:cacheprovider --durations=5 "$file" > "$OUT/pytest_$(basename "$file" .py).log" 2>&1 &
+    done; wait) &
+    [ -n "${HOST_OLD:-}" ] && (for run in qwen3_1 llama_1 qwen3_2; do
+        for tree in today host_old; do
+            dir=$TODAY; [ $tree = host_old ] && dir=$(cd "$HOST_OLD" && pwd)
+            (cd "$dir" && CUDA_VISIBLE_DEVICES=0 PYTHONPATH=. timeout 150 python3 "$DIGESTS" \
+                --digests "$OUT/drafted_${tree}_$run.json" --profile "$OUT/profile_${tree}_$run" \
+                -- --pair ${run%_*} --batch-sizes 1 --prompt-length 128 --new-tokens 256 \
+                --num-drafts 5 --decoding greedy --reps 5 --weights peaked --variants flash_draft \
+                --out "$OUT/drafted_${tree}_$run") > "$OUT/drafted_${tree}_$run.log" 2>&1
+            echo "drafted_${tree}_$run rc=$?" >> "$OUT/rc.txt"
+        done
+    done) &
     wait ;;
 *) echo "ab_two_gpus.sh: PART is '$PART'; allowed: steady, tokens, tests" >&2; exit 2 ;;
 esac

@@ -1,7 +1,9 @@
 """Do two trees generate the same tokens, and where does a call's host time go? Run a tree's
 ``scripts/tok_per_s.py`` and record a digest of every call's output sequences; with
 ``--profile DIR``, one more call per row under cProfile (``DIR/row<i>.txt``: the functions by
-own time, then by cumulative time), to compare two trees' host work.
+own time, then by cumulative time) and, on CUDA, one under torch.profiler
+(``DIR/row<i>_kernels.txt``: the call's kernels by device time), to compare two trees' host
+and device work.
 
 Run from the tree's root (its ``flashspec`` is the one imported), with this file's path and
 tok_per_s's own arguments after ``--``; the digests go to ``--digests``, one per
@@ -79,10 +81,32 @@ def _profiling(modules: list, directory: pathlib.Path) -> None:
                 pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(30)
             directory.mkdir(parents=True, exist_ok=True)
             (directory / f"row{rows[0]}.txt").write_text(text.getvalue())
+            if cuda:
+                (directory / f"row{rows[0]}_kernels.txt").write_text(_kernel_table(generate))
             rows[0] += 1
             return result
 
         module.timed_calls = profiled
+
+
+def _kernel_table(generate) -> str:
+    """One more call under torch.profiler: its wall time, the device time of its kernels
+    (those its CUDA graphs replay included) and the kernels by total device time."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+        started = time.perf_counter()
+        generate()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - started
+    events = [e for e in trace.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    device_us = sum(e.device_time for e in events)
+    head = (f"wall {wall * 1e3:.2f} ms (under the profiler); device kernels {len(events)}, "
+            f"{device_us / 1e3:.2f} ms\n")
+    return head + trace.key_averages().table(sort_by="device_time_total", row_limit=40)
 
 
 def record(digests_path: pathlib.Path, script_args: list[str],

@@ -28,6 +28,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# transformers' vendored tests run in their own pytest process, routed
+# (tests/test_transformers_suite.py), not as flashspec's tests.
+collect_ignore = ["transformers_suite"]
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -2,24 +2,28 @@
 
 Runs, for each architecture, the tests that `GenerationTesterMixin`
 (``tests/generation/test_utils.py``) defines, as collected from
-``tests/models/<arch>/test_modeling_<arch>.py``, twice with pytest-xdist: stock (plain
-transformers) and routed (the `route_flash` plugin, ``FLASHSPEC_ROUTE=1``, one JSON line per
-`generate` call). Prints tests run, stock and routed passes, the tests that pass on stock and
-fail routed (with their failure's first line and their calls' outcomes), the calls by outcome
-(RAN / RAN_MATERIALIZED / DEFERRED / REFUSED / CRASHED, by reason), the share flashspec ran,
-and whether greedy calls it ran gave stock's tokens; writes all of it as JSON to ``--out``
-(the junit XML, pytest logs and the call log beside it).
+``tests/models/<arch>/test_modeling_<arch>.py``, twice: stock (plain transformers) and routed
+(the `route_flash` plugin, ``FLASHSPEC_ROUTE=1``, one JSON line per `generate` call). Prints
+tests run, stock and routed passes, the tests that pass on stock and fail routed (with their
+failure's first line and their calls' outcomes), the calls by outcome (RAN / RAN_MATERIALIZED
+/ DEFERRED / REFUSED / CRASHED, by reason), the share flashspec ran, and whether greedy calls
+it ran gave stock's tokens (and, where not, whether stock's own scores tie there); writes all
+of it as JSON to ``--out`` (the junit XML, pytest logs and the call log beside it).
 
-``--tests-root`` is a transformers checkout's root (``tests/``, ``conftest.py``,
-``pyproject.toml``, and ``src/transformers`` where ``tests/pipelines`` finds it: a link to the
-installed package does) matching the installed transformers. Its tests import
-``parameterized``, ``timeout_decorator`` (opt) and (``tests/pipelines``, never run here)
-``datasets``; ``--pythonpath`` adds a folder holding them (a stub ``datasets`` module is
-enough). A file that fails to collect is named in a warning. The testers draw their inputs
-from an unseeded `random.Random`, so counts can move by a call or two between runs.
+``--tests-root`` is the root of transformers' tests: by default ``upstream/`` beside this
+file, the part of them that Llama's, GPT-2's and Bloom's tests need (vendored, see its
+README), which CI runs (tests/test_transformers_suite.py); or a transformers checkout's root
+(``tests/``, ``conftest.py``, ``pyproject.toml``, and ``src/transformers`` where
+``tests/pipelines`` finds it: a link to the installed package does) matching the installed
+transformers, for the 23 architectures of `ARCHS`. The tests import ``parameterized`` (in
+flashspec's test extra) and, in a checkout, ``timeout_decorator`` (opt) and (``tests/pipelines``,
+never run here) ``datasets``; ``--pythonpath`` adds a folder holding them (a stub ``datasets``
+module is enough). A file that fails to collect is named in a warning. The testers draw their
+inputs from an unseeded `random.Random`, so counts can move by a call or two between runs.
 
-    PYTHONPATH=. python probes/transformers_suite/run.py --tests-root /tmp/tf_tests \\
-        --pythonpath /tmp/tf_deps --out /tmp/tf_suite_out/result.json -n 2
+    python tests/transformers_suite/run_suite.py                      # the vendored three
+    python tests/transformers_suite/run_suite.py --tests-root /tmp/tf_tests \
+        --pythonpath /tmp/tf_deps --out /tmp/tf_suite_out/result.json -n 2    # 23 architectures
     ... --archs llama,gpt2 --no-compare      # two architectures, no greedy token check
 """
 
@@ -38,8 +42,41 @@ import xml.etree.ElementTree as ET
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
+UPSTREAM = os.path.join(HERE, "upstream")
 ARCHS = ("llama mistral mixtral qwen2 qwen3 gemma gemma2 phi phi3 gpt2 gptj gpt_neo gpt_neox "
          "opt bloom falcon codegen stablelm starcoder2 olmo cohere granite mamba").split()
+
+
+def archs_in(root: str) -> list[str]:
+    """The architectures of `ARCHS` whose test file `root` holds."""
+    return [a for a in ARCHS
+            if os.path.exists(os.path.join(root, f"tests/models/{a}/test_modeling_{a}.py"))]
+
+
+def environment(pythonpath: str = "", flashspec: str = REPO) -> dict:
+    """The tests' environment: the plugin's folder, `flashspec`'s and `pythonpath` importable,
+    one thread per process, routing off."""
+    paths = [p for p in (pythonpath, HERE, os.path.abspath(flashspec),
+                         os.environ.get("PYTHONPATH")) if p]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1"}
+    for name in ("FLASHSPEC_ROUTE", "FLASHSPEC_ROUTE_LOG", "FLASHSPEC_ROUTE_COMPARE",
+                 "PYTEST_XDIST_WORKER", "PYTEST_ADDOPTS"):
+        env.pop(name, None)
+    return env
+
+
+def run_routed(root: str, ids: list[str], env: dict, workers: int, out: str,
+               compare: bool = True) -> tuple[dict, list[dict]]:
+    """The tests run with every `generate` routed to flashspec: their results (`run_pytest`)
+    and one record per call (`route_flash`)."""
+    log = os.path.join(out, "calls.jsonl")
+    if os.path.exists(log):
+        os.remove(log)
+    routed_env = {**env, "FLASHSPEC_ROUTE": "1", "FLASHSPEC_ROUTE_LOG": log,
+                  "FLASHSPEC_ROUTE_COMPARE": "1" if compare else "0"}
+    results = run_pytest(root, ids, routed_env, workers, out, "routed")
+    calls = [json.loads(line) for line in open(log)] if os.path.exists(log) else []
+    return results, calls
 
 
 def mixin_tests(root: str) -> set[str]:
@@ -130,8 +167,11 @@ def summarize(ids, stock, routed, calls) -> dict:
         "ran_percent": round(100 * ran / len(calls), 1) if calls else None,
         "greedy_compared": len(compared),
         "greedy_equal": sum(c["tokens_equal"] for c in compared),
-        "greedy_different": [{k: c.get(k) for k in ("test", "model", "outcome", "reason")}
+        "greedy_different": [{k: c.get(k) for k in ("test", "model", "outcome", "reason",
+                                                     "stock_scores", "scores_dtype", "tie_in_stock")}
                              for c in compared if not c["tokens_equal"]],
+        "greedy_different_ties": sum(bool(c.get("tie_in_stock")) for c in compared
+                                     if not c["tokens_equal"]),
         "compare_errors": [c for c in calls if c.get("compare_error")],
         "crashes": [{k: c.get(k) for k in ("test", "model", "error", "traceback")}
                     for c in calls if c["outcome"] == "CRASHED"],
@@ -154,7 +194,8 @@ def report(s: dict) -> None:
         detail = ", ".join(f"{k} {v}" for k, v in s["reasons"].get(outcome, {}).items() if k)
         print(f"  {outcome:17s} {n:5d}  {detail}")
     print(f"\ngreedy calls flashspec ran, compared with stock: {s['greedy_equal']} of "
-          f"{s['greedy_compared']} gave stock's tokens")
+          f"{s['greedy_compared']} gave stock's tokens; of the others, "
+          f"{s['greedy_different_ties']} at a tie of stock's own scores")
     for d in s["greedy_different"]:
         print(f"  different: {d}")
     for c in s["crashes"]:
@@ -178,8 +219,9 @@ def flashspec_version(root: str, env: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tests-root", default="/tmp/tf_tests")
-    parser.add_argument("--archs", default=",".join(ARCHS))
+    parser.add_argument("--tests-root", default=UPSTREAM)
+    parser.add_argument("--archs", default=None,
+                        help="comma-separated (default: those of ARCHS the root holds)")
     parser.add_argument("--out", default="/tmp/tf_suite_out/result.json")
     parser.add_argument("-n", type=int, default=2, help="pytest-xdist workers")
     parser.add_argument("--pythonpath", default="", help="extra folders for the tests' imports")
@@ -194,32 +236,24 @@ def main() -> None:
 
     out = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(out, exist_ok=True)
-    paths = [p for p in (args.pythonpath, HERE, os.path.abspath(args.flashspec),
-                         os.environ.get("PYTHONPATH")) if p]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1"}
-    env.pop("FLASHSPEC_ROUTE", None)
-    archs = [a.strip() for a in args.archs.split(",") if a.strip()]
+    env = environment(args.pythonpath, args.flashspec)
+    archs = ([a.strip() for a in args.archs.split(",") if a.strip()] if args.archs
+             else archs_in(args.tests_root))
     ids = collect(args.tests_root, archs, env)
     print(f"{len(ids)} GenerationTesterMixin tests in {len(archs)} architectures", flush=True)
 
     stock = (parse_junit(os.path.join(out, "stock.junit.xml")) if args.skip_stock
              else run_pytest(args.tests_root, ids, env, args.n, out, "stock"))
-    log = os.path.join(out, "calls.jsonl")
-    if os.path.exists(log):
-        os.remove(log)
-    routed_env = {**env, "FLASHSPEC_ROUTE": "1", "FLASHSPEC_ROUTE_LOG": log,
-                  "FLASHSPEC_ROUTE_COMPARE": "0" if args.no_compare else "1"}
-    routed = run_pytest(args.tests_root, ids, routed_env, args.n, out, "routed")
-    calls = [json.loads(line) for line in open(log)] if os.path.exists(log) else []
+    routed, calls = run_routed(args.tests_root, ids, env, args.n, out, not args.no_compare)
 
     summary = summarize(ids, stock, routed, calls)
     summary.update(archs=archs, tests_root=os.path.abspath(args.tests_root),
-                   flashspec=flashspec_version(args.tests_root, routed_env),
+                   flashspec=flashspec_version(args.tests_root, {**env, "FLASHSPEC_ROUTE": "1"}),
                    results={i: {"stock": stock.get(i), "routed": routed.get(i)} for i in ids})
     report(summary)
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1)
-    print(f"\nwrote {args.out} (calls: {log})")
+    print(f"\nwrote {args.out} (calls: {os.path.join(out, 'calls.jsonl')})")
 
 
 if __name__ == "__main__":

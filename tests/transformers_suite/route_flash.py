@@ -1,6 +1,6 @@
 """pytest plugin: every `generate` call routed to ``sampler="flash"``, one outcome recorded per call.
 
-Loaded with ``-p route_flash`` (its folder on PYTHONPATH; `run.py` does this). Inert unless
+Loaded with ``-p route_flash`` (its folder on PYTHONPATH; `run_suite.py` does this). Inert unless
 ``FLASHSPEC_ROUTE=1``. Then `transformers.GenerationMixin.generate` is replaced, at the class,
 by `routed`: a call that does not already come from flashspec runs as
 ``FlashGenerationMixin.generate(model, ..., sampler="flash")`` with the same arguments, the
@@ -218,6 +218,7 @@ def _compare(model, original, args, kwargs, output, rng, assistant, assistant_co
         result = {"tokens_equal": equal}
         if not equal:
             result["tokens_flash"], result["tokens_stock"] = ours.tolist(), theirs.tolist()
+            result.update(_divergence(ours, theirs, getattr(stock, "scores", None)))
         return result
     except Exception as error:          # the comparison never fails the test
         return {"tokens_equal": None, "compare_error": _first_line(error)}
@@ -229,6 +230,24 @@ def _compare(model, original, args, kwargs, output, rng, assistant, assistant_co
         model.__dict__.update(attributes)
         if assistant is not None and config_after is not None:
             assistant.generation_config = config_after
+
+
+def _divergence(ours, theirs, scores) -> dict:
+    """Where two greedy outputs first differ, and (with stock's `scores`) both tokens' scores
+    there as stock computed them: equal scores are a tie in stock's own rounding (its logits
+    are rounded to the model's dtype; flashspec's are not, DESIGN section 3)."""
+    if ours.shape != theirs.shape:
+        return {}
+    row, column = (ours != theirs).nonzero()[0].tolist()
+    result = {"divergence": [row, column]}
+    if scores:
+        step = column - (theirs.shape[1] - len(scores))
+        if 0 <= step < len(scores):
+            row_scores = scores[step][row]
+            pair = [row_scores[theirs[row, column]].item(), row_scores[ours[row, column]].item()]
+            result.update(stock_scores=pair, scores_dtype=str(row_scores.dtype),
+                          tie_in_stock=pair[0] == pair[1])
+    return result
 
 
 def _sequences(output):

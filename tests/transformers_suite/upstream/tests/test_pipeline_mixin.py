@@ -1,0 +1,5 @@
+# flashspec: a stand-in for transformers' pipeline test mixin, whose tests are not run here.
+
+
+class PipelineTesterMixin:
+    pass
