@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from _models import SLIDING_WINDOW
+from _models import SLIDING_WINDOW, tiny_model
 from test_generate import _quiet_single_threaded, draft, target  # noqa: F401 (fixture)
 
 ARCHS = ("llama", "qwen3", "gpt2", "mistral", "gemma2")
@@ -260,7 +260,9 @@ def test_inputs_embeds_give_stocks_tokens(arch):
 
 
 def test_inputs_embeds_with_a_cache_and_a_static_cache():
-    model = target()
+    # A model of its own: transformers sizes a static cache at least as large as the largest
+    # one it made for the model before (`_previous_max_cache_length`).
+    model = tiny_model("llama")
     first = model.generate(IDS, attention_mask=MASK, sampler="flash", max_new_tokens=3,
                            return_dict_in_generate=True)
     ids2 = torch.cat([first.sequences, MORE], dim=1)

@@ -148,13 +148,16 @@ def _compile_everywhere() -> CompileConfig:
 def test_other_methods_defer_to_stock_with_a_warning(kwargs, message):
     """What the engine does not do runs stock generate (same tokens), with a warning."""
     ids, mask = left_pad(PROMPTS[:1])
+    # A model of its own: a static cache's size is remembered on the model (transformers'
+    # `_previous_max_cache_length`), which `target()` shares between tests.
+    model = tiny_model("llama")
     # Stock's torch.compile (a compile_config's) runs its graphs eagerly: what is tested is
     # who runs the call, not inductor on this machine.
     with torch.compiler.set_stance("force_eager"):
         with pytest.warns(UserWarning, match=message):
-            ours = target().generate(ids, attention_mask=mask, sampler="flash", max_new_tokens=3,
-                                     **kwargs)
-        theirs = target().generate(ids, attention_mask=mask, max_new_tokens=3, **kwargs)
+            ours = model.generate(ids, attention_mask=mask, sampler="flash", max_new_tokens=3,
+                                  **kwargs)
+        theirs = model.generate(ids, attention_mask=mask, max_new_tokens=3, **kwargs)
     ours = ours if torch.is_tensor(ours) else ours.sequences
     assert torch.equal(ours, theirs if torch.is_tensor(theirs) else theirs.sequences)
 
@@ -173,17 +176,18 @@ def test_a_compile_config_stock_would_not_use_runs_on_the_engine(kwargs):
     and skips compilation), the option changes nothing and the engine runs the call, with
     stock's tokens."""
     ids, mask = left_pad(PROMPTS[:2])
+    model = tiny_model("llama")         # its own: it makes static caches
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*defers this call to stock.*")
         warnings.filterwarnings("error", message=".*compile_config.*")
-        ours = target().generate(ids, attention_mask=mask, sampler="flash", max_new_tokens=4,
-                                 return_dict_in_generate=True, **kwargs)
+        ours = model.generate(ids, attention_mask=mask, sampler="flash", max_new_tokens=4,
+                              return_dict_in_generate=True, **kwargs)
     assert ours.flash_stats is not None                     # the engine's output
     # Stock's assisted generation refuses a static cache; greedy tokens are the same without
     # drafts.
     plain = {name: value for name, value in kwargs.items() if name != "prompt_lookup_num_tokens"}
-    theirs = target().generate(ids, attention_mask=mask, max_new_tokens=4,
-                               return_dict_in_generate=True, **plain)
+    theirs = model.generate(ids, attention_mask=mask, max_new_tokens=4,
+                            return_dict_in_generate=True, **plain)
     assert torch.equal(ours.sequences, theirs.sequences)
 
 
