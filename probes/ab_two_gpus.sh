@@ -17,8 +17,11 @@
 #   today's tree and in HOST_OLD, each with one more call under cProfile (host time), and GPU 1
 #   the CUDA fuzz (40 s of examples).
 #     OLD=.ab/c1bb73c HOST_OLD=.ab/552a0d1 PART=tokens bash probes/ab_two_gpus.sh  # <= 520 s
+#   OLD_TIMEOUT bounds each old pair (230 s: c1bb73c, which compiles every new shape anew,
+#   finished 7 of its 8 flash rows in it on 2026-11-28).
 #
-# PART=tests: GPU 1 runs the GPU tests, each file its own pytest process; with HOST_OLD, GPU 0
+# PART=tests: GPU 1 runs the GPU tests (scripts/gpu_check.sh's, each file its own pytest
+#   process; logs in gpu_check/); with HOST_OLD, GPU 0
 #   runs the drafted B = 1 rows of today's tree and HOST_OLD in turn (Qwen3, Llama, Qwen3),
 #   each with one more call under cProfile and one under torch.profiler (kernels by device
 #   time), to find where a difference in drafted tok/s comes from.
@@ -83,7 +86,7 @@ tokens)
             --out "$OUT/host_$tree") > "$OUT/host_$tree.log" 2>&1
         echo "host_$tree rc=$?" >> "$OUT/rc.txt"
     done) &
-    (reproduce 1 "$OLD" old 230
+    (reproduce 1 "$OLD" old "${OLD_TIMEOUT:-230}"
     (cd "$TODAY" && CUDA_VISIBLE_DEVICES=1 PYTHONPATH=. FLASHSPEC_FUZZ_CUDA_SECONDS=40 timeout 90 \
         python3 -m pytest -q -p no:cacheprovider -s \
         "tests/test_fuzz_generate.py::test_cuda_bf16_matches_stock_or_refuses_clearly") \
@@ -97,17 +100,8 @@ tests)
     # GPU 1: the GPU tests, each file its own pytest process, all at once. GPU 0, with
     # HOST_OLD: the drafted B = 1 rows of today and HOST_OLD in turn (Qwen3 twice, Llama once),
     # each with one more call under cProfile and one under torch.profiler.
-    (cd "$TODAY" && for file in tests/test_generate_gpu.py tests/test_kernels_ws.py \
-            tests/test_screen.py tests/test_race.py tests/test_kernels.py \
-            tests/test_verify_kernel.py tests/test_rng.py tests/test_fused_edits.py \
-            tests/test_fused_edits_generate.py tests/test_edit_codes.py tests/test_fused_head.py \
-            tests/test_allowed_tokens.py tests/test_additive_edits.py \
-            tests/test_additive_generate.py tests/test_invariant_kernels.py \
-            tests/test_shard_summary.py tests/test_invariance_gpu.py tests/test_attention_kernel.py \
-            tests/test_cpu_steps.py tests/test_engine.py; do
-        CUDA_VISIBLE_DEVICES=1 PYTHONPATH=. timeout "${TEST_TIMEOUT:-500}" python3 -m pytest -q \
-            -p no:cacheprovider --durations=5 "$file" > "$OUT/pytest_$(basename "$file" .py).log" 2>&1 &
-    done; wait) &
+    (cd "$TODAY" && CUDA_VISIBLE_DEVICES=1 OUT="$OUT/gpu_check" PARALLEL=1 PARTS=tests \
+        TEST_TIMEOUT="${TEST_TIMEOUT:-500}" bash scripts/gpu_check.sh > "$OUT/gpu_check.log" 2>&1) &
     [ -n "${HOST_OLD:-}" ] && (for run in qwen3_1 llama_1 qwen3_2; do
         for tree in today host_old; do
             dir=$TODAY; [ $tree = host_old ] && dir=$(cd "$HOST_OLD" && pwd)
@@ -125,7 +119,7 @@ esac
 
 tar czf "$RESULTS/ab_$PART.tgz" -C "$OUT" .
 cat "$OUT/device.txt" "$OUT/rc.txt"
-for log in "$OUT"/pytest_*.log; do [ -e "$log" ] && echo "$(basename "$log"): $(tail -1 "$log")"; done
+[ -e "$OUT/gpu_check.log" ] && cat "$OUT/gpu_check.log"
 cat "$OUT"/digests_*.txt 2>/dev/null
 [ -e "$OUT/fuzz.log" ] && tail -4 "$OUT/fuzz.log"
 python3 - "$OUT" <<'EOF'

@@ -46,7 +46,7 @@ if [ $# -eq 0 ]; then
         tests/test_fused_edits_generate.py tests/test_edit_codes.py tests/test_fused_head.py \
         tests/test_allowed_tokens.py tests/test_additive_edits.py tests/test_additive_generate.py \
         tests/test_invariant_kernels.py tests/test_shard_summary.py \
-        tests/test_invariance_gpu.py tests/test_generate_gpu.py
+        tests/test_invariance_gpu.py tests/test_generate_gpu.py tests/test_attention_kernel.py
 fi
 for part in $PARTS; do
     case $part in
