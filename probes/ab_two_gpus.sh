@@ -8,7 +8,7 @@
 #   ratio is taken on one GPU: GPU 0 runs today (hf, flash_plain, flash_draft) then OLD
 #   (flash_plain, flash_draft); GPU 1 runs OLD first with the stock row, then today. The stock
 #   row (hf) is each GPU's control.
-#     OLD=.ab/552a0d1 PART=steady bash probes/ab_two_gpus.sh           # about 400 s
+#     OLD=.ab/552a0d1 PART=steady bash probes/ab_two_gpus.sh           # 312 s (at most 660)
 #
 # PART=tokens (issue 45: the B = 8 / 32 reproducer finishes, with the old tree's tokens): GPU 0
 #   runs the reproducer (both pairs, B = 8 and 32, 128 + 128 tokens, hf, flash_plain, flash_draft) in
@@ -16,7 +16,7 @@
 #   compared. Then GPU 0, with HOST_OLD (another old tree), runs Qwen3's B = 1 drafted row in
 #   today's tree and in HOST_OLD, each with one more call under cProfile (host time), and GPU 1
 #   the CUDA fuzz (40 s of examples).
-#     OLD=.ab/c1bb73c HOST_OLD=.ab/552a0d1 PART=tokens bash probes/ab_two_gpus.sh  # <= 520 s
+#     OLD=.ab/c1bb73c HOST_OLD=.ab/552a0d1 PART=tokens bash probes/ab_two_gpus.sh  # 539 s (at most 640)
 #   OLD_TIMEOUT bounds each old pair (230 s: c1bb73c, which compiles every new shape anew,
 #   finished 7 of its 8 flash rows in it on 2026-11-28).
 #
@@ -25,19 +25,27 @@
 #   runs the drafted B = 1 rows of today's tree and HOST_OLD in turn (Qwen3, Llama, Qwen3),
 #   each with one more call under cProfile and one under torch.profiler (kernels by device
 #   time), to find where a difference in drafted tok/s comes from.
-#     HOST_OLD=.ab/552a0d1 PART=tests bash probes/ab_two_gpus.sh       # <= 560 s
+#     HOST_OLD=.ab/552a0d1 PART=tests bash probes/ab_two_gpus.sh       # 469 s (at most 900)
 #
 # OLD is a directory holding an old tree's flashspec/ and scripts/ (`git archive COMMIT
 # flashspec scripts | tar -x -C .ab/COMMIT --exclude=flashspec/assets/tiny_pair`, in a
 # folder .git/info/exclude ignores, carried with the call). Everything lands in
-# $OUT/ab_$PART.tgz.
+# $OUT/ab_$PART.tgz, also when a timeout stops the script (the device tool's calls end at
+# 600 s: run it under `timeout 580`; the per-run timeouts can add up to more).
 set -uo pipefail
 PART=${PART:?steady, tokens or tests}
-[ "$PART" = tests ] || OLD=$(cd "${OLD:?an old tree (a directory holding flashspec/ and scripts/)}" && pwd)
+if [ "$PART" != tests ]; then
+    OLD=$(cd "${OLD:?an old tree (a directory holding flashspec/ and scripts/)}" && pwd) || exit 2
+fi
+if [ -n "${HOST_OLD:-}" ]; then
+    HOST_OLD=$(cd "$HOST_OLD" && pwd) || exit 2
+fi
 TODAY=$(cd "$(dirname "$0")/.." && pwd)
 RESULTS=$(mkdir -p "${OUT:-ab_out}" && cd "${OUT:-ab_out}" && pwd)
-OUT=${WORK:-$(mktemp -d)}    # the work folder (WORK: a caller that may stop the script tars it)
+OUT=${WORK:-$(mktemp -d)}    # the work folder, tarred into $RESULTS however the script ends
 mkdir -p "$OUT"
+trap 'tar czf "$RESULTS/ab_$PART.tgz" -C "$OUT" .' EXIT
+trap 'exit 143' TERM
 DIGESTS=$TODAY/probes/sequence_digests.py
 export PYTHONUNBUFFERED=1 FLASHSPEC_LOG_LEVEL=WARNING
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem --format=csv,noheader > "$OUT/device.txt"
@@ -78,7 +86,7 @@ tokens)
     }
     (reproduce 0 "$TODAY" today 200
     [ -n "${HOST_OLD:-}" ] && for tree in today host_old; do
-        dir=$TODAY; [ $tree = host_old ] && dir=$(cd "$HOST_OLD" && pwd)
+        dir=$TODAY; [ $tree = host_old ] && dir=$HOST_OLD
         (cd "$dir" && CUDA_VISIBLE_DEVICES=0 PYTHONPATH=. timeout $([ $tree = today ] && echo 90 || echo 150) python3 "$DIGESTS" \
             --digests "$OUT/host_$tree.json" --profile "$OUT/profile_$tree" \
             -- --pair qwen3 --batch-sizes 1 --prompt-length 128 --new-tokens 256 \
@@ -104,7 +112,7 @@ tests)
         TEST_TIMEOUT="${TEST_TIMEOUT:-500}" bash scripts/gpu_check.sh > "$OUT/gpu_check.log" 2>&1) &
     [ -n "${HOST_OLD:-}" ] && (for run in qwen3_1 llama_1 qwen3_2; do
         for tree in today host_old; do
-            dir=$TODAY; [ $tree = host_old ] && dir=$(cd "$HOST_OLD" && pwd)
+            dir=$TODAY; [ $tree = host_old ] && dir=$HOST_OLD
             (cd "$dir" && CUDA_VISIBLE_DEVICES=0 PYTHONPATH=. timeout 150 python3 "$DIGESTS" \
                 --digests "$OUT/drafted_${tree}_$run.json" --profile "$OUT/profile_${tree}_$run" \
                 -- --pair ${run%_*} --batch-sizes 1 --prompt-length 128 --new-tokens 256 \
@@ -117,7 +125,6 @@ tests)
 *) echo "ab_two_gpus.sh: PART is '$PART'; allowed: steady, tokens, tests" >&2; exit 2 ;;
 esac
 
-tar czf "$RESULTS/ab_$PART.tgz" -C "$OUT" .
 cat "$OUT/device.txt" "$OUT/rc.txt"
 [ -e "$OUT/gpu_check.log" ] && cat "$OUT/gpu_check.log"
 cat "$OUT"/digests_*.txt 2>/dev/null

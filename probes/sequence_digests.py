@@ -6,17 +6,17 @@ own time, then by cumulative time) and, on CUDA, one under torch.profiler
 and device work.
 
 Run from the tree's root (its ``flashspec`` is the one imported), with this file's path and
-tok_per_s's own arguments after ``--``; the digests go to ``--digests``, one per
-(pair, batch size, variant) row in the order the script runs them, with the sequences'
-shape and their SHA-256:
+tok_per_s's own arguments after ``--``; the digests go to ``--digests``, one per row that ran
+(keyed by variant, batch size and drafts), with the sequences' shape and their SHA-256:
 
     cd .ab/c1bb73c && PYTHONPATH=. python /path/to/probes/sequence_digests.py \\
         --digests $OUT/old.json -- --pair qwen3 --batch-sizes 8,32 ...
 
 Works with any tree whose tok_per_s (the script, or ``flashspec.bench.tok_per_s`` it
-imports) turns a call's output into sequences through a module-level ``_sequences`` (every
-tree since the script gained its token check); issue 45 compares today's tokens with
-c1bb73c's this way. Two files compare with ``--compare A.json B.json``.
+imports) runs each row through a module-level ``run_variant(name, case, ...)`` and turns a
+call's output into sequences through ``_sequences`` (every tree since the script gained its
+token check); issue 45 compares today's tokens with c1bb73c's this way. Two files compare
+with ``--compare A.json B.json``, row by row (one pair per run).
 """
 from __future__ import annotations
 
@@ -41,15 +41,28 @@ def _load_script():
 
 
 def _recording(modules: list, digests: list[dict], save) -> None:
-    """Wrap each module's ``_sequences`` so every call's sequences are digested and saved at
-    once (a run stopped by a timeout keeps the calls it finished)."""
+    """Wrap each module's ``run_variant`` (to know the row) and ``_sequences`` so every row's
+    sequences are digested under the row's key (variant, batch size, drafts; ``#n`` for a
+    repeat) and saved at once (a run stopped by a timeout keeps the rows it finished)."""
+    current = {"key": None}
+    seen: dict[str, int] = {}
     for module in modules:
+        if hasattr(module, "run_variant"):
+            run_variant = module.run_variant
+
+            def keyed(name, case, *args, run_variant=run_variant, **kwargs):
+                key = f"{name} B={case.batch_size} G={case.num_drafts}"
+                seen[key] = seen.get(key, 0) + 1
+                current["key"] = f"{key} #{seen[key]}"
+                return run_variant(name, case, *args, **kwargs)
+
+            module.run_variant = keyed
         original = module._sequences
 
         def recorded(output, original=original):
             sequences = original(output)
             data = sequences.detach().to("cpu").contiguous().numpy().tobytes()
-            digests.append({"shape": list(sequences.shape),
+            digests.append({"row": current["key"], "shape": list(sequences.shape),
                             "sha256": hashlib.sha256(data).hexdigest()})
             save()
             return sequences
@@ -138,12 +151,18 @@ def record(digests_path: pathlib.Path, script_args: list[str],
 
 
 def compare(first: pathlib.Path, second: pathlib.Path) -> int:
-    a = json.loads(first.read_text())["calls"]
-    b = json.loads(second.read_text())["calls"]
-    same = sum(x == y for x, y in zip(a, b))
-    print(f"{same} of the first {min(len(a), len(b))} calls give the same sequences "
-          f"({first.name}: {len(a)} calls, {second.name}: {len(b)})")
-    return 0 if same == len(a) == len(b) else 1
+    """The rows both files hold, matched by key: how many give the same sequences."""
+    a = {call["row"]: call for call in json.loads(first.read_text())["calls"]}
+    b = {call["row"]: call for call in json.loads(second.read_text())["calls"]}
+    both = sorted(set(a) & set(b))
+    different = [row for row in both if a[row]["sha256"] != b[row]["sha256"]]
+    print(f"{len(both) - len(different)} of the {len(both)} rows both ran give the same "
+          f"sequences ({first.name}: {len(a)} rows, {second.name}: {len(b)})")
+    for row in different:
+        print(f"  different: {row}")
+    for row in sorted(set(a) ^ set(b)):
+        print(f"  only in {first.name if row in a else second.name}: {row}")
+    return 0 if not different and set(a) == set(b) else 1
 
 
 def main() -> int:

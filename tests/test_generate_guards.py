@@ -8,9 +8,11 @@ import warnings
 import pytest
 import torch
 import transformers
-from transformers import CompileConfig, LlamaForCausalLM, MambaConfig, MambaForCausalLM
+from transformers import (CompileConfig, DynamicCache, LlamaForCausalLM, MambaConfig,
+                          MambaForCausalLM, StaticCache)
 
 import flashspec
+from flashspec.generation.drafters import PromptLookupDrafter
 
 from _models import VOCAB, tiny_model
 from test_generate import PROMPTS, draft, flash, left_pad, stock, target, tiny_tokenizer
@@ -144,6 +146,8 @@ def _compile_everywhere() -> CompileConfig:
     (dict(position_ids=torch.arange(10)[None] + 2), "`position_ids` are not the positions"),
     (dict(compile_config=_compile_everywhere(), cache_implementation="static"),
      r"`compile_config` \(set in the call\) with a static cache on cpu: stock compiles"),
+    (dict(compile_config=_compile_everywhere(), past_key_values="static"),
+     r"`compile_config` \(set in the call\) with a static cache on cpu: stock compiles"),
 ])
 def test_other_methods_defer_to_stock_with_a_warning(kwargs, message):
     """What the engine does not do runs stock generate (same tokens), with a warning."""
@@ -151,12 +155,21 @@ def test_other_methods_defer_to_stock_with_a_warning(kwargs, message):
     # A model of its own: a static cache's size is remembered on the model (transformers'
     # `_previous_max_cache_length`), which `target()` shares between tests.
     model = tiny_model("llama")
+    if kwargs.get("past_key_values") == "static":       # a passed static cache, one per call
+        kwargs = {**kwargs, "past_key_values": None}
+        make = lambda: StaticCache(config=model.config, max_cache_len=16)  # noqa: E731
+    else:
+        make = None
     # Stock's torch.compile (a compile_config's) runs its graphs eagerly: what is tested is
     # who runs the call, not inductor on this machine.
     with torch.compiler.set_stance("force_eager"):
+        if make is not None:
+            kwargs["past_key_values"] = make()
         with pytest.warns(UserWarning, match=message):
             ours = model.generate(ids, attention_mask=mask, sampler="flash", max_new_tokens=3,
                                   **kwargs)
+        if make is not None:
+            kwargs["past_key_values"] = make()
         theirs = model.generate(ids, attention_mask=mask, max_new_tokens=3, **kwargs)
     ours = ours if torch.is_tensor(ours) else ours.sequences
     assert torch.equal(ours, theirs if torch.is_tensor(theirs) else theirs.sequences)
@@ -170,6 +183,8 @@ def test_other_methods_defer_to_stock_with_a_warning(kwargs, message):
     # Stock compiles only greedy search and sampling, never assisted generation.
     dict(compile_config=_compile_everywhere(), cache_implementation="static",
          prompt_lookup_num_tokens=2),
+    dict(compile_config=_compile_everywhere(), cache_implementation="static", drafter="own"),
+    dict(compile_config=_compile_everywhere(), past_key_values="dynamic"),
 ])
 def test_a_compile_config_stock_would_not_use_runs_on_the_engine(kwargs):
     """Where stock would not compile the forward with the call's `compile_config` (it warns
@@ -177,15 +192,20 @@ def test_a_compile_config_stock_would_not_use_runs_on_the_engine(kwargs):
     stock's tokens."""
     ids, mask = left_pad(PROMPTS[:2])
     model = tiny_model("llama")         # its own: it makes static caches
+    if kwargs.get("drafter") == "own":
+        kwargs = {**kwargs, "drafter": PromptLookupDrafter(2)}   # a caller's own drafter
+    if kwargs.get("past_key_values") == "dynamic":
+        kwargs = {**kwargs, "past_key_values": DynamicCache()}
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*defers this call to stock.*")
         warnings.filterwarnings("error", message=".*compile_config.*")
         ours = model.generate(ids, attention_mask=mask, sampler="flash", max_new_tokens=4,
                               return_dict_in_generate=True, **kwargs)
     assert ours.flash_stats is not None                     # the engine's output
-    # Stock's assisted generation refuses a static cache; greedy tokens are the same without
-    # drafts.
-    plain = {name: value for name, value in kwargs.items() if name != "prompt_lookup_num_tokens"}
+    # Stock's assisted generation refuses a static cache, and runs no drafter of flashspec's;
+    # greedy tokens are the same without drafts.
+    plain = {name: DynamicCache() if name == "past_key_values" else value
+             for name, value in kwargs.items() if name not in ("prompt_lookup_num_tokens", "drafter")}
     theirs = model.generate(ids, attention_mask=mask, max_new_tokens=4,
                             return_dict_in_generate=True, **plain)
     assert torch.equal(ours.sequences, theirs.sequences)

@@ -25,7 +25,7 @@ def test_transformers_generation_tests_pass_routed_to_flashspec(tmp_path):
     assert archs == ["llama", "gpt2", "bloom"]
     ids = run_suite.collect(run_suite.UPSTREAM, archs, env)
     results, calls = run_suite.run_routed(run_suite.UPSTREAM, ids, env, workers=1,
-                                          out=str(tmp_path))
+                                          out=str(tmp_path), timeout=900)
     statuses = collections.Counter(status for status, _ in results.values())
     failed = {i: message for i, (status, message) in results.items()
               if status in ("failed", "error")}

@@ -255,7 +255,7 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
         raise TypeError(f"`stopping_criteria` must be a StoppingCriteriaList (or a list of "
                         f"StoppingCriteria), got {type(stopping_criteria).__name__}")
     delegation = (_stock_delegation(model, config, model_kwargs, hooks, source,
-                                    drafted=assistant_model is not None)
+                                    drafted=assistant_model is not None or drafter is not None)
                   or _replaced_criteria(config, stopping_criteria))
     if delegation is not None:
         return delegation
@@ -576,7 +576,7 @@ def _replaced_criteria(config: GenerationConfig, custom) -> StockDelegation | No
 def _stock_delegation(model, config: GenerationConfig, model_kwargs: dict, hooks: dict,
                       source: Sources, drafted: bool = False) -> StockDelegation | None:
     """A `StockDelegation` when the call selects what the engine does not do, else None
-    (`drafted`: the call has an assistant model)."""
+    (`drafted`: the call has an assistant model or a drafter of the caller's own)."""
     samples = bool(config.do_sample)
 
     def delegate(what: str) -> StockDelegation:
@@ -633,7 +633,9 @@ def _stock_compiles(model, config: GenerationConfig, past) -> bool:
     quantizer that cannot compile, no CPU or disk offload. Where it would not, the option
     changes nothing in stock either (stock warns and skips compilation) and the engine runs."""
     compile_config = getattr(config, "compile_config", None)
-    if compile_config is None or config.disable_compile or not config.use_cache:
+    if compile_config is None or config.disable_compile:
+        return False
+    if past is None and not config.use_cache:      # no cache (a passed one is kept)
         return False
     if not (model.device.type in ("cuda", "xpu", "neuron", "tpu")
             or getattr(compile_config, "_compile_all_devices", False)):

@@ -212,13 +212,15 @@ def _compare(model, original, args, kwargs, output, rng, assistant, assistant_co
         torch.set_rng_state(rng)
         if assistant is not None and assistant_config is not None:
             assistant.generation_config = copy.deepcopy(assistant_config)
-        stock = original(model, *args, **kwargs)
+        # With its scores (greedy tokens do not depend on what is returned), to tell a tie.
+        stock = original(model, *args, **{**kwargs, "output_scores": True,
+                                          "return_dict_in_generate": True})
         ours, theirs = _sequences(output), _sequences(stock)
         equal = ours.shape == theirs.shape and bool((ours == theirs).all())
         result = {"tokens_equal": equal}
         if not equal:
             result["tokens_flash"], result["tokens_stock"] = ours.tolist(), theirs.tolist()
-            result.update(_divergence(ours, theirs, getattr(stock, "scores", None)))
+            result.update(_divergence(ours, theirs, stock.scores))
         return result
     except Exception as error:          # the comparison never fails the test
         return {"tokens_equal": None, "compare_error": _first_line(error)}
@@ -233,21 +235,29 @@ def _compare(model, original, args, kwargs, output, rng, assistant, assistant_co
 
 
 def _divergence(ours, theirs, scores) -> dict:
-    """Where two greedy outputs first differ, and (with stock's `scores`) both tokens' scores
-    there as stock computed them: equal scores are a tie in stock's own rounding (its logits
-    are rounded to the model's dtype; flashspec's are not, DESIGN section 3)."""
-    if ours.shape != theirs.shape:
-        return {}
-    row, column = (ours != theirs).nonzero()[0].tolist()
-    result = {"divergence": [row, column]}
-    if scores:
-        step = column - (theirs.shape[1] - len(scores))
-        if 0 <= step < len(scores):
-            row_scores = scores[step][row]
-            pair = [row_scores[theirs[row, column]].item(), row_scores[ours[row, column]].item()]
-            result.update(stock_scores=pair, scores_dtype=str(row_scores.dtype),
-                          tie_in_stock=pair[0] == pair[1])
-    return result
+    """Where each row of two greedy outputs first differs (within the shorter's columns: a
+    row may end earlier in one), and both tokens' scores there as stock computed them.
+    `tie_in_stock`: at every such place the two scores are equal, a tie in stock's own
+    rounding (its logits are rounded to the model's dtype; flashspec's are not, DESIGN
+    section 3)."""
+    width = min(ours.shape[1], theirs.shape[1])
+    prompt = theirs.shape[1] - len(scores)
+    places, ties = [], []
+    for row in range(min(ours.shape[0], theirs.shape[0])):
+        differs = (ours[row, :width] != theirs[row, :width]).nonzero()
+        if len(differs) == 0:
+            continue
+        column = int(differs[0])
+        step = column - prompt
+        if not 0 <= step < len(scores):
+            return {"divergence": [row, column]}        # before the new tokens: no scores
+        row_scores = scores[step][row]
+        pair = [row_scores[theirs[row, column]].item(), row_scores[ours[row, column]].item()]
+        places.append({"row": row, "column": column, "stock_scores": pair})
+        ties.append(pair[0] == pair[1])
+    if ours.shape[0] != theirs.shape[0] or not places:
+        return {"divergence": places}                   # other rows, or lengths alone differ
+    return {"divergence": places, "scores_dtype": str(scores[0].dtype), "tie_in_stock": all(ties)}
 
 
 def _sequences(output):

@@ -55,18 +55,22 @@ def archs_in(root: str) -> list[str]:
 
 def environment(pythonpath: str = "", flashspec: str = REPO) -> dict:
     """The tests' environment: the plugin's folder, `flashspec`'s and `pythonpath` importable,
-    one thread per process, routing off."""
+    one thread per process, Triton's interpreter without CUDA, routing off."""
+    import torch
+
     paths = [p for p in (pythonpath, HERE, os.path.abspath(flashspec),
                          os.environ.get("PYTHONPATH")) if p]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1"}
+    if not torch.cuda.is_available():
+        env.setdefault("TRITON_INTERPRET", "1")
     for name in ("FLASHSPEC_ROUTE", "FLASHSPEC_ROUTE_LOG", "FLASHSPEC_ROUTE_COMPARE",
-                 "PYTEST_XDIST_WORKER", "PYTEST_ADDOPTS"):
+                 "PYTEST_XDIST_WORKER", "PYTEST_ADDOPTS", "PYTEST_PLUGINS"):
         env.pop(name, None)
     return env
 
 
 def run_routed(root: str, ids: list[str], env: dict, workers: int, out: str,
-               compare: bool = True) -> tuple[dict, list[dict]]:
+               compare: bool = True, timeout: float | None = None) -> tuple[dict, list[dict]]:
     """The tests run with every `generate` routed to flashspec: their results (`run_pytest`)
     and one record per call (`route_flash`)."""
     log = os.path.join(out, "calls.jsonl")
@@ -74,8 +78,11 @@ def run_routed(root: str, ids: list[str], env: dict, workers: int, out: str,
         os.remove(log)
     routed_env = {**env, "FLASHSPEC_ROUTE": "1", "FLASHSPEC_ROUTE_LOG": log,
                   "FLASHSPEC_ROUTE_COMPARE": "1" if compare else "0"}
-    results = run_pytest(root, ids, routed_env, workers, out, "routed")
-    calls = [json.loads(line) for line in open(log)] if os.path.exists(log) else []
+    results = run_pytest(root, ids, routed_env, workers, out, "routed", timeout)
+    calls = []
+    if os.path.exists(log):
+        with open(log) as lines:
+            calls = [json.loads(line) for line in lines]
     return results, calls
 
 
@@ -109,8 +116,10 @@ def collect(root: str, archs: list[str], env: dict) -> list[str]:
     return [i for i in ids if pattern.fullmatch(i.rsplit("::", 1)[-1])]
 
 
-def run_pytest(root: str, ids: list[str], env: dict, workers: int, out: str, label: str) -> dict:
-    """Runs the tests; their results by node id: (status, first line of the failure)."""
+def run_pytest(root: str, ids: list[str], env: dict, workers: int, out: str, label: str,
+               timeout: float | None = None) -> dict:
+    """Runs the tests (a `subprocess.TimeoutExpired` after `timeout` seconds); their results
+    by node id: (status, first line of the failure)."""
     junit = os.path.join(out, f"{label}.junit.xml")
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
                "route_flash", f"--junitxml={junit}", "-o", "junit_family=xunit1", *ids]
@@ -118,7 +127,8 @@ def run_pytest(root: str, ids: list[str], env: dict, workers: int, out: str, lab
         command[3:3] = ["-n", str(workers), "--dist", "loadfile"]
     started = time.time()
     with open(os.path.join(out, f"{label}.log"), "w") as log:
-        subprocess.run(command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+        subprocess.run(command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
+                       timeout=timeout)
     print(f"{label}: {len(ids)} tests in {time.time() - started:.0f} s", flush=True)
     return parse_junit(junit)
 
@@ -168,7 +178,7 @@ def summarize(ids, stock, routed, calls) -> dict:
         "greedy_compared": len(compared),
         "greedy_equal": sum(c["tokens_equal"] for c in compared),
         "greedy_different": [{k: c.get(k) for k in ("test", "model", "outcome", "reason",
-                                                     "stock_scores", "scores_dtype", "tie_in_stock")}
+                                                     "divergence", "scores_dtype", "tie_in_stock")}
                              for c in compared if not c["tokens_equal"]],
         "greedy_different_ties": sum(bool(c.get("tie_in_stock")) for c in compared
                                      if not c["tokens_equal"]),
