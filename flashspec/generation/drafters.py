@@ -181,8 +181,11 @@ class _AttachedAssistant(AttachedDrafter):
         logits = reference.compute_logits(hidden, self.head.weight)
         tokens = reference.argmax_logits(logits).tokens
         failed = (tokens < 0) & ~self.stopped
+        # The draft's own logit, not a second pass for the maximum (a failed row's is moot:
+        # the call stops on it).
+        top = logits.gather(-1, tokens.clamp_min(0)[:, None])[:, 0]
         tokens = torch.where(self.stopped, -1, tokens)
-        probability = (logits.amax(dim=-1) - logits.logsumexp(dim=-1)).exp()
+        probability = (top - logits.logsumexp(dim=-1)).exp()
         self.stopped |= probability < self.confidence_threshold
         return tokens, failed
 

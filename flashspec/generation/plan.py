@@ -37,18 +37,19 @@ holes or right padding under a sliding window that the call's columns exceed, ru
 `_mask_deferral` and `_inputs_deferral` say why.
 
 Deliberate differences: `num_assistant_tokens` and `assistant_confidence_threshold` passed
-to `generate` are honoured (stock transformers reads only the assistant's generation config); batches work with an
-assistant or prompt lookup; a row ended by a stop string is padded even without an EOS
-token (stock transformers keeps generating that row); a prompt ending with an EOS token is
-continued with an assistant or prompt lookup as without them (stock assisted generation
-returns it unchanged); with `inputs_embeds`, an assistant and prompt lookup draft from the
-ids given beside them (if any) and the new tokens, and the tokens are those without drafts
-(transformers 5.17's assisted generation fails there with an assistant, and its prompt
-lookup over embeddings alone returns other tokens than its greedy search); with an assistant
-or prompt lookup, `attentions` and `hidden_states` hold each token's own, as greedy search's
-(stock's assisted generation returns the prompt's first rows for the tokens its first
-verification emits after the first: `recording`), and with sdpa attention a tuple per token
-with no layer's attentions, as stock's greedy search returns (its assisted generation fails).
+to `generate` are honoured (stock transformers reads only the assistant's generation
+config); batches work with an assistant or prompt lookup; a row ended by a stop string is
+padded even without an EOS token (stock transformers keeps generating that row); a prompt
+ending with an EOS token is continued with an assistant or prompt lookup as without them
+(stock assisted generation returns it unchanged); with `inputs_embeds`, an assistant and
+prompt lookup draft from the ids given beside them (if any) and the new tokens, and the
+tokens are those without drafts (transformers 5.17's assisted generation fails there with an
+assistant, and its prompt lookup over embeddings alone returns other tokens than its greedy
+search); with an assistant or prompt lookup, `attentions` and `hidden_states` hold each
+token's own, as greedy search's (stock's assisted generation returns the prompt's first rows
+for the tokens its first verification emits after the first: `recording`), and with sdpa
+attention a tuple per token with no layer's attentions, as stock's greedy search returns
+(its assisted generation fails).
 
 (About 700 lines: one function's decisions, each option read once in transformers' merged
 config, with the tables of what runs where beside them.)
@@ -254,8 +255,9 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
             isinstance(stopping_criteria, (list, tuple)) and all(map(callable, stopping_criteria))):
         raise TypeError(f"`stopping_criteria` must be a StoppingCriteriaList (or a list of "
                         f"StoppingCriteria), got {type(stopping_criteria).__name__}")
-    delegation = (_stock_delegation(model, config, model_kwargs, hooks, source,
-                                    drafted=assistant_model is not None or drafter is not None)
+    drafted = (assistant_model is not None or drafter is not None
+               or config.prompt_lookup_num_tokens is not None)
+    delegation = (_stock_delegation(model, config, model_kwargs, hooks, source, drafted)
                   or _replaced_criteria(config, stopping_criteria))
     if delegation is not None:
         return delegation
@@ -576,7 +578,8 @@ def _replaced_criteria(config: GenerationConfig, custom) -> StockDelegation | No
 def _stock_delegation(model, config: GenerationConfig, model_kwargs: dict, hooks: dict,
                       source: Sources, drafted: bool = False) -> StockDelegation | None:
     """A `StockDelegation` when the call selects what the engine does not do, else None
-    (`drafted`: the call has an assistant model or a drafter of the caller's own)."""
+    (`drafted`: the call has an assistant model, prompt lookup or a drafter of the caller's
+    own)."""
     samples = bool(config.do_sample)
 
     def delegate(what: str) -> StockDelegation:
@@ -597,7 +600,6 @@ def _stock_delegation(model, config: GenerationConfig, model_kwargs: dict, hooks
         value = getattr(config, name, None)
         if not is_off(value):
             return delegate(f"`{name}`={value!r} ({source(name)}): {why}")
-    drafted = drafted or config.prompt_lookup_num_tokens is not None
     if not drafted and _stock_compiles(model, config, model_kwargs.get("past_key_values")):
         return delegate(f"`compile_config` ({source('compile_config')}) with a static cache on "
                         f"{model.device}: stock compiles the model's forward with it, which the "
