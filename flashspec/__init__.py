@@ -8,13 +8,13 @@ CPU path.
 
 from . import reference, rng, sampling
 from .checks import NonFiniteLogitsError
-from .generation import (FlashGenerateOutput, FlashGenerationMixin, SpeculationStats,
+from .generation import (Eagle3, FlashGenerateOutput, FlashGenerationMixin, SpeculationStats,
                          from_pretrained, warmup, wrap)
 from .outputs import ArgmaxOutput, SampleOutput, VerifyOutput
 from .params import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["ArgmaxOutput", "FlashGenerateOutput", "FlashGenerationMixin", "NonFiniteLogitsError",
+__all__ = ["ArgmaxOutput", "Eagle3", "FlashGenerateOutput", "FlashGenerationMixin", "NonFiniteLogitsError",
            "SampleOutput", "SamplingParams", "SpeculationStats", "VerifyOutput", "from_pretrained",
            "reference", "rng", "sampling", "warmup", "wrap"]

@@ -9,6 +9,7 @@ scripts/acceptance_rate.py build their ``--random-init`` models here.
 
     model = random_model("qwen3-1.7b", device="cuda", dtype=torch.bfloat16)
     model = peak_weights(model)           # optional: greedy self-drafts all accepted
+    head = random_eagle3(model, "llama-3.1-8b")   # an EAGLE-3 head at a published shape
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import torch
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "assets" / "configs"
+# Published EAGLE-3 heads' config.json files (shapes only), by their target's name.
+EAGLE3_CONFIGS_DIR = CONFIGS_DIR.parent / "eagle3"
 # The shipped configs' note on where a shape comes from: not a transformers config field.
 SOURCE_FIELD = "_source"
 # Kinds of random-init weights (the scripts' --weights) and how their reports describe them.
@@ -97,3 +100,46 @@ def peak_weights(model):
         if head is not embedding:
             head.copy_(embedding)
     return model
+
+
+def random_eagle3(model, shape: str | None = None, seed: int = 0, draft_vocab_size: int = 32000,
+                  taps: tuple[int, ...] | None = None):
+    """A random-init EAGLE-3 head (`flashspec.Eagle3`) for `model`, on its LM head's device
+    in its dtype: at the shape of the published head whose config
+    ``flashspec/assets/eagle3/<shape>.json`` holds (or any such config.json path), or, with
+    no `shape`, one layer as wide as the model's with a draft vocabulary of
+    ``min(draft_vocab_size, V)`` tokens. Its draft tokens are a seeded random subset of the
+    model's vocabulary; torch's global RNGs are seeded `seed` first."""
+    from ..generation.eagle3 import Eagle3
+    from ..generation.eagle3_model import Eagle3Model, config_taps
+    from transformers import LlamaConfig
+
+    target = model.config.get_text_config()
+    if shape is not None:
+        path = EAGLE3_CONFIGS_DIR / f"{shape}.json"
+        path = path if path.is_file() else Path(shape)
+        if not path.is_file():
+            known = sorted(p.stem for p in EAGLE3_CONFIGS_DIR.glob("*.json"))
+            raise ValueError(f"{shape!r} is neither an EAGLE-3 config shipped in "
+                             f"flashspec/assets/eagle3 ({', '.join(known)}) nor a file")
+        fields = json.loads(path.read_text())
+        fields.pop(SOURCE_FIELD, None)
+    else:
+        heads = target.num_attention_heads
+        fields = dict(hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+                      num_attention_heads=heads,
+                      num_key_value_heads=getattr(target, "num_key_value_heads", None) or heads,
+                      head_dim=getattr(target, "head_dim", None) or target.hidden_size // heads,
+                      vocab_size=target.vocab_size, rms_norm_eps=1e-6,
+                      draft_vocab_size=min(draft_vocab_size, target.vocab_size))
+    fields.pop("architectures", None)
+    config = LlamaConfig(**{**fields, "num_hidden_layers": 1})
+    torch.manual_seed(seed)
+    weight = model.get_output_embeddings().weight
+    with torch.device(weight.device):
+        head = Eagle3Model(config, own_embeddings=False).to(weight.dtype).eval()
+    draft_vocab = head.lm_head.out_features
+    used = torch.randperm(config.vocab_size, device=weight.device)[:draft_vocab].sort().values
+    head.d2t.copy_(used - torch.arange(draft_vocab, device=weight.device))
+    taps = taps if taps is not None else config_taps(fields, target.num_hidden_layers)
+    return Eagle3(head, model, taps)

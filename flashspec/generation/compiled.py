@@ -164,14 +164,17 @@ class DecoderRunner:
 
     def forward(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 new_live: torch.Tensor | None = None,
-                model_positions: torch.Tensor | None = None) -> torch.Tensor:
+                model_positions: torch.Tensor | None = None,
+                inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Final hidden states ``[B, n, D]`` of `input_ids` at `position_ids` ``[B, n]``,
         eager (the prefill, whose width varies from call to call); checks that every layer
         kept its state in `cache`. `model_positions`: the position ids the model takes, if
-        not the cache's `WindowCache.model_positions` (the prefill's: stock's)."""
+        not the cache's `WindowCache.model_positions` (the prefill's: stock's). `inputs`:
+        more keyword arguments of the decoder's forward, tensors ``[B, n, ...]`` (a
+        drafter's hidden-state input)."""
         with self._kernels(self.invariant):
             hidden = self._forward(cache, input_ids, position_ids, new_live, self.invariant,
-                                   model_positions)
+                                   model_positions, inputs)
         layers = self.decoder.config.num_hidden_layers
         if cache.num_updates != layers:
             raise ValueError(
@@ -200,7 +203,8 @@ class DecoderRunner:
 
     def _forward(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
                  new_live: torch.Tensor | None = None, by_position: bool = False,
-                 model_positions: torch.Tensor | None = None) -> torch.Tensor:
+                 model_positions: torch.Tensor | None = None,
+                 inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         mask = cache.begin(position_ids, new_live, masks=not by_position)
         if self.padding_mask and mask is not None:
             # The decoder builds its ALiBi biases from the 2-D mask, each live key's position
@@ -224,43 +228,50 @@ class DecoderRunner:
         if model_positions is None:
             model_positions = cache.model_positions(position_ids)
         return self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=model_positions,
-                            use_cache=True, **extra).last_hidden_state
+                            use_cache=True, **extra, **(inputs or {})).last_hidden_state
 
     def _regional_forward(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                          new_live: torch.Tensor | None = None,
-                          by_position: bool = False) -> torch.Tensor:
+                          new_live: torch.Tensor | None = None, by_position: bool = False,
+                          inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         with self._layers:
-            return self._forward(cache, input_ids, position_ids, new_live, by_position)
+            return self._forward(cache, input_ids, position_ids, new_live, by_position,
+                                 inputs=inputs)
 
     def step(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
-             new_live: torch.Tensor) -> torch.Tensor:
+             new_live: torch.Tensor, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """`forward` of a fixed-shape step (at least two rows and two tokens per row):
-        compiled when this runner compiles, unless `eager` is set."""
+        compiled when this runner compiles, unless `eager` is set. `inputs`: as `forward`'s,
+        their first two dimensions symbolic when compiled."""
         # An uncompiled call (max_time) compiles nothing: not the attention's Triton kernel.
         by_position = self.invariant or (self.steps_by_position and not self.eager)
         with self._kernels(by_position):
-            return self._step(cache, input_ids, position_ids, new_live, by_position)
+            return self._step(cache, input_ids, position_ids, new_live, by_position, inputs)
 
     def _step(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
-              new_live: torch.Tensor, by_position: bool) -> torch.Tensor:
+              new_live: torch.Tensor, by_position: bool,
+              inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         if not self.compile or self.eager:
-            return self._forward(cache, input_ids, position_ids, new_live, by_position)
+            return self._forward(cache, input_ids, position_ids, new_live, by_position,
+                                 inputs=inputs)
         if min(input_ids.shape) < 2:
             raise ValueError(f"a compiled step needs at least 2 rows and 2 tokens per row, got "
                              f"{tuple(input_ids.shape)}")
         for tensor, dims in [*cache.dynamic_tensors(), (input_ids, (0, 1)),
-                             (position_ids, (0, 1)), (new_live, (0, 1))]:
+                             (position_ids, (0, 1)), (new_live, (0, 1)),
+                             *((tensor, (0, 1)) for tensor in (inputs or {}).values())]:
             for dim in dims:
                 torch._dynamo.maybe_mark_dynamic(tensor, dim)
         if self.compiled:
-            return self._compiled(cache, input_ids, position_ids, new_live, by_position)
+            return self._compiled(cache, input_ids, position_ids, new_live, by_position,
+                                  inputs=inputs)
         started = time.perf_counter()
         if self._compiled is None:
             self._compiled = self._compiled_forward()
         # Sizes that happen to be equal (say 2 rows feeding 2 tokens) must stay separate
         # symbols, or a later call where they differ would compile again.
         with torch.fx.experimental._config.patch(use_duck_shape=False):
-            hidden = self._compiled(cache, input_ids, position_ids, new_live, by_position)
+            hidden = self._compiled(cache, input_ids, position_ids, new_live, by_position,
+                                    inputs=inputs)
         self.compiled = True
         kernels = ", invariant kernels" if self.invariant else ""
         event = Event("compile", f"{self.role} ({type(self.decoder).__name__}{kernels}), first at "

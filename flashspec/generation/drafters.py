@@ -18,8 +18,8 @@ rejected drafts cost nothing to undo.
   the device and batched, with transformers' rule (longest n-gram first, first match from
   the left, up to G following tokens).
 
-A new drafter (EAGLE heads, MTP, a fixed continuation in a test) subclasses `Drafter` and
-`AttachedDrafter`; the engine does not change.
+A new drafter (EAGLE-3 heads: `flashspec.generation.eagle3`; MTP; a fixed continuation in a
+test) subclasses `Drafter` and `AttachedDrafter`; the engine does not change.
 """
 
 from __future__ import annotations
@@ -47,6 +47,16 @@ class AttachedDrafter:
         samples each row's first token after it, and the first `steps` draft the next
         ones. Eager."""
 
+    def prefilled(self, prompt, taps: torch.Tensor | None) -> None:
+        """The target read the prompts (`prompt` as in `start`); `taps`: the hidden states
+        the drafter's `Drafter.taps` name at each prompt column, ``[B, L, n * D]`` (None
+        without taps). Eager."""
+
+    def columns(self, width: int) -> int:
+        """KV columns the steps of `width` drafts write past what the drafter's cache keeps
+        (the engine makes room for them before the steps run)."""
+        return width + 2
+
     def steps(self, width: int) -> list[Step]:
         """The device steps that fill ``slot.drafts[:, :width]`` and
         ``slot.draft_failed[:, :width]`` (True where the drafter could not draft, e.g. the
@@ -63,10 +73,18 @@ class AttachedDrafter:
 class Drafter:
     """A source of drafts. `key` identifies the state it keeps: drafters with equal keys
     share their attachment (and its captured graphs) in a slot; `decoders` are the models
-    whose KV caches it keeps there (for the engine's memory budget)."""
+    whose KV caches it keeps there (for the engine's memory budget); `taps`: the target
+    layers whose input hidden states it reads (`flashspec.generation.taps`: the engine's
+    target steps copy them into ``slot.taps``, the prefill's into `AttachedDrafter.prefilled`'s
+    argument)."""
 
     key: Hashable
     decoders: tuple = ()
+    taps: tuple[int, ...] = ()
+
+    def check_target(self, head) -> None:
+        """Refuse (ValueError, naming why) a target it cannot draft for (`head`: the
+        target's `OutputHead`), before the call runs."""
 
     def attach(self, slot) -> AttachedDrafter:
         raise NotImplementedError

@@ -430,7 +430,9 @@ class Engine:
             slot.ensure_room(report, 2 * (ahead + 1))
             return self._run_step(slot, "plain", slot.plain), None
         step = self._step_width(slot, width, timed)
-        slot.ensure_room(report, (step + 2) * (ahead + 1))
+        # A drafter's steps may write more columns of its cache than the verification's.
+        columns = max(step + 2, getattr(drafter, "columns", lambda width: 0)(step))
+        slot.ensure_room(report, columns * (ahead + 1))
         for key, fn in drafter.steps(width):
             self._run_step(slot, key, fn, plan.drafter.key)
         step = self._verification_width(slot, width, step)
@@ -555,8 +557,12 @@ class Engine:
         if drafter is not None:
             drafter.start(prompt)
         # The target reads the columns after a passed cache's (`Slot.prefill_target`).
-        hidden = slot.sample(slot.prefill_target()[:, -1])
-        return self._finish(slot, hidden, None)
+        hidden = slot.prefill_target()[:, -1]
+        taps = slot.take_prompt_taps()
+        prefilled = getattr(drafter, "prefilled", None)    # a caller's may not subclass ours
+        if prefilled is not None:
+            prefilled(prompt, taps)
+        return self._finish(slot, slot.sample(hidden), None)
 
     def _after_step(self, plan, slot: Slot, report: Report, stops) -> None:
         """Host-side work on a step's report: stop strings, the streamer, the scores kept for
@@ -597,7 +603,7 @@ class Engine:
         the schedule."""
         return (id(slot), slot.generation, drafter, key, self.sampler_kind,
                 slot.call_params.kernel_flags(self.head.vocab_size), slot.heuristic,
-                slot.edits_key())
+                slot.edits_key(), slot.taps_key())
 
     def _run_step(self, slot: Slot, key, fn, drafter=None):
         """Run a step (of `drafter`, a drafter key, if given): replay its CUDA graph (captured

@@ -438,6 +438,7 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
         if not isinstance(drafter, Drafter):
             raise ValueError(f"`drafter` must be a flashspec.generation.drafters.Drafter, got "
                              f"{type(drafter).__name__}")
+        drafter.check_target(head)
         num_drafts = requested.get("num_assistant_tokens")
         num_drafts = DRAFTER_DEFAULT_DRAFTS if num_drafts is None else num_drafts
         _check_count("num_assistant_tokens", num_drafts)

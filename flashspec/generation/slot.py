@@ -23,6 +23,7 @@ keeps every shape fixed (the prefill, eager, skips the padding rows). The host r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -35,6 +36,7 @@ from .edits import EditState, bans_every_token
 from .inputs import decoder_inputs, embeddings_instead
 from .kv_cache import WindowCache, layer_kinds
 from .past import kv_by_column, load_past
+from .taps import tapping
 
 MIN_VIEW = 256            # KV columns of the smallest view (and capacity)
 # Without CUDA graphs a view costs nothing to change: it grows by this many columns, and
@@ -149,6 +151,15 @@ class Slot:
         self.edit_state: EditState | None = None  # fused edits' buffers, once a call had edits
         self.edits: EditState | None = None       # the call's fused edits, if any
         self.heuristic = False
+        # Target layers whose input hidden states the call's drafter reads (`taps`): each
+        # target step copies them into `taps` [B, max_drafts + 1, n * D], its columns from
+        # position `tap_position` [B] on; the prefill's, all of the prompt's, into
+        # `prompt_taps` until the drafter took them.
+        self.tap_layers: tuple[int, ...] = ()     # those the buffers hold
+        self.call_taps: tuple[int, ...] = ()      # the call's (empty: no taps)
+        self.taps: torch.Tensor | None = None
+        self.tap_position = torch.zeros(batch_size, **long)
+        self.prompt_taps: torch.Tensor | None = None
         # A one-token step feeds its token and a dead copy (see `compiled`): live flags.
         self.one_live = torch.tensor([[True, False]], device=self.device).repeat(batch_size, 1)
         self._allocate_columns()
@@ -168,7 +179,33 @@ class Slot:
             self.logprobs[:, :kept] = old[1][:, :kept]
         self.drafts = torch.full((batch, self.max_drafts), -1, **long)
         self.draft_failed = torch.zeros(batch, self.max_drafts, dtype=torch.bool, device=self.device)
+        if self.tap_layers:
+            self.taps = torch.zeros(batch, self.max_drafts + 1, self._tap_width(self.tap_layers),
+                                    dtype=self.engine.dtype_of(self.engine.head.decoder),
+                                    device=self.device)
         self.generation += 1
+
+    def _tap_width(self, layers: tuple[int, ...]) -> int:
+        return len(layers) * self.engine.head.decoder.config.get_text_config().hidden_size
+
+    def use_taps(self, layers: tuple[int, ...]) -> None:
+        """This call's drafter reads the hidden states entering the target's `layers`
+        (`taps`; empty: none): buffers for them, made anew when the layers change."""
+        self.call_taps = tuple(layers)
+        if self.call_taps and self.call_taps != self.tap_layers:
+            self.tap_layers = self.call_taps
+            self._allocate_columns()
+
+    def taps_key(self) -> tuple[int, ...]:
+        """The target layers the call's target steps copy (for the engine's graph key)."""
+        return self.call_taps
+
+    def _tapping(self, sink: torch.Tensor | None):
+        """Inside, the target's forwards copy the call's taps into `sink` (nothing without
+        taps)."""
+        if not self.call_taps:
+            return contextlib.nullcontext()
+        return tapping(self.target.runner.decoder, self.call_taps, sink)
 
     # ---- what the slot holds -----------------------------------------------------------
 
@@ -211,13 +248,15 @@ class Slot:
         same values): what a graph capture's warm-up run must leave as it found it."""
         drafter_state = [t for attached in self.drafters.values() for t in attached.state_tensors()]
         edit_state = self.edits.tensors() if self.edits is not None else []
+        taps = [self.taps, self.tap_position] if self.taps is not None else []
         return [self.seq, self.logprobs, self.length, self.finished, self.num_drafts, self.drafts,
-                self.draft_failed, self.report, *drafter_state, *edit_state,
+                self.draft_failed, self.report, *drafter_state, *edit_state, *taps,
                 *(t for entry in self.caches
                   for t in (entry.cache.live, entry.cache.position, entry.cache.key_index))]
 
     def nbytes(self) -> int:
-        tensors = [self.seq, self.logprobs, self.drafts, self.draft_failed, self.report]
+        tensors = [self.seq, self.logprobs, self.drafts, self.draft_failed, self.report,
+                   *([self.taps] if self.taps is not None else [])]
         edit_bytes = self.edit_state.nbytes() if self.edit_state is not None else 0
         return (sum(t.numel() * t.element_size() for t in tensors) + edit_bytes
                 + sum(entry.cache.nbytes() for entry in self.caches))
@@ -330,6 +369,7 @@ class Slot:
         self.allowed = plan.allowed
         self._load_edits(plan.edits, stock_ids, plan.additive)
         self.heuristic = plan.schedule == "heuristic" and plan.drafter is not None
+        self.use_taps(getattr(plan.drafter, "taps", ()) if plan.drafter is not None else ())
         self.token_types = plan.token_type_ids is not None
         # Position ids as stock feeds them (`plan._stock_positions`): the prefill's are stock's;
         # each row continues from its last column's (a right-padded row's: a padding
@@ -402,13 +442,17 @@ class Slot:
 
     def forward_prompt(self, runner: DecoderRunner, cache: WindowCache, input_ids: torch.Tensor,
                        positions: torch.Tensor, live: torch.Tensor,
-                       model_positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Eager forward of the prompts (and any first drafts) over the call's own rows: rows
-        that only pad the bucket emit nothing, and reading a prompt would cost as much for
-        them as for a real row. Their hidden states are zeros."""
+                       model_positions: torch.Tensor | None = None,
+                       inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """Eager forward of the prompts over the call's own rows (`inputs`: the decoder's
+        other inputs, ``[B, L, ...]``): rows that only pad the bucket emit nothing, and
+        reading a prompt would cost as much for them as for a real row. Their hidden states
+        are zeros."""
         rows = self.rows
         hidden = runner.forward(cache, input_ids[:rows], positions[:rows], live[:rows],
-                                None if model_positions is None else model_positions[:rows])
+                                None if model_positions is None else model_positions[:rows],
+                                None if inputs is None else {name: tensor[:rows] for name, tensor
+                                                             in inputs.items()})
         if rows == self.batch_size:
             return hidden
         return torch.cat([hidden, hidden.new_zeros(self.batch_size - rows, *hidden.shape[1:])])
@@ -424,9 +468,36 @@ class Slot:
         embeds = self._prompt_embeds
         self._target_prompt = self._prompt_embeds = None      # the slot outlives the call
         supply = None if embeds is None else embeddings_instead(embeds[: self.rows, start:])
-        with decoder_inputs(target.runner.decoder, supply):
-            return self.forward_prompt(target.runner, target.cache, ids, positions, live,
-                                       model_positions)
+        sink = None
+        if self.call_taps:
+            sink = self.taps.new_zeros(self.batch_size, start + ids.shape[1], self.taps.shape[-1])
+        with decoder_inputs(target.runner.decoder, supply), self._tapping(
+                None if sink is None else sink[:, start:]):
+            hidden = self.forward_prompt(target.runner, target.cache, ids, positions, live,
+                                         model_positions)
+        if sink is not None:
+            self._prompt_taps_taken(sink, positions, live, start)
+        return hidden
+
+    def _prompt_taps_taken(self, sink: torch.Tensor, positions: torch.Tensor,
+                           live: torch.Tensor, start: int) -> None:
+        """After the prefill: its taps ``[B, L, n * D]`` (zeros in the columns a passed cache
+        held) in `prompt_taps`, for the drafter (`AttachedDrafter.prefilled`); each row's
+        last prompt position's in the first column of `taps`, where the first step's drafter
+        reads them (zeros for a row whose last prompt column the passed cache held)."""
+        self.prompt_taps = sink
+        last = self.prompt_length - 1
+        at_last = (positions == last[:, None]) & live
+        column = start + at_last.int().argmax(dim=1)
+        rows = torch.arange(self.batch_size, device=self.device)
+        self.taps.zero_()
+        self.taps[:, 0] = torch.where(at_last.any(dim=1)[:, None], sink[rows, column], 0)
+        self.tap_position.copy_(last)
+
+    def take_prompt_taps(self) -> torch.Tensor | None:
+        """The prefill's taps (`_prompt_taps_taken`), once."""
+        taps, self.prompt_taps = self.prompt_taps, None
+        return taps
 
     def returned_kv(self, plan, new_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The target's keys and values of the call's rows as stock's returned cache holds
@@ -474,8 +545,11 @@ class Slot:
         # takes the token alone (on CPU a second row of every matmul costs 1.7x the first).
         fed = 2 if target.runner.compile and not target.runner.eager else 1
         positions = (self.length - 1)[:, None].repeat(1, fed)
-        hidden = target.runner.step(target.cache, self.seq.gather(1, positions), positions,
-                                    self.one_live[:, :fed])
+        with self._tapping(self.taps):
+            hidden = target.runner.step(target.cache, self.seq.gather(1, positions), positions,
+                                        self.one_live[:, :fed])
+        if self.call_taps:
+            self.tap_position.copy_(positions[:, 0])
         return self.sample(hidden[:, 0])
 
     def sample(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -505,10 +579,13 @@ class Slot:
         draft_positions = torch.minimum(self.length[:, None] + columns, (self.end - 1)[:, None])
         target = self.target
         last = (self.length - 1)[:, None]          # with the drafts, two columns or more
-        hidden = target.runner.step(
-            target.cache, torch.cat([self.seq.gather(1, last), drafts.clamp_min(0)], dim=1),
-            torch.cat([last, draft_positions], dim=1),
-            torch.cat([torch.ones_like(last, dtype=torch.bool), within], dim=1))
+        with self._tapping(self.taps):
+            hidden = target.runner.step(
+                target.cache, torch.cat([self.seq.gather(1, last), drafts.clamp_min(0)], dim=1),
+                torch.cat([last, draft_positions], dim=1),
+                torch.cat([torch.ones_like(last, dtype=torch.bool), within], dim=1))
+        if self.call_taps:
+            self.tap_position.copy_(last[:, 0])
         sampler = self.engine.target_sampler(self)
         hidden = hidden[:, -(width + 1):].to(sampler.weight.dtype)
         if self.edits is None:
