@@ -17,6 +17,10 @@
 #   PARALLEL=1 TEST_TIMEOUT=540 PARTS=tests bash scripts/gpu_check.sh
 #   PARTS=fuzz bash scripts/gpu_check.sh
 #   PARTS="kernels verify" bash scripts/gpu_check.sh            # both benchmark tables, 232-312 s
+# The part eagle3 runs scripts/tok_per_s.py at B = 1 on a random Llama-3.1-8B with a random
+# EAGLE-3 head at the published Llama-3.1-8B head's shape (stock, plain, EAGLE-3 at k = 3, 4;
+# the tok/s the measured steps give at 3.5 tokens per round), into $OUT/eagle3:
+#   PARTS=eagle3 bash scripts/gpu_check.sh
 # The part multi needs two GPUs or more (the device tool's nvidia-h100-x2): a tensor-parallel
 # model on one GPU per rank, and a model whose layers accelerate split over two GPUs, against
 # the same model on one GPU (tests/test_tensor_parallel.py, tests/test_device_map.py; log in
@@ -32,8 +36,8 @@ OUT=${OUT:-gpu_out}
 PARTS=${PARTS:-tests fuzz kernels verify}
 for part in $PARTS; do
     case $part in
-        tests|fuzz|kernels|verify|multi|head|tp) ;;
-        *) echo "gpu_check.sh: PARTS has '$part'; allowed: tests, fuzz, kernels, verify, multi, head, tp" >&2
+        tests|fuzz|kernels|verify|eagle3|multi|head|tp) ;;
+        *) echo "gpu_check.sh: PARTS has '$part'; allowed: tests, fuzz, kernels, verify, eagle3, multi, head, tp" >&2
            exit 2 ;;
     esac
 done
@@ -46,7 +50,8 @@ if [ $# -eq 0 ]; then
         tests/test_fused_edits_generate.py tests/test_edit_codes.py tests/test_fused_head.py \
         tests/test_allowed_tokens.py tests/test_additive_edits.py tests/test_additive_generate.py \
         tests/test_invariant_kernels.py tests/test_shard_summary.py \
-        tests/test_invariance_gpu.py tests/test_generate_gpu.py tests/test_attention_kernel.py
+        tests/test_invariance_gpu.py tests/test_generate_gpu.py tests/test_attention_kernel.py \
+        tests/test_eagle3_gpu.py
 fi
 for part in $PARTS; do
     case $part in
@@ -71,6 +76,10 @@ for part in $PARTS; do
                 | tee "$OUT/fuzz.log" | tail -5 ;;
         kernels) python scripts/bench_kernels.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
         verify) python scripts/bench_verify.py --out "$OUT" 2>&1 | tee "$OUT/bench_verify.log" | tail -28 ;;
+        eagle3) python scripts/tok_per_s.py --random-init llama-3.1-8b --eagle3 llama-3.1-8b \
+                --variants hf,flash_plain,flash_eagle3 --batch-sizes 1 --num-drafts 3,4 \
+                --assumed-acceptance-length 3.5 --out "$OUT/eagle3" 2>&1 \
+                | tee "$OUT/eagle3.log" | tail -12 ;;
         multi) timeout "${TEST_TIMEOUT:-0}" python -m pytest -q -p no:cacheprovider \
                 tests/test_tensor_parallel.py tests/test_device_map.py 2>&1 \
                 | tee "$OUT/multi.log" | tail -5 ;;

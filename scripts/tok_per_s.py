@@ -53,7 +53,10 @@ Variants:
   itself / the draft as assistant / prompt lookup, G drafts per round, constant schedule;
 * ``flash_self_materialized`` / ``flash_draft_materialized`` / ``flash_lookup_materialized``:
   the same with ``sampler="materialized"`` (same engine, logits materialized and sampled by
-  torch ops).
+  torch ops);
+* ``flash_eagle3``: ``sampler="flash"`` with the EAGLE-3 head of --eagle3 (a published
+  head's shape with random weights, or a trained head), G drafts per round (stock
+  transformers has no EAGLE-3: no stock twin).
 
 Stock assisted generation reads the draft length only from the assistant's generation
 config, so before each stock call the assistant gets ``num_assistant_tokens=G``, the
@@ -68,11 +71,12 @@ row's materialized twin are the rows of the same G.
 
 On CUDA the flash rows also give the engine's captured steps' GPU time (one more call after
 the timed ones, CUDA events around each step it replays, the median per step): the plain
-step, or one round of drafts (draft_first + (G-1) draft_next, or prompt lookup's one step)
-and the verification of G drafts; and the tok/s
-those imply: B tokens per plain step, B * (1 - a^(G+1)) / (1 - a) tokens per round at an
-i.i.d. per-position acceptance a (reported at a = 1 and at the run's measured tokens per
-round). Plain rows (hf, hf_static_compile, flash_plain) give the weight bytes read per second
+step, or one round of drafts (draft_first + (G-1) draft_next, EAGLE-3's eagle_first +
+(G-1) eagle_next, or prompt lookup's one step) and the verification of G drafts; and the
+tok/s those imply: B tokens per plain step, B * (1 - a^(G+1)) / (1 - a) tokens per round at
+an i.i.d. per-position acceptance a (reported at a = 1 and at the run's measured tokens per
+round), and with --assumed-acceptance-length L, B * L tokens per round (computed from the
+measured steps, for a head whose published acceptance length is L). Plain rows (hf, hf_static_compile, flash_plain) give the weight bytes read per second
 (target weights once per forward, one forward per B tokens) as a fraction of the copy
 bandwidth measured at start (read + written bytes of a 1 GiB device copy; 64 MiB on CPU).
 With greedy decoding every row records whether its tokens equal the hf row's of the same
@@ -141,7 +145,7 @@ from flashspec.bench.cli import (Progress, names, positive_int, positive_ints,
 from flashspec.bench.pairs import (DTYPES, PAIRS, PairSpec, init_tensor_parallel,
                                    torchrun_world_size)
 from flashspec.bench.prompt_sets import PROMPT_SETS
-from flashspec.bench.random_init import WEIGHTS, config_names
+from flashspec.bench.random_init import WEIGHTS, config_names, eagle3_shapes
 from flashspec.bench.timing import copy_bandwidth_gbps
 from flashspec.bench.tok_per_s import (DECODINGS, RANDOM_PROMPTS, VARIANTS, build_report,
                                        plan_runs, run_pair)
@@ -265,6 +269,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(residual branches scaled down and the LM head equal to the "
                              "embedding, so that greedy self-speculation accepts every draft; "
                              "same cost per forward); default random")
+    parser.add_argument("--eagle3", default=None,
+                        help="EAGLE-3 head for the flash_eagle3 variant: the shape of a published "
+                             "head shipped in flashspec/assets/eagle3 (" + ", ".join(eagle3_shapes())
+                             + "; random weights for the target), or a trained head's folder or "
+                               "hub id; default none (flash_eagle3 is skipped)")
+    parser.add_argument("--assumed-acceptance-length", type=float, default=None,
+                        help="tokens per round (accepted drafts + 1) at which speculative rows "
+                             "also report the tok/s their step times give (computed, labelled "
+                             "at_assumed_acceptance), e.g. a checkpoint's published acceptance "
+                             "length; default none")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench_out"),
                         help="directory for tok_per_s.json and tok_per_s.png; default $OUT if "
                              "set, else ./bench_out")

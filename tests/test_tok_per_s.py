@@ -97,7 +97,7 @@ def test_help_states_every_default(capsys):
     assert exit_info.value.code == 0
     options = capsys.readouterr().out.split("options:", 1)[1]
     entries = [entry for entry in options.split("\n  -")[1:] if not entry.startswith("h, --help")]
-    assert len(entries) == 16
+    assert len(entries) == 18
     for entry in entries:
         assert "default" in " ".join(entry.split()), entry
 
@@ -154,7 +154,8 @@ def test_expected_tokens_per_round(num_drafts):
 def test_expected_tok_s_from_step_times():
     plain = timing.expected_tok_s({"plain": 2.0}, batch_size=4, verify_width=5,
                                      measured_tokens_per_round=1.0)
-    assert plain == {"all_accepted": 2000.0, "at_measured_acceptance": 2000.0}
+    assert plain == {"all_accepted": 2000.0, "at_measured_acceptance": 2000.0,
+                     "at_assumed_acceptance": None}
     # One round: 3 ms of drafts + 2 ms of verification; all accepted gives G + 1 = 4 tokens.
     speculative = timing.expected_tok_s({"draft_round": 3.0, "verify": 2.0}, batch_size=2,
                                            verify_width=3, measured_tokens_per_round=2.5)

@@ -102,6 +102,11 @@ def peak_weights(model):
     return model
 
 
+def eagle3_shapes() -> list[str]:
+    """The published EAGLE-3 heads' shapes shipped in flashspec/assets/eagle3, by name."""
+    return sorted(path.stem for path in EAGLE3_CONFIGS_DIR.glob("*.json"))
+
+
 def random_eagle3(model, shape: str | None = None, seed: int = 0, draft_vocab_size: int = 32000,
                   taps: tuple[int, ...] | None = None):
     """A random-init EAGLE-3 head (`flashspec.Eagle3`) for `model`, on its LM head's device
@@ -119,9 +124,8 @@ def random_eagle3(model, shape: str | None = None, seed: int = 0, draft_vocab_si
         path = EAGLE3_CONFIGS_DIR / f"{shape}.json"
         path = path if path.is_file() else Path(shape)
         if not path.is_file():
-            known = sorted(p.stem for p in EAGLE3_CONFIGS_DIR.glob("*.json"))
             raise ValueError(f"{shape!r} is neither an EAGLE-3 config shipped in "
-                             f"flashspec/assets/eagle3 ({', '.join(known)}) nor a file")
+                             f"flashspec/assets/eagle3 ({', '.join(eagle3_shapes())}) nor a file")
         fields = json.loads(path.read_text())
         fields.pop(SOURCE_FIELD, None)
     else:

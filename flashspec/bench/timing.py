@@ -76,9 +76,11 @@ class StepTimer:
 def step_ms(target, generate: Callable, engine_sampler: str, verify_width: int) -> dict | None:
     """GPU time of the engine's captured steps in one more call of `generate` (warm: its
     graphs exist), each step the median of its replays (`StepTimer`); None without graphs.
-    Plain decoding gives ``plain``; drafts give ``draft_round`` (an assistant's
-    ``draft_first`` and ``verify_width - 1`` of its ``draft_next``, or a prompt lookup)
-    and ``verify``."""
+    Plain decoding gives ``plain``; drafts give ``draft_round`` (the drafter's steps for
+    `verify_width` drafts, in order: an assistant's ``draft_first`` and ``verify_width - 1``
+    of its ``draft_next``, an EAGLE-3 head's ``eagle_first`` and ``eagle_next``, prompt
+    lookup's one step), its first step and one of the later ones (``draft_first``,
+    ``draft_next``), and ``verify``."""
     engine = cached_engine(output_head(target, "model").decoder)
     if engine is None or not engine.graphs_enabled or engine.sampler_kind != engine_sampler:
         return None
@@ -91,15 +93,14 @@ def step_ms(target, generate: Callable, engine_sampler: str, verify_width: int) 
     verify = times.get(("verify", verify_width))
     if verify is None:
         return {"plain": times["plain"]} if "plain" in times else None
-    lookup = times.get(("lookup", verify_width))
-    if lookup is not None:
-        return {"draft_first": None, "draft_next": None, "draft_round": lookup, "verify": verify}
-    if "draft_first" not in times or (verify_width > 1 and "draft_next" not in times):
-        return None
-    later = times["draft_next"] * (verify_width - 1) if verify_width > 1 else 0.0
-    return {"draft_first": times["draft_first"],
-            "draft_next": times["draft_next"] if verify_width > 1 else None,
-            "draft_round": times["draft_first"] + later, "verify": verify}
+    for slot in engine.slots.values():
+        for attached in slot.drafters.values():
+            keys = [key for key, _ in attached.steps(verify_width)]
+            if keys and all(key in times for key in keys):
+                return {"draft_first": times[keys[0]],
+                        "draft_next": times[keys[1]] if len(keys) > 1 else None,
+                        "draft_round": sum(times[key] for key in keys), "verify": verify}
+    return None
 
 
 def expected_tokens_per_round(acceptance: float, num_drafts: int) -> float:
@@ -111,12 +112,19 @@ def expected_tokens_per_round(acceptance: float, num_drafts: int) -> float:
 
 
 def expected_tok_s(steps: dict, batch_size: int, verify_width: int,
-                   measured_tokens_per_round: float) -> dict:
-    """tok/s the step graphs allow: at acceptance 1, and at the run's tokens per round."""
+                   measured_tokens_per_round: float,
+                   assumed_tokens_per_round: float | None = None) -> dict:
+    """tok/s the step graphs allow: at acceptance 1, at the run's tokens per round, and
+    (computed, not measured) at `assumed_tokens_per_round` (a published acceptance length)."""
     if "plain" in steps:
         per_second = batch_size * 1e3 / steps["plain"]
-        return {"all_accepted": per_second, "at_measured_acceptance": per_second}
+        return {"all_accepted": per_second, "at_measured_acceptance": per_second,
+                "at_assumed_acceptance": None}
     rounds_per_second = 1e3 / (steps["draft_round"] + steps["verify"])
+    assumed = (None if assumed_tokens_per_round is None
+               else batch_size * rounds_per_second * min(assumed_tokens_per_round,
+                                                         verify_width + 1.0))
     return {"all_accepted": batch_size * rounds_per_second
             * expected_tokens_per_round(1.0, verify_width),
-            "at_measured_acceptance": batch_size * rounds_per_second * measured_tokens_per_round}
+            "at_measured_acceptance": batch_size * rounds_per_second * measured_tokens_per_round,
+            "at_assumed_acceptance": assumed}

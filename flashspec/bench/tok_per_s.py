@@ -30,6 +30,7 @@ from flashspec.bench.cli import Progress, package_version
 from flashspec.bench.pairs import (DTYPES, PAD_TOKEN_ID, SEED, PairSpec, TensorParallel,
                                    load_pair)
 from flashspec.bench.prompt_sets import PROMPT_SETS, encode_prompts, load_prompts
+from flashspec.bench.random_init import eagle3_shapes, random_eagle3
 from flashspec.bench.timing import expected_tok_s, step_ms, timed_calls
 
 
@@ -77,6 +78,7 @@ class Case(NamedTuple):
     num_drafts: int | None
     cuda: bool
     tensor_parallel: bool = False
+    eagle3: flashspec.Eagle3 | None = None
 
 
 class Variant(NamedTuple):
@@ -135,6 +137,10 @@ def _flash(case: Case, sampler: str, drafter: str | None = None) -> dict:
               "return_dict_in_generate": True}
     if drafter == "lookup":
         kwargs["prompt_lookup_num_tokens"] = case.num_drafts
+    elif drafter == "eagle3":
+        if case.eagle3 is None:
+            raise Skipped("skipped: no EAGLE-3 head (give --eagle3)")
+        kwargs.update(drafter=case.eagle3, num_assistant_tokens=case.num_drafts)
     elif drafter is not None:
         kwargs.update(assistant_model=_assistant(case, drafter),
                       num_assistant_tokens=case.num_drafts,
@@ -159,6 +165,7 @@ VARIANTS: dict[str, Variant] = {
     "flash_lookup": Variant(partial(_flash, sampler="flash", drafter="lookup"), "fused"),
     "flash_lookup_materialized": Variant(
         partial(_flash, sampler="materialized", drafter="lookup"), "materialized"),
+    "flash_eagle3": Variant(partial(_flash, sampler="flash", drafter="eagle3"), "fused"),
 }
 
 
@@ -168,6 +175,14 @@ class Prompts(NamedTuple):
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     description: dict        # the row's "prompts"
+
+
+def eagle3_head(source: str, target) -> "flashspec.Eagle3":
+    """The EAGLE-3 head of --eagle3: random weights at a shipped published shape
+    (`flashspec.bench.random_init.random_eagle3`), else a trained head's folder or Hub id."""
+    if source in eagle3_shapes():
+        return random_eagle3(target, source)
+    return flashspec.Eagle3.from_pretrained(source, target)
 
 
 def random_prompts(batch_size: int, length: int, vocab_size: int, device: str) -> torch.Tensor:
@@ -289,7 +304,8 @@ def run_variant(name: str, case: Case, inputs: dict, args: argparse.Namespace,
             row["step_ms"] = step_ms(case.target, generate, variant.engine_sampler, verify_width)
         if row["step_ms"] is not None:
             row["expected_tok_s"] = expected_tok_s(row["step_ms"], case.batch_size, verify_width,
-                                                   row["flash_stats"]["mean_accepted_length"])
+                                                   row["flash_stats"]["mean_accepted_length"],
+                                                   args.assumed_acceptance_length)
     return row, sequences
 
 
@@ -347,7 +363,7 @@ ROW_LINE_KEYS = ("pair", "batch_size", "decoding", "num_drafts", "variant", "sta
 
 def run_group(pair: str, runs: list[Run], target, draft, prompts: Prompts,
               args: argparse.Namespace, cuda: bool, progress: Progress,
-              tensor_parallel: bool = False) -> list[dict]:
+              tensor_parallel: bool = False, eagle3=None) -> list[dict]:
     """The rows of one (pair, B, decoding), hf first, without ratios."""
     batch, decoding = runs[0].batch_size, runs[0].decoding
     inputs = {"input_ids": prompts.input_ids, "attention_mask": prompts.attention_mask,
@@ -358,7 +374,7 @@ def run_group(pair: str, runs: list[Run], target, draft, prompts: Prompts,
     for run in runs:
         progress.start(f"{pair} B={batch} {decoding} "
                        f"{'' if run.num_drafts is None else f'G={run.num_drafts} '}{run.variant}")
-        case = Case(target, draft, batch, run.num_drafts, cuda, tensor_parallel)
+        case = Case(target, draft, batch, run.num_drafts, cuda, tensor_parallel, eagle3)
         row, sequences = run_variant(run.variant, case, inputs, args, decoding)
         row = {"pair": pair, "batch_size": batch, "decoding": decoding,
                "num_drafts": run.num_drafts, **row, "prompts": prompts.description,
@@ -384,6 +400,13 @@ def run_pair(spec: PairSpec, args: argparse.Namespace, device: str, copy_gbps: f
                                            tensor_parallel=tensor_parallel is not None)
     tokenizer = (None if args.prompts == RANDOM_PROMPTS
                  else AutoTokenizer.from_pretrained(spec.target))
+    eagle3 = None
+    if args.eagle3 is not None and not tensor_parallel:
+        eagle3 = eagle3_head(args.eagle3, target)
+        description["eagle3"] = {"source": args.eagle3,
+                                 "weight_bytes": sum(p.numel() * p.element_size()
+                                                     for p in eagle3.model.parameters()),
+                                 "taps": list(eagle3.taps)}
     runs, rows = plan_runs(args), []
     for batch in args.batch_sizes:
         prompts = build_prompts(args.prompts, batch, args.prompt_length,
@@ -392,10 +415,10 @@ def run_pair(spec: PairSpec, args: argparse.Namespace, device: str, copy_gbps: f
             group_runs = [run for run in runs
                           if run.batch_size == batch and run.decoding == decoding]
             group = run_group(spec.label, group_runs, target, draft, prompts, args,
-                              device == "cuda", progress, tensor_parallel is not None)
+                              device == "cuda", progress, tensor_parallel is not None, eagle3)
             add_ratios(group, description["target_weight_bytes_per_rank"], copy_gbps)
             rows += group
-    del target, draft
+    del target, draft, eagle3
     gc.collect()         # the engine cached on the decoder refers back to it: a cycle
     if device == "cuda":
         torch.cuda.empty_cache()
