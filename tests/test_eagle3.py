@@ -44,7 +44,9 @@ def head_for(model, seed: int = 3, taps=None, norm_before_residual: bool = False
         draft.lm_head.weight.mul_(6.0)
     used = torch.randperm(VOCAB)[:DRAFT_VOCAB].sort().values
     draft.d2t.copy_(used - torch.arange(DRAFT_VOCAB))
-    return Eagle3(draft, model, taps or default_taps(LAYERS))
+    weight = model.lm_head.weight
+    return Eagle3(draft.to(device=weight.device, dtype=weight.dtype), model,
+                  taps or default_taps(LAYERS))
 
 
 def left_padded():
