@@ -15,7 +15,7 @@ from flashspec.bench.tok_per_s import RANDOM_PROMPTS, VARIANTS
 VARIANT_COLORS = {"hf": 15, "hf_static_compile": 14, "hf_assisted_self": 11, "hf_assisted": 17,
                   "hf_lookup": 13, "flash_plain": 0, "flash_self": 2, "flash_self_materialized": 3,
                   "flash_draft": 4, "flash_draft_materialized": 5, "flash_lookup": 6,
-                  "flash_lookup_materialized": 7}
+                  "flash_lookup_materialized": 7, "flash_eagle3": 8}
 G_HATCHES = ("", "//", "..", "xx", "\\\\", "++")
 
 
@@ -104,6 +104,11 @@ def _steps_text(steps: dict | None) -> str:
     return f"draft {steps['draft_round']:.3f} + verify {steps['verify']:.3f}"
 
 
+def _assumed_text(row: dict, length: float | None) -> str:
+    assumed = (row["expected_tok_s"] or {}).get("at_assumed_acceptance")
+    return "" if assumed is None else f"  @{length:g}: {assumed:.1f} tok/s"
+
+
 TABLE_LEGEND = """\
 tok/s = B * new tokens / median s; 1st s = seconds of the first call (compilation and graph
 capture included); x_stc, x_hf = / hf_static_compile, / hf; x_stk = / the stock
@@ -112,7 +117,8 @@ drafted; len = tokens per target forward; exp@1 = tok/s the step graphs allow at
 bw = weight bytes read per s / copy bandwidth; B/row = bytes each rank sent per row per step
 in flashspec's LM-head exchange (tensor-parallel runs; a verified position is a row);
 ms/step = GPU ms of the captured plain step, or of a round of G drafts and the verification
-of G drafts."""
+of G drafts; with --assumed-acceptance-length L, "@L" after it: the tok/s those steps give at
+L tokens per round (computed, not measured)."""
 
 
 def _ranks_text(report: dict) -> str:
@@ -151,4 +157,5 @@ def print_table(report: dict) -> None:
               f"{_fmt(ratio['vs_materialized'], 6, 2)} {_fmt(stats.get('acceptance_rate'), 5, 2)} "
               f"{_fmt(stats.get('mean_accepted_length'), 5, 2)} {_fmt(expected, 9, 1)} "
               f"{_fmt(row['weight_bandwidth_fraction'], 5, 2)} {_fmt(sent, 6, 1)}  "
-              f"{_steps_text(row['step_ms'])}")
+              f"{_steps_text(row['step_ms'])}"
+              f"{_assumed_text(row, args.get('assumed_acceptance_length'))}")
