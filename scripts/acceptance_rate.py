@@ -34,7 +34,8 @@ target as its own assistant (greedy drafts from the target itself: greedily ever
 its argmax, accepted unless a near-tie rounds differently in the verification forward; with
 sampling p(x) is the target's probability of its own argmax, a non-trivial p(x) from any
 target, trained or random); ``lookup``, prompt lookup (n-gram matches in the prompt and the
-text so far).
+text so far); ``eagle3``, an EAGLE-3 head fed the target's hidden states (--eagle3; the
+tiny pair ships one, trained by scripts/train_tiny_eagle3.py).
 
 Prompts come from flashspec's shipped sets (``flashspec/assets/prompts``, see
 ``flashspec.bench.prompt_sets``): code_edit (the answer copies most of the prompt: where prompt
@@ -99,7 +100,8 @@ from transformers import AutoConfig
 from flashspec.assets import tiny_pair_path
 from flashspec.bench.acceptance_report import print_table, write_csv, write_plot
 from flashspec.bench.acceptance_runs import (DTYPES, build_report, describe_models, encode_set,
-                                             load_models, load_tokenizer, loading_text,
+                                             load_eagle3, load_models, load_tokenizer,
+                                             loading_text,
                                              pad_token_id_of, resolve_dtype, run_configuration)
 from flashspec.bench.cli import (Progress, names, positive_int, positive_ints,
                                  random_init_shapes, resolve_device)
@@ -112,10 +114,13 @@ DRAFTERS = {"assistant": "greedy drafts from the draft model (--draft, or DRAFT_
                          "--random-init)",
             "self": "the target as its own assistant (greedy drafts from the target itself, "
                     "any target; sampled, p(x) is its probability of its own argmax)",
-            "lookup": "prompt lookup: n-gram matches in the prompt and the text so far"}
+            "lookup": "prompt lookup: n-gram matches in the prompt and the text so far",
+            "eagle3": "an EAGLE-3 head (--eagle3; the tiny pair's own by default)"}
 # Self-drafting is opt-in: it measures the engine (p(x) of the target's own argmax), not a
-# pair, and the default run keeps its configurations.
+# pair, and the default run keeps its configurations. The tiny pair's EAGLE-3 head joins
+# them with the tiny pair (other targets need their own head, --eagle3).
 DEFAULT_DRAFTERS = ["assistant", "lookup"]
+TINY_PAIR_DRAFTERS = ["assistant", "lookup", "eagle3"]
 # --sample without explicit values: the usual "thinking model" setting (as in tok_per_s.py).
 SAMPLE_DEFAULTS = {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.0}
 
@@ -194,10 +199,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "at most as many tokens as the target's vocab_size; default the "
                              "target's own, with --random-init (random models have none) the "
                              "built-in tiny pair's (8192 tokens)")
-    parser.add_argument("--drafter", type=parse_drafters, default=list(DEFAULT_DRAFTERS),
+    parser.add_argument("--drafter", type=parse_drafters, default=None,
                         help="comma-separated drafters: " + "; ".join(
                             f"{name}: {what}" for name, what in DRAFTERS.items())
-                        + "; default " + ",".join(DEFAULT_DRAFTERS))
+                        + "; default " + ",".join(TINY_PAIR_DRAFTERS) + " with the tiny pair, "
+                        + ",".join(DEFAULT_DRAFTERS) + " otherwise")
+    parser.add_argument("--eagle3", default=None, metavar="NAME_OR_PATH",
+                        help="EAGLE-3 head for --drafter eagle3 (a folder or hub id, trained "
+                             "for --target); default the tiny pair's head "
+                             "(flashspec/assets/tiny_pair/eagle3) with the tiny pair")
     parser.add_argument("--num-drafts", type=parse_num_drafts, default=[1, 2, 4, 8],
                         help="comma-separated draft lengths G to sweep (drafts per "
                              "verification, constant schedule); default 1,2,4,8")
@@ -246,6 +256,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="directory for acceptance_rate.json, .csv and .png; default $OUT "
                              "if set, else ./bench_out")
     args = parser.parse_args(argv)
+    if args.drafter is None:
+        tiny = args.target is None and args.random_init is None
+        args.drafter = list(TINY_PAIR_DRAFTERS if tiny else DEFAULT_DRAFTERS)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
     if args.random_init is None:
@@ -276,6 +289,11 @@ def resolve_trained_models(parser: argparse.ArgumentParser, args: argparse.Names
         pair = tiny_pair_path()
         args.target, args.draft = str(pair / "target"), args.draft or str(pair / "draft")
     args.tokenizer = args.tokenizer or args.target
+    if "eagle3" in args.drafter and args.eagle3 is None:
+        if args.target != str(tiny_pair_path() / "target"):
+            parser.error("--drafter eagle3 with --target: pass --eagle3 (the head trained for "
+                         "that target: a folder or hub id)")
+        args.eagle3 = str(tiny_pair_path() / "eagle3")
 
 
 def resolve_random_models(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -291,6 +309,9 @@ def resolve_random_models(parser: argparse.ArgumentParser, args: argparse.Namesp
                      "self and/or lookup (the default --drafter is "
                      + ",".join(DEFAULT_DRAFTERS) + ")")
     args.tokenizer = args.tokenizer or str(tiny_pair_path() / "target")
+    if "eagle3" in args.drafter:
+        parser.error("--drafter eagle3 runs trained heads; --random-init models have none "
+                     "(scripts/tok_per_s.py --eagle3 measures random heads' speed)")
     # A random model's EOS is a token like any other: rows generate exactly --new-tokens.
     args.ignore_eos = True
 
@@ -330,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     print(loading_text(args, device, dtype), file=sys.stderr, flush=True)
     tokenizer = load_tokenizer(args.tokenizer)
     target, draft = load_models(args, device, dtype)
+    eagle3 = load_eagle3(args, target)
     pad_token_id = pad_token_id_of(tokenizer, target)
     sets = {name: encode_set(tokenizer, name, args, device) for name in args.prompt_set}
     configurations = [(drafter, name, num_drafts) for drafter in args.drafter
@@ -338,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for drafter, name, num_drafts in configurations:
         summary = run_configuration(target, draft, sets[name][0], drafter, num_drafts, args,
-                                    pad_token_id, progress, f"{drafter} {name} G={num_drafts}")
+                                    pad_token_id, progress, f"{drafter} {name} G={num_drafts}",
+                                    eagle3)
         rows.append({"drafter": drafter, "prompt_set": name, "num_drafts": num_drafts,
                      "prompts": sets[name][1]["prompts"], **summary})
     progress.close()

@@ -7,6 +7,7 @@ import csv
 import json
 import math
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,6 +53,8 @@ acceptance_rate = load_script("acceptance_rate")
     (["--device", "tpu"], "--device"),
     (["--target", "Qwen/Qwen3-8B"], "--draft"),         # the tiny draft fits only the tiny target
     (["--drafter", "self,oracle"], "--drafter"),
+    (["--target", "Qwen/Qwen3-8B", "--drafter", "eagle3"], "--eagle3"),   # the tiny head fits one target
+    (["--random-init", "qwen3-0.6b", "--drafter", "eagle3"], "--drafter eagle3"),
     (["--random-init", "qwen9-1b"], "--random-init"),
     (["--random-init", "qwen3-1.7b,qwen3-0.6b,qwen3-0.6b"], "--random-init"),
     (["--random-init", "qwen3-0.6b", "--target", TINY_TARGET], "--random-init"),
@@ -99,7 +102,8 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path, capsys):
 def test_model_defaults():
     args = acceptance_rate.parse_args([])
     assert (args.target, args.draft, args.tokenizer) == (TINY_TARGET, TINY_DRAFT, TINY_TARGET)
-    assert args.drafter == ["assistant", "lookup"] and args.weights == "random"
+    assert args.drafter == ["assistant", "lookup", "eagle3"] and args.weights == "random"
+    assert args.eagle3 == str(Path(TINY_TARGET).parent / "eagle3")
     assert args.random_init is None and not args.ignore_eos
     args = acceptance_rate.parse_args(["--target", TINY_TARGET, "--drafter", "self"])
     assert (args.draft, args.tokenizer) == (None, TINY_TARGET)
@@ -248,7 +252,8 @@ def test_report_schema(greedy_run):
     assert set(report) == {"device", "versions", "date", "args", "models", "dtype", "sampling",
                            "z_limit", "prompt_sets", "rows"}
     assert report["models"] == {"target": "tiny_pair/target", "draft": "tiny_pair/draft",
-                                "weights": "trained", "vocab_size": 8192,
+                                "eagle3": "tiny_pair/eagle3", "weights": "trained",
+                                "vocab_size": 8192,
                                 "tokenizer": "tiny_pair/target", "tokenizer_size": 8192}
     assert report["device"] == "cpu" and report["dtype"] == "float32"
     assert {"torch", "transformers", "triton"} <= set(report["versions"])
@@ -260,7 +265,8 @@ def test_report_schema(greedy_run):
         assert description["max_prompt_tokens"] <= 48
     rows = report["rows"]
     assert [(r["drafter"], r["prompt_set"], r["num_drafts"]) for r in rows] == [
-        (d, s, g) for d in ("assistant", "lookup") for s in ("code_edit", "chat") for g in (1, 3)]
+        (d, s, g) for d in ("assistant", "lookup", "eagle3") for s in ("code_edit", "chat")
+        for g in (1, 3)]
     for row in rows:
         g = row["num_drafts"]
         for key in ("prompts", "generated_tokens", "forwards", "verifications", "drafted",
@@ -300,7 +306,7 @@ def test_csv_header_and_rows(greedy_run):
                                  *acceptance_report.CSV_CHECK_COLUMNS,
                                  "alpha_1", "alpha_2", "alpha_3",
                                  "alpha_expected_1", "alpha_expected_2", "alpha_expected_3"]
-    assert len(lines) == 8
+    assert len(lines) == 12
     assert all(line["alpha_2"] == "" for line in lines if line["num_drafts"] == "1")
 
 
@@ -366,7 +372,7 @@ def test_random_init_sampled_self_and_lookup_agree_with_p_x(tmp_path, capsys):
         "--num-drafts", "3", "--new-tokens", str(RANDOM_NEW_TOKENS), "--max-prompt-tokens", "48",
         "--device", "cpu", "--out", str(out)]) == 0
     report = json.loads((out / "acceptance_rate.json").read_text())
-    assert report["models"] == {"target": "small/config.json", "draft": None,
+    assert report["models"] == {"target": "small/config.json", "draft": None, "eagle3": None,
                                 "weights": "random init", "vocab_size": 8192,
                                 "tokenizer": "tiny_pair/target", "tokenizer_size": 8192}
     assert report["args"]["random_init"] == [shape] and report["args"]["ignore_eos"]

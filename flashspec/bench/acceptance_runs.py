@@ -35,10 +35,12 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
 
 
 def drafter_kwargs(drafter: str, num_drafts: int, target, draft,
-                   args: argparse.Namespace) -> dict:
+                   args: argparse.Namespace, eagle3=None) -> dict:
     if drafter == "lookup":
         return {"prompt_lookup_num_tokens": num_drafts,
                 "max_matching_ngram_size": args.max_matching_ngram_size}
+    if drafter == "eagle3":
+        return {"drafter": eagle3, "num_assistant_tokens": num_drafts}
     # No confidence threshold: every step drafts its G, the positions' rates count them all.
     return {"assistant_model": target if drafter == "self" else draft,
             "num_assistant_tokens": num_drafts, "num_assistant_tokens_schedule": "constant",
@@ -65,7 +67,7 @@ def encode_set(tokenizer, name: str, args: argparse.Namespace, device: str) -> t
 
 def run_configuration(target, draft, batches: list, drafter: str, num_drafts: int,
                       args: argparse.Namespace, pad_token_id: int, progress: Progress,
-                      label: str) -> dict:
+                      label: str, eagle3=None) -> dict:
     """Generate every batch of a set with one drafter and G; the summary of all of them."""
     parts, seconds, generated = [], 0.0, 0
     for start, input_ids, attention_mask in batches:
@@ -76,7 +78,8 @@ def run_configuration(target, draft, batches: list, drafter: str, num_drafts: in
             max_new_tokens=args.new_tokens, pad_token_id=pad_token_id,
             # Row i of the set gets seed + i whatever the batching.
             seed=args.seed + start, return_dict_in_generate=True,
-            **drafter_kwargs(drafter, num_drafts, target, draft, args), **sampling_kwargs(args))
+            **drafter_kwargs(drafter, num_drafts, target, draft, args, eagle3),
+            **sampling_kwargs(args))
         seconds += time.perf_counter() - begin
         parts.append(output.flash_stats)
         generated += int(output.flash_stats.emitted.sum())
@@ -115,6 +118,11 @@ def load_models(args: argparse.Namespace, device: str, dtype: torch.dtype):
     return target, draft
 
 
+def load_eagle3(args: argparse.Namespace, target):
+    """The EAGLE-3 head of --eagle3 for `target` (None without the eagle3 drafter)."""
+    return flashspec.Eagle3.from_pretrained(args.eagle3, target) if "eagle3" in args.drafter else None
+
+
 def loading_text(args: argparse.Namespace, device: str, dtype: torch.dtype) -> str:
     models = args.target + (f" and {args.draft}" if "assistant" in args.drafter else "")
     if args.random_init is None:
@@ -127,6 +135,7 @@ def describe_models(args: argparse.Namespace, target, tokenizer) -> dict:
     their weights, and the tokenizer that encoded the prompts, with their vocabulary sizes."""
     return {"target": model_name(args.target),
             "draft": model_name(args.draft) if "assistant" in args.drafter else None,
+            "eagle3": model_name(args.eagle3) if "eagle3" in args.drafter else None,
             "weights": "trained" if args.random_init is None else WEIGHTS[args.weights],
             "vocab_size": target.config.vocab_size,
             "tokenizer": model_name(args.tokenizer), "tokenizer_size": len(tokenizer)}

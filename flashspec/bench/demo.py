@@ -3,10 +3,11 @@
 Loads the built-in tiny pair (a target and a draft trained on the Python standard library,
 `flashspec/assets/tiny_pair`, made by `scripts/train_tiny_pair.py`) or any pair given by
 hub id or path, completes a few code prompts with stock `generate` and with
-`generate(sampler="flash")` (plain, prompt lookup, assistant), and prints the text, the
+`generate(sampler="flash")` (plain, prompt lookup, assistant, and an EAGLE-3 head: the
+pair's own, `flashspec/assets/tiny_pair/eagle3`, or --eagle3), and prints the text, the
 acceptance statistics and the speed side by side. CPU or GPU, whichever is there.
 
-    python -m flashspec [--target ID_OR_PATH --draft ID_OR_PATH] [--max-new-tokens 48]
+    python -m flashspec [--target ID_OR_PATH --draft ID_OR_PATH [--eagle3 ID_OR_PATH]]
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .. import from_pretrained
+from .. import Eagle3, from_pretrained
 from ..assets import tiny_pair_path
 from ..generation.cpu import SMALL_STEP_BYTES, weight_bytes
 
@@ -51,6 +52,9 @@ def main(argv=None) -> int:
                         help="target model: hub id or folder (default: the built-in tiny pair)")
     parser.add_argument("--draft", default=str(TINY_PAIR / "draft"),
                         help="draft model with the same tokenizer: hub id or folder")
+    parser.add_argument("--eagle3", default=None,
+                        help="EAGLE-3 head trained for --target: hub id or folder (default: the "
+                             "built-in pair's with the built-in target, none otherwise)")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens per completion")
     parser.add_argument("--num-drafts", type=int, default=4,
                         help="drafts per verification (assistant and prompt lookup)")
@@ -70,6 +74,8 @@ def main(argv=None) -> int:
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device
     builtin = args.target == str(TINY_PAIR / "target")
+    if args.eagle3 is None and builtin:
+        args.eagle3 = str(TINY_PAIR / "eagle3")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
              "auto": torch.bfloat16 if device == "cuda" and not builtin else torch.float32}[args.dtype]
     transformers.logging.set_verbosity_error()
@@ -82,13 +88,14 @@ def main(argv=None) -> int:
 
 
 def _demo(args, device: str, dtype: torch.dtype) -> int:
-    for name in (args.target, args.draft):
+    for name in (args.target, args.draft, args.eagle3 or ""):
         if name.startswith(str(TINY_PAIR)) and not Path(name).is_dir():
             raise SystemExit(f"{name} is missing: train the pair with scripts/train_tiny_pair.py "
                              "or pass --target/--draft")
     tokenizer = AutoTokenizer.from_pretrained(args.target, padding_side="left")
     target = from_pretrained(args.target, dtype=dtype).to(device).eval()
     draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype).to(device).eval()
+    eagle3 = Eagle3.from_pretrained(args.eagle3, target) if args.eagle3 else None
     millions = lambda m: sum(p.numel() for p in m.parameters()) / 1e6  # noqa: E731
     threads = torch.get_num_threads()
     weights = [*target.parameters(), *draft.parameters()]
@@ -117,6 +124,9 @@ def _demo(args, device: str, dtype: torch.dtype) -> int:
         "flash + assistant": dict(sampler="flash", assistant_model=draft,
                                   num_assistant_tokens=args.num_drafts),
     }
+    if eagle3 is not None:      # stock transformers has no EAGLE-3 to compare with
+        modes["flash + EAGLE-3"] = dict(sampler="flash", drafter=eagle3,
+                                        num_assistant_tokens=args.num_drafts)
     warm_up = tokenizer("import os\n", return_tensors="pt").to(device)
     for kwargs in modes.values():       # first calls pay for allocation and compilation
         _timed(target, warm_up, max_new_tokens=4, do_sample=False,
@@ -145,10 +155,15 @@ def _demo(args, device: str, dtype: torch.dtype) -> int:
     sampling = dict(max_new_tokens=args.max_new_tokens, do_sample=True, temperature=0.8,
                     top_p=0.95, seed=args.seed, pad_token_id=tokenizer.pad_token_id)
     plain = _timed(target, inputs, sampler="flash", **sampling)[0]
-    speculative = _timed(target, inputs, sampler="flash", assistant_model=draft,
-                         num_assistant_tokens=args.num_drafts, **sampling)[0]
-    print(f"sampled (T=0.8, top_p=0.95, top_k=50, seed={args.seed}): flash and flash + assistant "
-          f"emit the same tokens: {torch.equal(plain, speculative)}")
+    drafted = {"assistant": dict(assistant_model=draft)}
+    if eagle3 is not None:
+        drafted["EAGLE-3"] = dict(drafter=eagle3)
+    same = all(torch.equal(plain, _timed(target, inputs, sampler="flash",
+                                         num_assistant_tokens=args.num_drafts, **kwargs,
+                                         **sampling)[0])
+               for kwargs in drafted.values())
+    print(f"sampled (T=0.8, top_p=0.95, top_k=50, seed={args.seed}): flash and flash + "
+          f"{' / '.join(drafted)} emit the same tokens: {same}")
     print(tokenizer.decode(plain[0], skip_special_tokens=True))
     return 0
 
