@@ -856,11 +856,11 @@ class _SlowCompile:
         def patched(runner, *args, **kwargs):
             init(runner, *args, **kwargs)
 
-            def compiled(*forward_args):
+            def compiled(*forward_args, inputs=None):
                 if not runner.compiled:
                     twin.waits.append(runner.role)
                     time.sleep(twin.SECONDS)
-                return runner._forward(*forward_args)
+                return runner._forward(*forward_args, inputs=inputs)
 
             runner.compile, runner._compiled = True, compiled
 
