@@ -71,8 +71,8 @@ row's materialized twin are the rows of the same G.
 
 On CUDA the flash rows also give the engine's captured steps' GPU time (one more call after
 the timed ones, CUDA events around each step it replays, the median per step): the plain
-step, or one round of drafts (draft_first + (G-1) draft_next, EAGLE-3's eagle_first +
-(G-1) eagle_next, or prompt lookup's one step) and the verification of G drafts; and the
+step, or one round of drafts (draft_first + (G-1) draft_next, EAGLE-3's eagle3_first +
+(G-1) eagle3_next, or prompt lookup's one step) and the verification of G drafts; and the
 tok/s those imply: B tokens per plain step, B * (1 - a^(G+1)) / (1 - a) tokens per round at
 an i.i.d. per-position acceptance a (reported at a = 1 and at the run's measured tokens per
 round), and with --assumed-acceptance-length L, B * L tokens per round (computed from the

@@ -141,7 +141,7 @@ def random_eagle3(model, shape: str | None = None, seed: int = 0, draft_vocab_si
     torch.manual_seed(seed)
     weight = model.get_output_embeddings().weight
     with torch.device(weight.device):
-        head = Eagle3Model(config, own_embeddings=False).to(weight.dtype).eval()
+        head = Eagle3Model(config, own_embeddings=False).placed(weight.device, weight.dtype).eval()
     draft_vocab = head.lm_head.out_features
     used = torch.randperm(config.vocab_size, device=weight.device)[:draft_vocab].sort().values
     head.d2t.copy_(used - torch.arange(draft_vocab, device=weight.device))

@@ -78,7 +78,7 @@ def step_ms(target, generate: Callable, engine_sampler: str, verify_width: int) 
     graphs exist), each step the median of its replays (`StepTimer`); None without graphs.
     Plain decoding gives ``plain``; drafts give ``draft_round`` (the drafter's steps for
     `verify_width` drafts, in order: an assistant's ``draft_first`` and ``verify_width - 1``
-    of its ``draft_next``, an EAGLE-3 head's ``eagle_first`` and ``eagle_next``, prompt
+    of its ``draft_next``, an EAGLE-3 head's ``eagle3_first`` and ``eagle3_next``, prompt
     lookup's one step), its first step and one of the later ones (``draft_first``,
     ``draft_next``), and ``verify``."""
     engine = cached_engine(output_head(target, "model").decoder)

@@ -107,6 +107,14 @@ class Eagle3Model(LlamaPreTrainedModel):
         self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
         self.post_init()
 
+    def placed(self, device, dtype: torch.dtype) -> "Eagle3Model":
+        """The head on `device` in `dtype`, its rotary table recomputed there in float32 (a
+        cast would round the frequencies to `dtype`: in bf16 the angles drift by a radian
+        over a thousand positions)."""
+        self.to(device=device, dtype=dtype)
+        self.rotary_emb = LlamaRotaryEmbedding(config=self.config, device=device)
+        return self
+
     def share_embeddings(self, embeddings: nn.Embedding) -> None:
         """Embed tokens with the target's table (kept out of this module's parameters, so
         that moving or saving the head leaves it alone)."""
@@ -154,11 +162,11 @@ def config_taps(config: dict, num_layers: int) -> tuple[int, ...]:
     """The target layers (input convention: ``k`` is the input of ``layers[k]``) a head's
     config names (module docstring)."""
     nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if nested is not None:
-        return tuple(int(k) + 1 for k in nested)
+    if nested is not None:       # side by side in layer order, as the peers' layer loops append
+        return tuple(sorted(int(k) + 1 for k in nested))
     top = config.get("eagle_aux_hidden_state_layer_ids")
     if top is not None:
-        return tuple(int(k) for k in top)
+        return tuple(sorted(int(k) for k in top))
     return default_taps(num_layers)
 
 

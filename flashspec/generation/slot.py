@@ -180,9 +180,13 @@ class Slot:
         self.drafts = torch.full((batch, self.max_drafts), -1, **long)
         self.draft_failed = torch.zeros(batch, self.max_drafts, dtype=torch.bool, device=self.device)
         if self.tap_layers:
-            self.taps = torch.zeros(batch, self.max_drafts + 1, self._tap_width(self.tap_layers),
+            old_taps, width = self.taps, self._tap_width(self.tap_layers)
+            self.taps = torch.zeros(batch, self.max_drafts + 1, width,
                                     dtype=self.engine.dtype_of(self.engine.head.decoder),
                                     device=self.device)
+            if old_taps is not None and old_taps.shape[-1] == width:    # a call growing
+                kept = min(old_taps.shape[1], self.taps.shape[1])
+                self.taps[:, :kept] = old_taps[:, :kept]
         self.generation += 1
 
     def _tap_width(self, layers: tuple[int, ...]) -> int:
@@ -493,6 +497,11 @@ class Slot:
         self.taps.zero_()
         self.taps[:, 0] = torch.where(at_last.any(dim=1)[:, None], sink[rows, column], 0)
         self.tap_position.copy_(last)
+
+    @property
+    def past_columns(self) -> int:
+        """The prompt columns the call's passed cache held (the prefill did not feed them)."""
+        return self._past_columns
 
     def take_prompt_taps(self) -> torch.Tensor | None:
         """The prefill's taps (`_prompt_taps_taken`), once."""

@@ -4,10 +4,11 @@ EAGLE-3 drafts from three of the target's intermediate hidden states at each ver
 position. A drafter names them by layer index in the input convention (vLLM's, and the
 original EAGLE code's): tap ``k`` is the tensor entering ``layers[k]`` (transformers'
 ``output_hidden_states[k]``), and ``k == num_layers`` the last layer's output (the stream
-before the final norm). The engine's target steps copy them, side by side, into a buffer
-of the slot (`Slot.taps`) inside the step: forward pre-hooks (and for ``k == num_layers`` a
-forward hook) on the decoder's layers, which run outside the compiled layer code and are
-recorded in the step's CUDA graph like any other copy.
+before the final norm); `FINAL` is the decoder's output (after the final norm: what MTP
+layers read). The engine's target steps copy them, side by side, into a buffer of the slot
+(`Slot.taps`) inside the step: forward pre-hooks (and for ``k == num_layers`` and `FINAL`
+forward hooks) on the decoder and its layers, which run outside the compiled layer code and
+are recorded in the step's CUDA graph like any other copy.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import contextlib
 import torch
 
 from .compiled import _decoder_layers
+
+FINAL = -1          # the decoder's output, after its final norm
 
 
 def tap_layers(decoder: torch.nn.Module, layers: tuple[int, ...], role: str = "model"):
@@ -28,10 +31,10 @@ def tap_layers(decoder: torch.nn.Module, layers: tuple[int, ...], role: str = "m
             f"`{role}` ({type(decoder).__name__}) has no stack of decoder layers whose inputs "
             "a drafter can read (or its layers' forwards are replaced, as accelerate's hooks "
             "do); drafters that read the target's hidden states (EAGLE-3) need one")
-    bad = [k for k in layers if not isinstance(k, int) or not 0 <= k <= len(stack)]
+    bad = [k for k in layers if not isinstance(k, int) or not (0 <= k <= len(stack) or k == FINAL)]
     if bad or not layers:
         raise ValueError(f"target layers to read {list(layers)} must be ints in [0, "
-                         f"{len(stack)}] for `{role}` ({len(stack)} layers)")
+                         f"{len(stack)}] (or FINAL, {FINAL}) for `{role}` ({len(stack)} layers)")
     return stack
 
 
@@ -44,6 +47,8 @@ def tapping(decoder: torch.nn.Module, layers: tuple[int, ...], sink: torch.Tenso
     width = sink.shape[-1] // len(layers)
 
     def copy(index: int, hidden) -> None:
+        if hasattr(hidden, "last_hidden_state"):
+            hidden = hidden.last_hidden_state
         hidden = hidden[0] if isinstance(hidden, tuple) else hidden
         rows, columns = hidden.shape[:2]
         columns = min(columns, sink.shape[1])
@@ -62,7 +67,9 @@ def tapping(decoder: torch.nn.Module, layers: tuple[int, ...], sink: torch.Tenso
     handles = []
     try:
         for index, layer in enumerate(layers):
-            if layer < len(stack):
+            if layer == FINAL:
+                handles.append(decoder.register_forward_hook(after(index), with_kwargs=True))
+            elif layer < len(stack):
                 handles.append(stack[layer].register_forward_pre_hook(before(index),
                                                                       with_kwargs=True))
             else:
