@@ -51,7 +51,7 @@ if [ $# -eq 0 ]; then
         tests/test_allowed_tokens.py tests/test_additive_edits.py tests/test_additive_generate.py \
         tests/test_invariant_kernels.py tests/test_shard_summary.py \
         tests/test_invariance_gpu.py tests/test_generate_gpu.py tests/test_attention_kernel.py \
-        tests/test_eagle3_gpu.py
+        tests/test_eagle3_gpu.py tests/test_mtp_gpu.py
 fi
 for part in $PARTS; do
     case $part in

@@ -81,6 +81,7 @@ from .allowed import AllowedTokens
 from .arguments import (Sources, check_eval_mode, check_options, checked_input_ids,
                         merged_values)
 from .drafters import AssistantDrafter, Drafter, PromptLookupDrafter
+from .mtp import Mtp, mtp_layers
 from .edits import FUSED_OPTIONS, EditRules
 from .heads import OutputHead, check_decoder, check_logits, model_hooks, output_head
 from .inputs import takes
@@ -137,7 +138,6 @@ STOCK_OPTIONS = {
     "token_healing": (lambda v: not v, "it rewrites the prompt with a tokenizer"),
     "assistant_early_exit": (lambda v: v is None, "self-speculation by early exit is not "
                                                   "implemented"),
-    "use_mtp": (lambda v: not v, "multi-token-prediction drafts are not implemented"),
     "speculation_type": (lambda v: v is None, "only assistant-model and prompt-lookup drafts "
                                               "are implemented"),
     "cache_implementation": (lambda v: v in (None, "dynamic", "hybrid", "static"),
@@ -256,7 +256,7 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
         raise TypeError(f"`stopping_criteria` must be a StoppingCriteriaList (or a list of "
                         f"StoppingCriteria), got {type(stopping_criteria).__name__}")
     drafted = (assistant_model is not None or drafter is not None
-               or config.prompt_lookup_num_tokens is not None)
+               or config.prompt_lookup_num_tokens is not None or bool(config.use_mtp))
     delegation = (_stock_delegation(model, config, model_kwargs, hooks, source, drafted)
                   or _replaced_criteria(config, stopping_criteria))
     if delegation is not None:
@@ -431,6 +431,14 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
             raise ValueError("`stop_strings` needs the tokenizer: pass `tokenizer=` to generate()")
         stop_criteria = StopStringCriteria(stop_strings=config.stop_strings, tokenizer=tokenizer)
 
+    if config.use_mtp:
+        if (drafter is not None or assistant_model is not None
+                or config.prompt_lookup_num_tokens is not None):
+            raise ValueError("pass one source of drafts: `use_mtp`, `drafter`, "
+                             "`assistant_model` or `prompt_lookup_num_tokens`")
+        drafter = Mtp(model)
+        if requested.get("num_assistant_tokens") is None:  # stock's count: one per MTP layer
+            requested = {**requested, "num_assistant_tokens": mtp_layers(model)}
     if drafter is not None:
         if assistant_model is not None or config.prompt_lookup_num_tokens is not None:
             raise ValueError("pass one source of drafts: `drafter`, `assistant_model` or "
