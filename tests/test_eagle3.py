@@ -16,7 +16,7 @@ from flashspec.bench.random_init import random_eagle3
 from flashspec.generation import slot as slot_module
 from flashspec.generation.eagle3 import Eagle3
 from flashspec.generation.eagle3_model import Eagle3Model, config_taps, default_taps
-from flashspec.generation.taps import tapping
+from flashspec.generation.taps import FINAL, tapping
 
 from _models import PAD, VOCAB, tiny_model
 
@@ -267,6 +267,11 @@ def test_taps_are_the_hidden_states_entering_the_layers():
     torch.testing.assert_close(sink[..., 48:96], stock.hidden_states[2], rtol=0, atol=0)
     torch.testing.assert_close(sink[..., 96:], pre_norm[0], rtol=0, atol=0)
     assert not model.model.layers[0]._forward_pre_hooks        # removed on exit
+    final = torch.zeros(3, ids.shape[1], 48)                    # the decoder's output (MTP's)
+    with torch.no_grad(), tapping(model.model, (FINAL,), final):
+        output = model.model(ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(final, output, rtol=0, atol=0)
+    assert not model.model._forward_hooks
 
 
 # ---- drafts and tokens -----------------------------------------------------------------------

@@ -7,8 +7,10 @@ engine.py    the engine of a target model: slots, graphs, memory, the step loop 
 slot.py      one batch bucket's device state and its fixed-shape steps (prefill, plain,
              verify, commit)
 drafters.py  the Drafter interface; assistant-model and prompt-lookup drafters
+chain.py     the steps of drafters fed the target's hidden states (EAGLE-3, MTP)
 eagle3.py    EAGLE-3 drafts (Eagle3: a published head for a target model)
 eagle3_model.py  the EAGLE-3 head module and its checkpoint format
+mtp.py       MTP drafts (generate(use_mtp=True): the model's own MTP layer)
 taps.py      target hidden states that a drafter reads (hooks on the decoder's layers)
 compiled.py  decoder forwards, eager or compiled once per decoder; the on-disk cache
 kv_cache.py  the position-addressed KV cache (rollback by position, views, growth)

@@ -18,8 +18,9 @@ rejected drafts cost nothing to undo.
   the device and batched, with transformers' rule (longest n-gram first, first match from
   the left, up to G following tokens).
 
-A new drafter (EAGLE-3 heads: `flashspec.generation.eagle3`; MTP; a fixed continuation in a
-test) subclasses `Drafter` and `AttachedDrafter`; the engine does not change.
+A new drafter (EAGLE-3 heads: `eagle3`; MTP layers: `mtp`, both on `chain`'s steps; a fixed
+continuation in a test) subclasses `Drafter` and `AttachedDrafter`; the engine does not
+change.
 """
 
 from __future__ import annotations
