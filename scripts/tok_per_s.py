@@ -56,7 +56,11 @@ Variants:
   torch ops);
 * ``flash_eagle3``: ``sampler="flash"`` with the EAGLE-3 head of --eagle3 (a published
   head's shape with random weights, or a trained head), G drafts per round (stock
-  transformers has no EAGLE-3: no stock twin).
+  transformers has no EAGLE-3: no stock twin);
+* ``flash_mtp``: ``sampler="flash"`` with ``use_mtp=True`` and G drafts per round, for a target
+  whose config has ``num_mtp_layers`` (its checkpoint's MTP layers; random ones for a
+  random-init target), skipped otherwise (stock's ``use_mtp`` runs at B = 1 with one draft
+  per MTP layer: no stock twin at other G).
 
 Stock assisted generation reads the draft length only from the assistant's generation
 config, so before each stock call the assistant gets ``num_assistant_tokens=G``, the

@@ -494,3 +494,13 @@ def test_the_shipped_head_drafts_for_the_tiny_target(monkeypatch):
     stats = drafted.flash_stats
     verifications = int((stats.drafted > 0).sum())
     assert int(stats.accepted.sum()) / verifications > 1.0
+
+
+def test_a_head_whose_logits_are_not_finite_is_named():
+    model = target()
+    head = head_for(model)
+    with torch.no_grad():
+        head.model.lm_head.weight[3] = float("nan")
+    ids, mask = left_padded()
+    with pytest.raises(flashspec.NonFiniteLogitsError, match="the EAGLE-3 head"):
+        generate(model, ids, mask, max_new_tokens=8, drafter=head, num_assistant_tokens=2)

@@ -502,3 +502,40 @@ def test_first_difference_per_row():
     a = torch.tensor([[1, 2, 3], [1, 2, 3], [4, 5, 6]])
     b = torch.tensor([[1, 2, 3], [1, 5, 3], [0, 5, 0]])
     assert first_difference(a, b) == [None, 1, 0]
+
+
+def test_random_init_mtp_and_eagle3_rows(tmp_path):
+    """A random-init target whose config has MTP layers gets random ones (flash_mtp runs,
+    greedy tokens stock's); without --eagle3 the EAGLE-3 row is skipped, saying why; a target
+    without MTP layers skips flash_mtp."""
+    config = tmp_path / "glm" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps({
+        "model_type": "glm4_moe", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+        "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "n_shared_experts": 1, "first_k_dense_replace": 1, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+        "num_nextn_predict_layers": 1}))
+    out = tmp_path / "out"
+    assert tok_per_s.main(["--random-init", str(config), "--batch-sizes", "1,2", "--new-tokens",
+                           "6", "--prompt-length", "8", "--reps", "1", "--device", "cpu",
+                           "--num-drafts", "2", "--variants", "hf,flash_mtp,flash_eagle3",
+                           "--out", str(out)]) == 0
+    rows = json.loads((out / "tok_per_s.json").read_text())["rows"]
+    mtp = [row for row in rows if row["variant"] == "flash_mtp"]
+    assert [row["status"] for row in mtp] == ["ok", "ok"]
+    assert all(row["same_tokens_as_hf"] for row in mtp)
+    assert all(row["flash_stats"]["drafted"] > 0 for row in mtp)
+    eagle3 = [row for row in rows if row["variant"] == "flash_eagle3"]
+    assert all(row["status"] == "skipped: no EAGLE-3 head (give --eagle3)" for row in eagle3)
+    llama = tmp_path / "small" / "config.json"
+    llama.parent.mkdir()
+    llama.write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 32}))
+    assert tok_per_s.main(["--random-init", str(llama), "--batch-sizes", "1", "--new-tokens",
+                           "4", "--prompt-length", "8", "--reps", "1", "--device", "cpu",
+                           "--variants", "flash_mtp", "--out", str(out)]) == 0
+    row, = json.loads((out / "tok_per_s.json").read_text())["rows"]
+    assert row["status"].startswith("skipped: the target has no MTP layers")

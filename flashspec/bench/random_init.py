@@ -10,6 +10,7 @@ scripts/acceptance_rate.py build their ``--random-init`` models here.
     model = random_model("qwen3-1.7b", device="cuda", dtype=torch.bfloat16)
     model = peak_weights(model)           # optional: greedy self-drafts all accepted
     head = random_eagle3(model, "llama-3.1-8b")   # an EAGLE-3 head at a published shape
+    random_mtp(model)       # a model whose config has num_mtp_layers: random MTP layers
 """
 
 from __future__ import annotations
@@ -147,3 +148,32 @@ def random_eagle3(model, shape: str | None = None, seed: int = 0, draft_vocab_si
     head.d2t.copy_(used - torch.arange(draft_vocab, device=weight.device))
     taps = taps if taps is not None else config_taps(fields, target.num_hidden_layers)
     return Eagle3(head, model, taps)
+
+
+def random_mtp(model, seed: int = 0):
+    """Random-init MTP layers (transformers' `MtpModel`) for `model`, whose config has
+    ``num_mtp_layers``, kept as its MTP layers (`flashspec.generation.mtp.keep_mtp`), so that
+    ``generate(use_mtp=True, sampler="flash")`` runs offline; on the model's LM-head device
+    in its dtype (the embedding, LM head and rotary table stay the model's own). torch's
+    global RNGs are seeded `seed` first."""
+    from transformers.modeling_layers import MtpModel
+
+    from ..generation.mtp import keep_mtp, mtp_layers
+
+    layers = mtp_layers(model)
+    if layers is None:
+        raise ValueError(f"random_mtp: {type(model).__name__}'s config has no num_mtp_layers")
+    weight = model.get_output_embeddings().weight
+    torch.manual_seed(seed)
+    with torch.device(weight.device):
+        mtp = MtpModel(model, layers).eval()
+    # MtpModel's own initialisation leaves what it does not know (MoE experts) as allocated:
+    # the model's class initialises its layers' modules.
+    with torch.no_grad():
+        for module in mtp.layers.modules():
+            model._init_weights(module)
+    mtp.layers.to(weight.dtype)         # not the shared modules: the model's, as they are
+    if mtp.use_shared_post_norm:
+        mtp.shared_post_norm.to(weight.dtype)
+    keep_mtp(model, mtp)
+    return mtp

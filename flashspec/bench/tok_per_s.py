@@ -30,7 +30,8 @@ from flashspec.bench.cli import Progress, package_version
 from flashspec.bench.pairs import (DTYPES, PAD_TOKEN_ID, SEED, PairSpec, TensorParallel,
                                    load_pair)
 from flashspec.bench.prompt_sets import PROMPT_SETS, encode_prompts, load_prompts
-from flashspec.bench.random_init import eagle3_shapes, random_eagle3
+from flashspec.bench.random_init import eagle3_shapes, random_eagle3, random_mtp
+from flashspec.generation.mtp import mtp_layers
 from flashspec.bench.timing import expected_tok_s, step_ms, timed_calls
 
 
@@ -137,6 +138,11 @@ def _flash(case: Case, sampler: str, drafter: str | None = None) -> dict:
               "return_dict_in_generate": True}
     if drafter == "lookup":
         kwargs["prompt_lookup_num_tokens"] = case.num_drafts
+    elif drafter == "mtp":
+        if mtp_layers(case.target) is None:
+            raise Skipped("skipped: the target has no MTP layers (its config has no "
+                          "num_mtp_layers)")
+        kwargs.update(use_mtp=True, num_assistant_tokens=case.num_drafts)
     elif drafter == "eagle3":
         if case.eagle3 is None:
             raise Skipped("skipped: no EAGLE-3 head (give --eagle3)")
@@ -166,6 +172,7 @@ VARIANTS: dict[str, Variant] = {
     "flash_lookup_materialized": Variant(
         partial(_flash, sampler="materialized", drafter="lookup"), "materialized"),
     "flash_eagle3": Variant(partial(_flash, sampler="flash", drafter="eagle3"), "fused"),
+    "flash_mtp": Variant(partial(_flash, sampler="flash", drafter="mtp"), "fused"),
 }
 
 
@@ -400,6 +407,8 @@ def run_pair(spec: PairSpec, args: argparse.Namespace, device: str, copy_gbps: f
                                            tensor_parallel=tensor_parallel is not None)
     tokenizer = (None if args.prompts == RANDOM_PROMPTS
                  else AutoTokenizer.from_pretrained(spec.target))
+    if spec.random_init and mtp_layers(target) is not None and "flash_mtp" in args.variants:
+        random_mtp(target)           # a random-init target's MTP layers are random too
     eagle3 = None
     if args.eagle3 is not None and not tensor_parallel:
         eagle3 = eagle3_head(args.eagle3, target)

@@ -15,7 +15,8 @@ from flashspec.bench.tok_per_s import RANDOM_PROMPTS, VARIANTS
 VARIANT_COLORS = {"hf": 15, "hf_static_compile": 14, "hf_assisted_self": 11, "hf_assisted": 17,
                   "hf_lookup": 13, "flash_plain": 0, "flash_self": 2, "flash_self_materialized": 3,
                   "flash_draft": 4, "flash_draft_materialized": 5, "flash_lookup": 6,
-                  "flash_lookup_materialized": 7, "flash_eagle3": 8}
+                  "flash_lookup_materialized": 7, "flash_eagle3": 8,
+                  "flash_mtp": 9}
 G_HATCHES = ("", "//", "..", "xx", "\\\\", "++")
 
 

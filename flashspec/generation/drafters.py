@@ -82,6 +82,7 @@ class Drafter:
     key: Hashable
     decoders: tuple = ()
     taps: tuple[int, ...] = ()
+    name = "the drafter"            # in messages (the drafter's logits were not finite)
 
     def check_target(self, head) -> None:
         """Refuse (ValueError, naming why) a target it cannot draft for (`head`: the
@@ -100,6 +101,8 @@ class AssistantDrafter(Drafter):
     probabilities for free and save the later drafts' and their verification's forwards.
     Captured steps and tensor-parallel heads draft their fixed count (a verification's width
     is fixed there; the tokens are the same either way)."""
+
+    name = "assistant_model"
 
     def __init__(self, head: OutputHead, confidence_threshold: float = 0.0):
         self.head = head

@@ -38,6 +38,7 @@ class Eagle3(Drafter, ChainHead):
 
     input_name = "eagle_hidden"
     role = "eagle3"
+    name = "the EAGLE-3 head (`drafter`)"
 
     def __init__(self, model: Eagle3Model, target, taps: tuple[int, ...]):
         head = output_head(target, "model")

@@ -307,6 +307,7 @@ class Engine:
             self._same_budget_on_every_rank()
         slot = self.slot_for(plan)
         drafter = slot.attached(plan.drafter) if plan.drafter is not None else None
+        slot.drafter_name = getattr(plan.drafter, "name", "the drafter")
         prompt = slot.load(plan, _max_drafts(plan))
         timed_widths = self.timed_widths(slot) if drafter is not None else []
         self.timed, self.uncompiled = plan.max_time is not None, False
@@ -674,7 +675,7 @@ class Engine:
         report = slot.read_report(_verified(drafts)) if report is None else report
         if any(report.broken):
             raise NonFiniteLogitsError([b for b, x in enumerate(report.broken) if x],
-                                       source="assistant_model")
+                                       source=slot.drafter_name)
         bad = [b for b, s in enumerate(report.status) if s == samplers.NON_FINITE]
         if bad:
             raise NonFiniteLogitsError(bad)

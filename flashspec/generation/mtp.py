@@ -35,6 +35,12 @@ from .taps import FINAL, tap_layers
 _MTP_ATTRIBUTE = "_flashspec_mtp_model"
 
 
+def keep_mtp(model, mtp) -> None:
+    """Use `mtp` (a transformers `MtpModel` of `model`) as the model's MTP layers from now on,
+    instead of loading them from its checkpoint (random-init models for benchmarks)."""
+    object.__setattr__(model, _MTP_ATTRIBUTE, mtp)
+
+
 def mtp_layers(model) -> int | None:
     """The model's ``num_mtp_layers`` (None: transformers gives it no MTP layers)."""
     return getattr(model.config.get_text_config(), "num_mtp_layers", None)
@@ -81,6 +87,7 @@ class Mtp(Drafter, ChainHead):
 
     input_name = "mtp_hidden"
     role = "mtp"
+    name = "the MTP layer (`use_mtp`)"
     shift = 1
     taps = (FINAL,)
 
@@ -101,7 +108,7 @@ class Mtp(Drafter, ChainHead):
         if mtp is None:
             from transformers.modeling_layers import MtpModel
             mtp = MtpModel.from_pretrained(model, device_map={"": head.weight.device})
-            object.__setattr__(model, _MTP_ATTRIBUTE, mtp)
+            keep_mtp(model, mtp)
         config = mtp.config
         for name in ("logits_mup_width_multiplier", "unpadded_vocab_size"):
             if getattr(config, name, None) is not None:

@@ -128,6 +128,7 @@ class Slot:
         self.max_drafts = max_drafts
         self.caches: list[_Cache] = []
         self.drafters: dict = {}                  # drafter key -> AttachedDrafter
+        self.drafter_name = "the drafter"         # the call's, in messages
         self.generation = 0                       # bumped when buffers are replaced
         long = dict(dtype=torch.long, device=self.device)
         self.prompt_length = torch.zeros(batch_size, **long)
