@@ -12,7 +12,10 @@ from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 from transformers.generation import candidate_generator
 
 import flashspec
+from flashspec.generation import attention
 from flashspec.generation import slot as slot_module
+from flashspec.generation.compiled import DecoderRunner
+from flashspec.generation.mtp import Mtp
 
 from _models import PAD, tiny_model
 
@@ -116,10 +119,139 @@ def test_batched_and_sampled_mtp_tokens_are_the_tokens_without(model, drafts):
 
 
 def test_the_mtp_layer_is_loaded_once_and_refused_where_it_cannot_run(model):
-    from flashspec.generation.mtp import Mtp
-
     first = Mtp(model)
     assert Mtp(model).mtp is first.mtp                  # kept on the model
     llama = tiny_model("llama")
     with pytest.raises(ValueError, match="num_mtp_layers"):
         llama.generate(torch.tensor([[5, 6]]), max_new_tokens=2, use_mtp=True, sampler="flash")
+
+    ids, mask = prompts()
+    with pytest.raises(ValueError, match="one source of drafts: `use_mtp`"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, use_mtp=True,
+                       prompt_lookup_num_tokens=2, sampler="flash")
+    config = model.config
+    config.num_nextn_predict_layers = 2
+    try:
+        with pytest.raises(ValueError, match="2 MTP layers"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, use_mtp=True,
+                           sampler="flash")
+    finally:
+        config.num_nextn_predict_layers = 1
+
+
+def record_drafts(monkeypatch) -> list:
+    """Each verification's (row tokens, drafts) of every running row."""
+    records = []
+    verify = slot_module.Slot.verify
+
+    def recording(slot, width):
+        for b in range(slot.rows):
+            if not bool(slot.finished[b]):
+                records.append((slot.seq[b, :int(slot.length[b])].tolist(),
+                                slot.drafts[b, :width].tolist()))
+        return verify(slot, width)
+
+    monkeypatch.setattr(slot_module.Slot, "verify", recording)
+    return records
+
+
+def steps_by_position(monkeypatch) -> None:
+    """Every runner's steps attend by position (what CUDA's captured steps run; on the CPU
+    through Triton's interpreter), the MTP layer's included."""
+    init = DecoderRunner.__init__
+
+    def by_position(self, decoder, *args, **kwargs):
+        init(self, decoder, *args, **kwargs)
+        self.steps_by_position = attention.unsupported_reason(decoder) is None
+    monkeypatch.setattr(DecoderRunner, "__init__", by_position)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="the attention by position on CPU tensors runs through Triton's "
+                           "interpreter, which a CUDA machine does not use")
+@pytest.mark.parametrize("by_position", [False, True])
+def test_an_mtp_layer_passing_its_hidden_state_through_drafts_the_last_token(
+        tmp_path, monkeypatch, by_position):
+    """The tapped state is the target's output at the right position: an MTP layer whose
+    projection passes the (normed) hidden state through and whose decoder layer adds nothing
+    drafts, from the target's own LM head, the target's greedy token at the position before
+    the row's last: that last token, at every step (a ragged batch; with the steps'
+    attention by position too)."""
+    write_checkpoint(tmp_path)
+    loaded = Glm4MoeForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    loaded._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{LAYERS}\..*"]
+    target = flashspec.wrap(loaded)
+    layer = Mtp(target).mtp.layers[0]
+    with torch.no_grad():
+        layer.eh_proj.weight.zero_()
+        layer.eh_proj.weight[:, HIDDEN:] = torch.eye(HIDDEN)
+        for norm in (layer.enorm, layer.hnorm, layer.post_norm):
+            norm.weight.fill_(1.0)
+        block = layer.mtp_block
+        block.self_attn.o_proj.weight.zero_()
+        block.mlp.experts.down_proj.zero_()
+        block.mlp.shared_experts.down_proj.weight.zero_()
+    if by_position:
+        steps_by_position(monkeypatch)
+    records = record_drafts(monkeypatch)
+    ids, mask = prompts()
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    drafted = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                              use_mtp=True, num_assistant_tokens=2, sampler="flash")
+    assert torch.equal(drafted, plain)
+    assert len(records) > 10
+    assert all(drafts[0] == tokens[-1] for tokens, drafts in records)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="the attention by position on CPU tensors runs through Triton's "
+                           "interpreter, which a CUDA machine does not use")
+def test_mtp_drafts_are_the_same_through_compaction_and_attention_by_position(model, monkeypatch):
+    """The MTP layer's drafts do not depend on how its cache is kept: a slot of 16 columns
+    that compacts its caches again and again (the MTP layer's last entry kept), and the
+    steps' attention by position (the MTP layer's own attention switched with the target's),
+    give the drafts of the plain path."""
+    ids, mask = prompts()
+
+    def drafts(by_position: bool = False, **patches):
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in patches.items():
+                patch.setattr(slot_module, name, value)
+            if by_position:
+                steps_by_position(patch)
+            records = record_drafts(patch)
+            flashspec.generation.engine.drop_engine(model.model)
+            model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
+                           use_mtp=True, num_assistant_tokens=2, sampler="flash")
+        return records
+
+    reference = drafts()
+    assert len(reference) > 40
+    assert drafts(MIN_VIEW=16) == reference
+    assert drafts(by_position=True) == reference
+
+
+def test_a_model_moved_after_its_mtp_layer_was_loaded(model):
+    """The kept MTP layer follows the model to another dtype and back (the MoE experts run
+    in float32, bfloat16 or float16 only), and to a new embedding table."""
+    ids, mask = prompts()
+    model.to(torch.bfloat16)
+    try:
+        drafted = model.generate(ids, attention_mask=mask, max_new_tokens=8, use_mtp=True,
+                                 sampler="flash")
+        assert drafted.shape == (3, 16)
+        assert Mtp(model).mtp.layers[0].eh_proj.weight.dtype == torch.bfloat16
+    finally:
+        model.to(torch.float32)
+    assert Mtp(model).mtp.layers[0].eh_proj.weight.dtype == torch.float32
+    embeddings = model.get_input_embeddings()
+    model.set_input_embeddings(torch.nn.Embedding.from_pretrained(embeddings.weight.clone(),
+                                                                  freeze=False))
+    try:
+        assert Mtp(model).mtp.embed_tokens is model.get_input_embeddings()
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=8,
+                                          use_mtp=True, sampler="flash"),
+                           model.generate(ids, attention_mask=mask, max_new_tokens=8,
+                                          sampler="flash"))
+    finally:
+        model.set_input_embeddings(embeddings)

@@ -17,8 +17,9 @@ state and a token, and both draft the same way (`ChainSteps`):
 A head gives: its decoder (the module the engine's runner drives: ``forward(input_ids,
 <input_name>=hidden, ...)`` returning the layer output), `combine` (the tapped target states
 to the layer's hidden input), `draft` (layer outputs to target token ids, -1 where it
-failed), and `shift` (the layer's position for target position q: q, or q + 1 where the
-model's own code feeds MTP layers one position on).
+failed), and `shift` (the model position of the layer's entry for target position q: q, or
+q + 1 where the model's own code feeds MTP layers one position on; the cache keeps the entry
+at position q either way, `WindowCache.position_shift`).
 """
 
 from __future__ import annotations
@@ -53,13 +54,23 @@ class ChainSteps(AttachedDrafter):
     def __init__(self, head: ChainHead, slot):
         self.head = head
         self.slot = slot
+        # `_first` feeds again from the position of the last target step's first column: at
+        # least the row's last two.
         self.runner, self.cache = slot.add_cache(head.decoder, head.role, refeed=2)
+        self.cache.position_shift = head.shift
         self.count = torch.zeros((), dtype=torch.long, device=slot.device)
         dtype = next(head.decoder.parameters()).dtype
         self.hidden = torch.zeros(slot.batch_size, head.width, dtype=dtype, device=slot.device)
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [self.count, self.hidden]
+
+    def start(self, prompt) -> None:
+        """With a shift, a right-padded row's model positions move on (`Slot.load`) from the
+        entry of the position before its first new token."""
+        if self.head.shift:
+            cache = self.cache
+            cache.set_offsets(cache.offset.clone(), self.slot.prompt_length - self.head.shift)
 
     def prefilled(self, prompt, taps: torch.Tensor) -> None:
         """Prompt positions q <= P - 2 of each row (P: its prompt length), with the token at
@@ -71,8 +82,8 @@ class ChainSteps(AttachedDrafter):
         live = (live & (positions <= (slot.prompt_length - 2)[:, None])
                 & (columns >= slot.past_columns)[None, :])
         following = slot.seq.gather(1, (positions + 1).clamp_max(slot.seq.shape[1] - 1))
-        slot.forward_prompt(self.runner, self.cache, following, positions + self.head.shift,
-                            live, inputs={self.head.input_name: self.head.combine(taps)})
+        slot.forward_prompt(self.runner, self.cache, following, positions, live,
+                            inputs={self.head.input_name: self.head.combine(taps)})
 
     def columns(self, width: int) -> int:
         # The first step's columns for every tap column, then one per further draft (a
@@ -93,7 +104,7 @@ class ChainSteps(AttachedDrafter):
         live = positions <= last[:, None]
         following = slot.seq.gather(1, (positions + 1).clamp(0, slot.seq.shape[1] - 1))
         # Dead columns stay inside the row's budget (a learned position table could end).
-        fed = torch.minimum(positions + self.head.shift, (slot.end - 1)[:, None]).clamp_min(0)
+        fed = torch.minimum(positions, (slot.end - 1)[:, None]).clamp_min(0)
         hidden = self.runner.step(self.cache, following, fed, live,
                                   inputs={self.head.input_name: self.head.combine(taps)})
         pick = (last - start).clamp(0, taps.shape[1] - 1)
@@ -107,8 +118,7 @@ class ChainSteps(AttachedDrafter):
         # A compiled step takes two tokens or more: the previous draft and a dead copy.
         fed = 2 if self.runner.compile and not self.runner.eager else 1
         previous = slot.drafts.index_select(1, count - 1).clamp_min(0).repeat(1, fed)
-        positions = torch.minimum(slot.length[:, None] + count - 2 + self.head.shift,
-                                  (slot.end - 1)[:, None])
+        positions = torch.minimum(slot.length[:, None] + count - 2, (slot.end - 1)[:, None])
         hidden = self.runner.step(
             self.cache, previous, positions.repeat(1, fed), slot.one_live[:, :fed],
             inputs={self.head.input_name: self.hidden[:, None].repeat(1, fed, 1)})

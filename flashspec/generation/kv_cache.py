@@ -146,6 +146,10 @@ class WindowCache(Cache):
         # tokens (`Slot.load`); zeros otherwise.
         self.offset = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.offset_from = torch.zeros(batch_size, dtype=torch.long, device=device)
+        # Added to every model position: an MTP layer's entry at cache position p is the
+        # model's position p + 1 (`chain.ChainHead.shift`); the cache keeps positions from 0,
+        # which the attention by position reads.
+        self.position_shift = 0
         self.positions_fed = None           # the last `begin`'s positions (cache positions)
         self.num_updates = 0
         self.mask = None                    # what the last `begin` returned
@@ -225,11 +229,12 @@ class WindowCache(Cache):
         """The position ids the model takes (rotary or learned positions) for a forward of
         the cache positions `position_ids` ``[b, n]`` (the cache's first b rows): the same,
         but for each row's positions from ``offset_from`` on, shifted by ``offset`` (stock's
-        positions of a right-padded row's new tokens, `Slot.load`)."""
+        positions of a right-padded row's new tokens, `Slot.load`), and all by
+        ``position_shift``."""
         rows = position_ids.shape[0]
         shift = torch.where(position_ids >= first_rows(self.offset_from, rows)[:, None],
                             first_rows(self.offset, rows)[:, None], 0)
-        return position_ids + shift
+        return position_ids + shift + self.position_shift
 
     def padding_mask(self, rows: int) -> torch.Tensor:
         """``[rows, view]`` bool: which of the view's columns hold a live entry of each of the

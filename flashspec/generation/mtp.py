@@ -19,7 +19,6 @@ are refused until they are implemented.
 
 from __future__ import annotations
 
-import copy
 import weakref
 
 import torch
@@ -55,11 +54,9 @@ class MtpDecoder(nn.Module):
         super().__init__()
         self.mtp = mtp
         self.depth = depth
-        config = copy.copy(mtp.config)
-        config.num_hidden_layers = 1
-        if getattr(config, "layer_types", None) is not None:
-            config.layer_types = [config.layer_types[depth]]
-        self.config = config
+        # The MTP model's own config (one layer per depth: `get_mtp_config`), which its
+        # attention modules read: the engine switches their attention through it.
+        self.config = mtp.config
 
     def get_input_embeddings(self) -> nn.Module:
         return self.mtp.embed_tokens
@@ -79,6 +76,20 @@ class MtpDecoder(nn.Module):
         if self.mtp.use_shared_post_norm:
             hidden = self.mtp.shared_post_norm(hidden)
         return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values)
+
+
+def _follow(mtp, model, weight: torch.Tensor) -> None:
+    """Keep a kept MTP model in step with `model`: its shared embedding and LM head the
+    model's current modules, its own layers on the LM head's device in its dtype (the model
+    may have been moved, cast or given new embeddings since)."""
+    if (mtp.embed_tokens is not model.get_input_embeddings()
+            or mtp.shared_head is not model.get_output_embeddings()):
+        mtp.tie_with_main_model(model)
+    own = [mtp.layers, *([mtp.shared_post_norm] if mtp.use_shared_post_norm else [])]
+    for module in own:
+        parameter = next(module.parameters())
+        if parameter.device != weight.device or parameter.dtype != weight.dtype:
+            module.to(device=weight.device, dtype=weight.dtype)
 
 
 class Mtp(Drafter, ChainHead):
@@ -109,6 +120,7 @@ class Mtp(Drafter, ChainHead):
             from transformers.modeling_layers import MtpModel
             mtp = MtpModel.from_pretrained(model, device_map={"": head.weight.device})
             keep_mtp(model, mtp)
+        _follow(mtp, model, head.weight)
         config = mtp.config
         for name in ("logits_mup_width_multiplier", "unpadded_vocab_size"):
             if getattr(config, name, None) is not None:

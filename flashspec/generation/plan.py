@@ -451,7 +451,7 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
         num_drafts = DRAFTER_DEFAULT_DRAFTS if num_drafts is None else num_drafts
         _check_count("num_assistant_tokens", num_drafts)
         if requested.get("num_assistant_tokens_schedule") not in (None, "constant"):
-            raise ValueError("`num_assistant_tokens_schedule`: a `drafter` of your own drafts "
+            raise ValueError("`num_assistant_tokens_schedule`: a `drafter` (and `use_mtp`) drafts "
                              "`num_assistant_tokens` per step (schedule 'constant')")
         schedule, persist = "constant", None
     else:

@@ -30,7 +30,8 @@ def tap_layers(decoder: torch.nn.Module, layers: tuple[int, ...], role: str = "m
         raise ValueError(
             f"`{role}` ({type(decoder).__name__}) has no stack of decoder layers whose inputs "
             "a drafter can read (or its layers' forwards are replaced, as accelerate's hooks "
-            "do); drafters that read the target's hidden states (EAGLE-3) need one")
+            "do); drafters that read the target's hidden states (EAGLE-3 heads, MTP layers) "
+            "need one")
     bad = [k for k in layers if not isinstance(k, int) or not (0 <= k <= len(stack) or k == FINAL)]
     if bad or not layers:
         raise ValueError(f"target layers to read {list(layers)} must be ints in [0, "
