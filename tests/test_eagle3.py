@@ -352,12 +352,20 @@ def long_prompt():
     return ids, torch.ones_like(ids)
 
 
-@pytest.mark.parametrize("prompts", [left_padded, right_padded, long_prompt])
-def test_drafts_equal_the_reference(monkeypatch, prompts):
+@pytest.mark.parametrize("prompts, by_position", [
+    (left_padded, False), (right_padded, False), (long_prompt, False),
+    pytest.param(left_padded, True, marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="the attention by position on CPU tensors runs "
+                                          "through Triton's interpreter"))])
+def test_drafts_equal_the_reference(monkeypatch, prompts, by_position):
     """The engine's drafts (KV cache rolled back by position, the first step rewriting the
     entries the previous chain wrote; left- and right-padded rows; a slot grown inside the
-    call, its taps kept) equal the from-scratch reference's, but where the reference's top two
-    logits are within fp32 rounding."""
+    call, its taps kept; the steps' attention by position, as CUDA's captured steps run it)
+    equal the from-scratch reference's, but where the reference's top two logits are within
+    fp32 rounding."""
+    if by_position:
+        from test_mtp import steps_by_position
+        steps_by_position(monkeypatch)
     model = target()
     head = head_for(model)
     records = record_drafts(monkeypatch)

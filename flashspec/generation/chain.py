@@ -77,10 +77,10 @@ class ChainSteps(AttachedDrafter):
         q + 1; the last one comes with the first step (`_first`)."""
         ids, positions, live = prompt
         slot = self.slot
-        # Columns a passed cache held have no taps (the prefill did not feed them).
-        columns = torch.arange(positions.shape[1], device=slot.device)
-        live = (live & (positions <= (slot.prompt_length - 2)[:, None])
-                & (columns >= slot.past_columns)[None, :])
+        # Columns a passed cache held have zero taps (the prefill did not feed them): their
+        # entries are fed all the same, since the attention by position reads every position
+        # up to a query's.
+        live = live & (positions <= (slot.prompt_length - 2)[:, None])
         following = slot.seq.gather(1, (positions + 1).clamp_max(slot.seq.shape[1] - 1))
         slot.forward_prompt(self.runner, self.cache, following, positions, live,
                             inputs={self.head.input_name: self.head.combine(taps)})

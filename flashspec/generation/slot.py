@@ -499,11 +499,6 @@ class Slot:
         self.taps[:, 0] = torch.where(at_last.any(dim=1)[:, None], sink[rows, column], 0)
         self.tap_position.copy_(last)
 
-    @property
-    def past_columns(self) -> int:
-        """The prompt columns the call's passed cache held (the prefill did not feed them)."""
-        return self._past_columns
-
     def take_prompt_taps(self) -> torch.Tensor | None:
         """The prefill's taps (`_prompt_taps_taken`), once."""
         taps, self.prompt_taps = self.prompt_taps, None
