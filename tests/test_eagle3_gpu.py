@@ -11,10 +11,10 @@ import torch
 
 import flashspec
 from flashspec.bench.random_init import peak_weights
-from flashspec.bench.timing import step_ms
 from flashspec.generation.engine import cached_engine
 
 from test_eagle3 import head_for, left_padded, reference_drafts, target
+from test_generate_gpu import assert_calls_in_turn_agree
 
 pytestmark = pytest.mark.gpu
 
@@ -117,16 +117,6 @@ def test_calls_of_every_kind_cross_the_capacity_an_earlier_call_sized(batch):
     head = head_for(model)
     torch.manual_seed(3)
     ids = torch.randint(1, 100, (batch, 128), device="cuda")
-    common = dict(attention_mask=torch.ones_like(ids), sampler="flash", do_sample=False,
-                  max_new_tokens=128)
-    kinds = [({}, 0), (dict(drafter=head, num_assistant_tokens=5), 5),
-             (dict(prompt_lookup_num_tokens=5), 5), (dict(drafter=head, num_assistant_tokens=3), 3)]
-    outs = []
-    for kind, width in kinds:
-        generate = functools.partial(model.generate, ids, **common, **kind)
-        outs.append(generate())
-        steps = step_ms(model, generate, "fused", width)
-        assert steps is not None and all(ms is None or ms > 0 for ms in steps.values()), steps
-        torch.cuda.synchronize()
-    for out in outs[1:]:
-        assert torch.equal(out, outs[0])
+    assert_calls_in_turn_agree(model, ids, [
+        ({}, 0), (dict(drafter=head, num_assistant_tokens=5), 5),
+        (dict(prompt_lookup_num_tokens=5), 5), (dict(drafter=head, num_assistant_tokens=3), 3)])

@@ -304,17 +304,25 @@ def test_calls_of_every_kind_cross_the_capacity_an_earlier_call_sized(batch):
     weights (every draft accepted): the same tokens from every call. CPU twin:
     test_engine.py's test of the same sequence under emulated graphs."""
     from flashspec.bench.random_init import peak_weights
-    from flashspec.bench.timing import step_ms
 
     model = flashspec.wrap(peak_weights(_llama(0, 2, torch.bfloat16)))
     assistant = peak_weights(_llama(1, 1, torch.bfloat16))
     torch.manual_seed(3)
     ids = torch.randint(1, VOCAB, (batch, 128), device="cuda")
-    common = dict(attention_mask=torch.ones_like(ids), sampler="flash", do_sample=False,
-                  max_new_tokens=128)
     kinds = [({}, 0), (dict(assistant_model=assistant, num_assistant_tokens=5,
                             num_assistant_tokens_schedule="constant"), 5),
              (dict(prompt_lookup_num_tokens=5), 5), ({}, 0)]
+    assert_calls_in_turn_agree(model, ids, kinds)
+
+
+def assert_calls_in_turn_agree(model, ids, kinds) -> None:
+    """Greedy calls of 128 new tokens, one per (generate kwargs, draft width) of `kinds` in
+    turn on one engine, each followed by a call whose captured steps are timed (`step_ms`):
+    every step timed, the same tokens from every call."""
+    from flashspec.bench.timing import step_ms
+
+    common = dict(attention_mask=torch.ones_like(ids), sampler="flash", do_sample=False,
+                  max_new_tokens=128)
     outs = []
     for kind, width in kinds:
         generate = functools.partial(model.generate, ids, **common, **kind)

@@ -311,15 +311,22 @@ def test_table_is_printed(report, capsys):
     assert any(line.split()[:5] == ["tiny", "1", "greedy", "-", "flash_plain"] for line in lines)
 
 
+def small_config(folder, **fields):
+    """A small random-init shape's config.json in `folder` (a one-layer Llama unless
+    `fields` say otherwise); returns its path."""
+    folder.mkdir()
+    path = folder / "config.json"
+    path.write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 32, **fields}))
+    return path
+
+
 def test_random_init_without_a_draft(tmp_path, capsys):
     """A config.json path as the target shape, no draft shape: the draft variants are
     skipped, the others run; each row goes to stderr as a JSON line when measured."""
-    config = tmp_path / "small" / "config.json"
-    config.parent.mkdir()
-    config.write_text(json.dumps({
-        "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "head_dim": 32}))
+    config = small_config(tmp_path / "small")
     out = tmp_path / "out"
     assert tok_per_s.main(["--random-init", str(config), "--batch-sizes", "1", "--new-tokens",
                            "4", "--prompt-length", "8", "--reps", "1", "--device", "cpu",
@@ -508,14 +515,10 @@ def test_random_init_mtp_and_eagle3_rows(tmp_path):
     """A random-init target whose config has MTP layers gets random ones (flash_mtp runs,
     greedy tokens stock's); without --eagle3 the EAGLE-3 row is skipped, saying why; a target
     without MTP layers skips flash_mtp."""
-    config = tmp_path / "glm" / "config.json"
-    config.parent.mkdir()
-    config.write_text(json.dumps({
-        "model_type": "glm4_moe", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-        "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
-        "n_shared_experts": 1, "first_k_dense_replace": 1, "num_hidden_layers": 2,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-        "num_nextn_predict_layers": 1}))
+    config = small_config(tmp_path / "glm", model_type="glm4_moe", moe_intermediate_size=32,
+                          n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                          first_k_dense_replace=1, num_hidden_layers=2,
+                          num_nextn_predict_layers=1)
     out = tmp_path / "out"
     assert tok_per_s.main(["--random-init", str(config), "--batch-sizes", "1,2", "--new-tokens",
                            "6", "--prompt-length", "8", "--reps", "1", "--device", "cpu",
@@ -528,12 +531,7 @@ def test_random_init_mtp_and_eagle3_rows(tmp_path):
     assert all(row["flash_stats"]["drafted"] > 0 for row in mtp)
     eagle3 = [row for row in rows if row["variant"] == "flash_eagle3"]
     assert all(row["status"] == "skipped: no EAGLE-3 head (give --eagle3)" for row in eagle3)
-    llama = tmp_path / "small" / "config.json"
-    llama.parent.mkdir()
-    llama.write_text(json.dumps({
-        "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "head_dim": 32}))
+    llama = small_config(tmp_path / "small")
     assert tok_per_s.main(["--random-init", str(llama), "--batch-sizes", "1", "--new-tokens",
                            "4", "--prompt-length", "8", "--reps", "1", "--device", "cpu",
                            "--variants", "flash_mtp", "--out", str(out)]) == 0
