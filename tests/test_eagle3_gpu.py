@@ -9,7 +9,6 @@ import functools
 import pytest
 import torch
 
-import flashspec
 from flashspec.bench.random_init import peak_weights
 from flashspec.generation.engine import cached_engine
 
