@@ -255,3 +255,19 @@ def test_a_model_moved_after_its_mtp_layer_was_loaded(model):
                                           sampler="flash"))
     finally:
         model.set_input_embeddings(embeddings)
+
+
+def test_moe_experts_that_cuda_graphs_cannot_capture_are_named(model):
+    """On CUDA the engine refuses MoE experts whose grouped GEMMs fall back to a loop reading
+    the host (transformers' grouped_mm experts in another dtype than bfloat16; seen failing
+    at capture on an H200): the check itself, on the CPU copy (CPU twin of the refusal)."""
+    from flashspec.generation.heads import uncapturable_experts
+
+    why = uncapturable_experts(model.model, "model")
+    assert "float32 weights" in why and "bfloat16" in why and "Glm4MoeExperts" in why
+    assert uncapturable_experts(tiny_model("llama").model, "model") is None
+    model.to(torch.bfloat16)
+    try:
+        assert uncapturable_experts(model.model, "model") is None
+    finally:
+        model.to(torch.float32)

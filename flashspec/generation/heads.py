@@ -322,3 +322,26 @@ def check_decoder(decoder: torch.nn.Module, role: str) -> None:
             "(ALiBi) but does not build its causal mask with transformers' create_causal_mask, "
             "through which sampler='flash' gives it the position-addressed mask; run "
             "generate() without sampler='flash'")
+
+
+def uncapturable_experts(module: torch.nn.Module, role: str) -> str | None:
+    """Why the engine's captured steps cannot run `module` on CUDA, or None: transformers'
+    MoE experts (classes decorated with ``use_experts_implementation``) with the "grouped_mm"
+    implementation and weights in another dtype than bfloat16 fall back, under
+    torch.compile, to a loop over the experts that reads their token counts on the host
+    (``_grouped_mm_fallback``), which no CUDA graph can capture (measured: a float32
+    GLM-4-MoE on an H200, 2026-11-28)."""
+    for name, experts in module.named_modules():
+        config = getattr(experts, "config", None)
+        if not hasattr(experts, "is_concatenated") or config is None:
+            continue
+        weight = next(experts.parameters(recurse=False), None)
+        implementation = getattr(config, "_experts_implementation", None)
+        if (weight is not None and implementation == "grouped_mm"
+                and weight.dtype != torch.bfloat16):
+            return (f"`{role}`'s MoE experts ({name}, {type(experts).__name__}) hold "
+                    f"{weight.dtype} weights: transformers' grouped_mm experts then read their "
+                    "token counts on the host under torch.compile, which the engine's CUDA "
+                    "graphs cannot capture; load the model in bfloat16, or run generate() "
+                    "without sampler='flash'")
+    return None

@@ -28,7 +28,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from .chain import ChainHead, ChainSteps
 from .drafters import AttachedDrafter, Drafter
-from .heads import output_head
+from .heads import output_head, uncapturable_experts
 from .taps import FINAL, tap_layers
 
 _MTP_ATTRIBUTE = "_flashspec_mtp_model"
@@ -122,6 +122,10 @@ class Mtp(Drafter, ChainHead):
             keep_mtp(model, mtp)
         _follow(mtp, model, head.weight)
         config = mtp.config
+        if head.weight.is_cuda:
+            why = uncapturable_experts(mtp.layers, "the MTP layer (`use_mtp`)")
+            if why is not None:
+                raise ValueError(why)
         for name in ("logits_mup_width_multiplier", "unpadded_vocab_size"):
             if getattr(config, name, None) is not None:
                 raise ValueError(f"`use_mtp=True`: the MTP head's {name} is not supported")

@@ -83,7 +83,8 @@ from .arguments import (Sources, check_eval_mode, check_options, checked_input_i
 from .drafters import AssistantDrafter, Drafter, PromptLookupDrafter
 from .mtp import Mtp, mtp_layers
 from .edits import FUSED_OPTIONS, EditRules
-from .heads import OutputHead, check_decoder, check_logits, model_hooks, output_head
+from .heads import (OutputHead, check_decoder, check_logits, model_hooks, output_head,
+                    uncapturable_experts)
 from .inputs import takes
 from .kv_cache import layer_kinds, takes_padding_mask
 from .past import check_past
@@ -272,7 +273,8 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
     if head.shards is not None:
         _check_tensor_parallel(config, source)
     if head.weight.is_cuda and head.shards is None and not head.spread:
-        why = off_current_device(head.weight.device, torch.cuda.current_device())
+        why = (off_current_device(head.weight.device, torch.cuda.current_device())
+               or uncapturable_experts(head.decoder, "model"))
         if why is not None:
             raise ValueError(why)
     sampling = options.sampling["do_sample"]
