@@ -512,3 +512,17 @@ def test_a_head_whose_logits_are_not_finite_is_named():
     ids, mask = left_padded()
     with pytest.raises(flashspec.NonFiniteLogitsError, match="the EAGLE-3 head"):
         generate(model, ids, mask, max_new_tokens=8, drafter=head, num_assistant_tokens=2)
+
+
+def test_warmup_takes_an_eagle3_head():
+    """`flashspec.warmup(model, drafter=head, ...)` runs the head's steps (on CUDA it compiles
+    and captures them); a call after it gives the tokens of a plain call."""
+    model = target()
+    head = head_for(model)
+    report = flashspec.warmup(model, drafter=head, num_assistant_tokens=3, max_length=64,
+                              batch_sizes=(1, 3), progress=False)
+    assert [slot["batch_size"] for slot in report["memory"]["slots"]] == [1, 3]
+    ids, mask = left_padded()
+    assert torch.equal(generate(model, ids, mask, max_new_tokens=8, drafter=head,
+                                num_assistant_tokens=3).sequences,
+                       generate(model, ids, mask, max_new_tokens=8).sequences)
