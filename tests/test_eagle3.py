@@ -13,10 +13,12 @@ from transformers import LlamaConfig
 
 import flashspec
 from flashspec.bench.random_init import random_eagle3
+from flashspec.generation import attention
 from flashspec.generation import slot as slot_module
+from flashspec.generation.compiled import DecoderRunner
 from flashspec.generation.eagle3 import Eagle3
 from flashspec.generation.eagle3_model import Eagle3Model, config_taps, default_taps
-from flashspec.generation.taps import FINAL, tapping
+from flashspec.generation.taps import FINAL, tap_layers, tapping
 
 from _models import PAD, VOCAB, tiny_model
 
@@ -256,7 +258,7 @@ def test_taps_are_the_hidden_states_entering_the_layers():
     sink = torch.zeros(3, ids.shape[1], 3 * 48)
     with torch.no_grad():
         stock = model(ids, attention_mask=mask, output_hidden_states=True)
-        with tapping(model.model, layers, sink):
+        with tapping(model.model, tap_layers(model.model, layers), layers, sink):
             model(ids, attention_mask=mask)
         # the last layer's output, before the final norm
         pre_norm = []
@@ -268,7 +270,7 @@ def test_taps_are_the_hidden_states_entering_the_layers():
     torch.testing.assert_close(sink[..., 96:], pre_norm[0], rtol=0, atol=0)
     assert not model.model.layers[0]._forward_pre_hooks        # removed on exit
     final = torch.zeros(3, ids.shape[1], 48)                    # the decoder's output (MTP's)
-    with torch.no_grad(), tapping(model.model, (FINAL,), final):
+    with torch.no_grad(), tapping(model.model, tap_layers(model.model, (FINAL,)), (FINAL,), final):
         output = model.model(ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(final, output, rtol=0, atol=0)
     assert not model.model._forward_hooks
@@ -339,6 +341,17 @@ def record_drafts(monkeypatch):
     return records
 
 
+def steps_by_position(monkeypatch) -> None:
+    """Every runner's steps attend by position (what CUDA's captured steps run; on the CPU
+    through Triton's interpreter), the MTP layer's included."""
+    init = DecoderRunner.__init__
+
+    def by_position(self, decoder, *args, **kwargs):
+        init(self, decoder, *args, **kwargs)
+        self.steps_by_position = attention.unsupported_reason(decoder) is None
+    monkeypatch.setattr(DecoderRunner, "__init__", by_position)
+
+
 def right_padded():
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12], [3, 4, 5, 3, 4, PAD, PAD, PAD]])
     return ids, (ids != PAD).long()
@@ -364,7 +377,6 @@ def test_drafts_equal_the_reference(monkeypatch, prompts, by_position):
     equal the from-scratch reference's, but where the reference's top two logits are within
     fp32 rounding."""
     if by_position:
-        from test_mtp import steps_by_position
         steps_by_position(monkeypatch)
     model = target()
     head = head_for(model)

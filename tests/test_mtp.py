@@ -12,12 +12,11 @@ from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 from transformers.generation import candidate_generator
 
 import flashspec
-from flashspec.generation import attention
 from flashspec.generation import slot as slot_module
-from flashspec.generation.compiled import DecoderRunner
 from flashspec.generation.mtp import Mtp
 
 from _models import PAD, tiny_model
+from test_eagle3 import record_drafts, steps_by_position
 
 LAYERS = 3
 HIDDEN = 48
@@ -139,33 +138,6 @@ def test_the_mtp_layer_is_loaded_once_and_refused_where_it_cannot_run(model):
         config.num_nextn_predict_layers = 1
 
 
-def record_drafts(monkeypatch) -> list:
-    """Each verification's (row tokens, drafts) of every running row."""
-    records = []
-    verify = slot_module.Slot.verify
-
-    def recording(slot, width):
-        for b in range(slot.rows):
-            if not bool(slot.finished[b]):
-                records.append((slot.seq[b, :int(slot.length[b])].tolist(),
-                                slot.drafts[b, :width].tolist()))
-        return verify(slot, width)
-
-    monkeypatch.setattr(slot_module.Slot, "verify", recording)
-    return records
-
-
-def steps_by_position(monkeypatch) -> None:
-    """Every runner's steps attend by position (what CUDA's captured steps run; on the CPU
-    through Triton's interpreter), the MTP layer's included."""
-    init = DecoderRunner.__init__
-
-    def by_position(self, decoder, *args, **kwargs):
-        init(self, decoder, *args, **kwargs)
-        self.steps_by_position = attention.unsupported_reason(decoder) is None
-    monkeypatch.setattr(DecoderRunner, "__init__", by_position)
-
-
 @pytest.mark.skipif(torch.cuda.is_available(),
                     reason="the attention by position on CPU tensors runs through Triton's "
                            "interpreter, which a CUDA machine does not use")
@@ -200,7 +172,7 @@ def test_an_mtp_layer_passing_its_hidden_state_through_drafts_the_last_token(
                               use_mtp=True, num_assistant_tokens=2, sampler="flash")
     assert torch.equal(drafted, plain)
     assert len(records) > 10
-    assert all(drafts[0] == tokens[-1] for tokens, drafts in records)
+    assert all(drafts[0] == tokens[-1] for tokens, drafts, _ in records)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(),

@@ -59,6 +59,7 @@ class ChainSteps(AttachedDrafter):
         self.runner, self.cache = slot.add_cache(head.decoder, head.role, refeed=2)
         self.cache.position_shift = head.shift
         self.count = torch.zeros((), dtype=torch.long, device=slot.device)
+        self.first_column = torch.zeros(1, dtype=torch.long, device=slot.device)
         dtype = next(head.decoder.parameters()).dtype
         self.hidden = torch.zeros(slot.batch_size, head.width, dtype=dtype, device=slot.device)
 
@@ -109,7 +110,7 @@ class ChainSteps(AttachedDrafter):
                                   inputs={self.head.input_name: self.head.combine(taps)})
         pick = (last - start).clamp(0, taps.shape[1] - 1)
         hidden = hidden.gather(1, pick[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
-        self._draft(torch.zeros(1, dtype=torch.long, device=slot.device), hidden)
+        self._draft(self.first_column, hidden)
         self.count.fill_(1)
 
     def _next(self) -> None:

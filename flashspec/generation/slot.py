@@ -36,7 +36,7 @@ from .edits import EditState, bans_every_token
 from .inputs import decoder_inputs, embeddings_instead
 from .kv_cache import WindowCache, layer_kinds
 from .past import kv_by_column, load_past
-from .taps import tapping
+from .taps import tap_layers, tapping
 
 MIN_VIEW = 256            # KV columns of the smallest view (and capacity)
 # Without CUDA graphs a view costs nothing to change: it grows by this many columns, and
@@ -158,6 +158,7 @@ class Slot:
         # `prompt_taps` until the drafter took them.
         self.tap_layers: tuple[int, ...] = ()     # those the buffers hold
         self.call_taps: tuple[int, ...] = ()      # the call's (empty: no taps)
+        self._tap_stack = None                    # the target's layer stack, found once
         self.taps: torch.Tensor | None = None
         self.tap_position = torch.zeros(batch_size, **long)
         self.prompt_taps: torch.Tensor | None = None
@@ -197,6 +198,8 @@ class Slot:
         """This call's drafter reads the hidden states entering the target's `layers`
         (`taps`; empty: none): buffers for them, made anew when the layers change."""
         self.call_taps = tuple(layers)
+        if self.call_taps and self._tap_stack is None:
+            self._tap_stack = tap_layers(self.target.runner.decoder, self.call_taps)
         if self.call_taps and self.call_taps != self.tap_layers:
             self.tap_layers = self.call_taps
             self._allocate_columns()
@@ -210,7 +213,7 @@ class Slot:
         taps)."""
         if not self.call_taps:
             return contextlib.nullcontext()
-        return tapping(self.target.runner.decoder, self.call_taps, sink)
+        return tapping(self.target.runner.decoder, self._tap_stack, self.call_taps, sink)
 
     # ---- what the slot holds -----------------------------------------------------------
 

@@ -40,11 +40,11 @@ def tap_layers(decoder: torch.nn.Module, layers: tuple[int, ...], role: str = "m
 
 
 @contextlib.contextmanager
-def tapping(decoder: torch.nn.Module, layers: tuple[int, ...], sink: torch.Tensor):
-    """Inside, each forward of `decoder` over ``[b, n]`` tokens copies the hidden states of
-    its first ``w = min(n, sink.shape[1])`` columns entering ``layers[k]`` for each tapped
-    `k` into ``sink[:b, :w, j*D:(j+1)*D]`` (`j`: the tap's place in `layers`)."""
-    stack = tap_layers(decoder, layers)
+def tapping(decoder: torch.nn.Module, stack, layers: tuple[int, ...], sink: torch.Tensor):
+    """Inside, each forward of `decoder` (its layer stack `stack`, as `tap_layers` returned
+    it) over ``[b, n]`` tokens copies the hidden states of its first
+    ``w = min(n, sink.shape[1])`` columns entering ``layers[k]`` for each tapped `k` into
+    ``sink[:b, :w, j*D:(j+1)*D]`` (`j`: the tap's place in `layers`)."""
     width = sink.shape[-1] // len(layers)
 
     def copy(index: int, hidden) -> None:
