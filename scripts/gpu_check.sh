@@ -21,6 +21,11 @@
 # EAGLE-3 head at the published Llama-3.1-8B head's shape (stock, plain, EAGLE-3 at k = 3, 4;
 # the tok/s the measured steps give at 3.5 tokens per round), into $OUT/eagle3:
 #   PARTS=eagle3 bash scripts/gpu_check.sh
+# The part mtp does the same for MTP drafts (use_mtp=True, one draft per round) on a random
+# model at Qwen3.5-9B's widths with a random MTP layer (flashspec/assets/configs/
+# qwen3.5-9b-mtp.json says how it is built), computed at 1.8 tokens per round (one draft
+# accepted 80% of the time, as reported for Qwen3.5's MTP layer), into $OUT/mtp:
+#   PARTS=mtp bash scripts/gpu_check.sh
 # The part multi needs two GPUs or more (the device tool's nvidia-h100-x2): a tensor-parallel
 # model on one GPU per rank, and a model whose layers accelerate split over two GPUs, against
 # the same model on one GPU (tests/test_tensor_parallel.py, tests/test_device_map.py; log in
@@ -36,8 +41,8 @@ OUT=${OUT:-gpu_out}
 PARTS=${PARTS:-tests fuzz kernels verify}
 for part in $PARTS; do
     case $part in
-        tests|fuzz|kernels|verify|eagle3|multi|head|tp) ;;
-        *) echo "gpu_check.sh: PARTS has '$part'; allowed: tests, fuzz, kernels, verify, eagle3, multi, head, tp" >&2
+        tests|fuzz|kernels|verify|eagle3|mtp|multi|head|tp) ;;
+        *) echo "gpu_check.sh: PARTS has '$part'; allowed: tests, fuzz, kernels, verify, eagle3, mtp, multi, head, tp" >&2
            exit 2 ;;
     esac
 done
@@ -80,6 +85,10 @@ for part in $PARTS; do
                 --variants hf,flash_plain,flash_eagle3 --batch-sizes 1 --num-drafts 3,4 \
                 --assumed-acceptance-length 3.5 --out "$OUT/eagle3" 2>&1 \
                 | tee "$OUT/eagle3.log" | tail -12 ;;
+        mtp) python scripts/tok_per_s.py --random-init qwen3.5-9b-mtp \
+                --variants hf,flash_plain,flash_mtp --batch-sizes 1 --num-drafts 1 \
+                --assumed-acceptance-length 1.8 --out "$OUT/mtp" 2>&1 \
+                | tee "$OUT/mtp.log" | tail -12 ;;
         multi) timeout "${TEST_TIMEOUT:-0}" python -m pytest -q -p no:cacheprovider \
                 tests/test_tensor_parallel.py tests/test_device_map.py 2>&1 \
                 | tee "$OUT/multi.log" | tail -5 ;;

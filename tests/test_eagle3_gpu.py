@@ -9,6 +9,8 @@ import functools
 import pytest
 import torch
 
+import flashspec
+
 from flashspec.bench.random_init import peak_weights
 from flashspec.generation.engine import cached_engine
 
@@ -119,3 +121,17 @@ def test_calls_of_every_kind_cross_the_capacity_an_earlier_call_sized(batch):
     assert_calls_in_turn_agree(model, ids, [
         ({}, 0), (dict(drafter=head, num_assistant_tokens=5), 5),
         (dict(prompt_lookup_num_tokens=5), 5), (dict(drafter=head, num_assistant_tokens=3), 3)])
+
+
+def test_warmup_captures_what_a_call_with_the_head_needs():
+    """`flashspec.warmup(model, drafter=head, ...)` compiles and captures every step a later
+    call with that head and draft count runs: the call adds no compilation or capture."""
+    model, head = _model(torch.bfloat16)
+    ids, mask = left_padded()
+    kwargs = dict(drafter=head, num_assistant_tokens=4, do_sample=False)
+    flashspec.warmup(model, batch_sizes=(len(ids),), max_length=128, progress=False, **kwargs)
+    engine = cached_engine(model.model)
+    events = len(engine.events)
+    _generate(model, ids, mask, max_new_tokens=24, **kwargs)
+    assert engine.events[events:] == []
+    assert {"eagle3_first", "eagle3_next", ("verify", 4)} <= engine.last_call_steps

@@ -60,3 +60,17 @@ def test_mtp_tokens_on_cuda_are_the_tokens_without(models):
                                  use_mtp=True, num_assistant_tokens=drafts, do_sample=False)
         _same_or_near_tie(reference, ids, mask, drafted, plain)
     assert {"mtp_first", "mtp_next", ("verify", 3)} <= cached_engine(model.model).last_call_steps
+
+
+def test_warmup_captures_what_a_call_with_mtp_needs(models):
+    """`flashspec.warmup(model, use_mtp=True, ...)` compiles and captures every step a
+    later `use_mtp` call with that draft count runs: the call adds no compilation or capture."""
+    model, _ = models
+    ids, mask = (t.cuda() for t in prompts())
+    kwargs = dict(use_mtp=True, num_assistant_tokens=2, do_sample=False)
+    flashspec.warmup(model, batch_sizes=(len(ids),), max_length=64, progress=False, **kwargs)
+    engine = cached_engine(model.model)
+    events = len(engine.events)
+    model.generate(ids, attention_mask=mask, max_new_tokens=16, sampler="flash", **kwargs)
+    assert engine.events[events:] == []
+    assert {"mtp_first", "mtp_next", ("verify", 2)} <= engine.last_call_steps

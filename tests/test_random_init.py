@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import flashspec
 from flashspec.bench import random_init
 from flashspec.bench.cli import random_init_shapes
 
-SHIPPED = ["llama-3.1-8b", "llama-3.2-1b", "qwen3-0.6b", "qwen3-1.7b"]
+SHIPPED = ["llama-3.1-8b", "llama-3.2-1b", "qwen3-0.6b", "qwen3-1.7b", "qwen3.5-9b-mtp"]
 SMALL_LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32,
                "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
                "num_key_value_heads": 1, "head_dim": 16}
@@ -32,6 +33,37 @@ def test_shipped_configs_are_real_shapes_and_ship_with_the_package():
     assert not hasattr(config, random_init.SOURCE_FIELD)
     pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     assert "assets/configs/*.json" in pyproject["tool"]["setuptools"]["package-data"]["flashspec"]
+
+
+def test_the_mtp_shape_reads_what_qwen35_9b_reads():
+    """qwen3.5-9b-mtp: Qwen3.5-9B's widths as a GLM-4-MoE model (transformers' MTP family);
+    its main layers dense, its MTP layer's experts reading a dense FFN's bytes per token."""
+    config = random_init.random_config("qwen3.5-9b-mtp")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    assert 8.1e9 < sum(p.numel() for p in model.parameters()) < 8.3e9
+    assert {type(layer.mlp).__name__ for layer in model.model.layers} == {"Glm4MoeMLP"}
+    active = config.moe_intermediate_size * (config.num_experts_per_tok + config.n_shared_experts)
+    assert (config.num_mtp_layers, active) == (1, config.intermediate_size)
+
+
+def test_the_mtp_shape_drafts_on_the_engine():
+    """The qwen3.5-9b-mtp config's structure at small widths: random MTP layers, and
+    use_mtp's greedy tokens equal the plain call's (top-1 of two routed experts)."""
+    fields = json.loads(random_init.config_path("qwen3.5-9b-mtp").read_text())
+    fields.pop(random_init.SOURCE_FIELD)
+    fields.update(vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                  first_k_dense_replace=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, moe_intermediate_size=96)
+    torch.manual_seed(0)
+    model = flashspec.wrap(AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields)).eval())
+    random_init.random_mtp(model)
+    ids = torch.randint(0, 256, (2, 12))
+    plain = model.generate(ids, max_new_tokens=20, do_sample=False, sampler="flash")
+    drafted = model.generate(ids, max_new_tokens=20, do_sample=False, sampler="flash",
+                             use_mtp=True, return_dict_in_generate=True)
+    assert torch.equal(drafted.sequences, plain)
+    assert int(drafted.flash_stats.drafted.sum()) > 5
 
 
 def test_config_path_prefers_a_shipped_name(tmp_path):

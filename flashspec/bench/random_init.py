@@ -1,7 +1,8 @@
 """Offline models at real shapes: random weights from shipped configs.
 
 ``flashspec/assets/configs`` holds the shape fields of real models' config.json files
-(Qwen3-1.7B, Qwen3-0.6B, Llama-3.1-8B, Llama-3.2-1B; each file's ``_source`` says which).
+(Qwen3-1.7B, Qwen3-0.6B, Llama-3.1-8B, Llama-3.2-1B, and Qwen3.5-9B's widths with an MTP
+layer; each file's ``_source`` says which).
 `random_model` builds a causal LM from one of them, or from any config.json, with seeded
 random weights: nothing is downloaded, and a forward costs what the real model's does.
 Random models are nearly flat; `peak_weights` makes one decisive. scripts/tok_per_s.py and
