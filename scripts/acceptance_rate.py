@@ -53,7 +53,8 @@ Models, from one of:
 * ``--random-init TARGET_SHAPE[,DRAFT_SHAPE]``: random weights at real shapes, offline (no
   download: the way to run at real model shapes on a machine without the hub); a SHAPE is
   the name of a config shipped in flashspec/assets/configs (qwen3-1.7b, qwen3-0.6b,
-  llama-3.1-8b, llama-3.2-1b) or the path of a config.json (see flashspec.bench.random_init).
+  llama-3.1-8b, llama-3.2-1b, qwen3.5-9b-mtp) or the path of a config.json (see
+  flashspec.bench.random_init).
   Random models have no tokenizer: the tiny pair's (8192 tokens) encodes the prompts unless
   --tokenizer names another, no larger than the target's vocabulary. ``--weights peaked``
   makes them decisive (``flashspec.bench.random_init.peak_weights``). Their acceptance says
