@@ -73,10 +73,14 @@ class AllowedTokens:
 
     @classmethod
     def of_call(cls, prefix_allowed_tokens_fn, allowed_tokens_fn, prompt_ids: torch.Tensor,
-                pad_token_id: int, vocab_size: int) -> "AllowedTokens | None":
-        """The masks of a call's ``prefix_allowed_tokens_fn`` and ``allowed_tokens_fn``
-        (either may be None), or None without either."""
+                pad_token_id: int, vocab_size: int,
+                structured=None) -> "AllowedTokens | None":
+        """The masks of a call's ``prefix_allowed_tokens_fn``, ``allowed_tokens_fn`` and
+        ``structured_output`` (`structured`: a `grammar.StructuredOutput`; any may be
+        None), or None without any."""
         sources = []
+        if structured is not None:
+            sources.append((structured.masks_of, "structured_output"))
         if prefix_allowed_tokens_fn is not None:
             sources.append((_masks_of_prefix_fn(prefix_allowed_tokens_fn, vocab_size),
                             "prefix_allowed_tokens_fn"))
@@ -93,7 +97,7 @@ class AllowedTokens:
             out = masks if out is None else out & masks.to(out.device)
         words = torch.arange(out.shape[1], device=out.device)
         # Bits past V in the last word allow nothing.
-        last = torch.where(words == out.shape[1] - 1, _low_bits(self.vocab_size % 32), -1)
+        last = torch.where(words == out.shape[1] - 1, low_bits(self.vocab_size % 32), -1)
         empty = ((out & last.to(torch.int32)) == 0).all(dim=1)
         if bool(empty.any()):
             row = int(rows[int(empty.nonzero()[0, 0])])
@@ -156,7 +160,7 @@ class AllowedTokens:
                         f"[{count}, {words}] (bit v % 32 of word v // 32 allows token v)")
 
 
-def _low_bits(count: int) -> int:
+def low_bits(count: int) -> int:
     """The int32 word whose `count` low bits are set (all 32 for 0)."""
     return -1 if count == 0 else (1 << count) - 1
 

@@ -24,7 +24,7 @@ from .plan import StockDelegation, plan_generation
 
 SAMPLERS = ("flash", "materialized")
 _FLASH_OPTIONS = ("seed", "output_logprobs", "drafter", "invariant", "allowed_tokens_fn",
-                  "logit_bias", "presence_penalty", "frequency_penalty")
+                  "logit_bias", "presence_penalty", "frequency_penalty", "structured_output")
 
 
 class FlashGenerationMixin(GenerationMixin):
@@ -65,6 +65,15 @@ class FlashGenerationMixin(GenerationMixin):
         logit_bias: vLLM's and OpenAI's ``{token id: bias}`` (finite floats), for every row,
             or a list with one such dict (or None) per row: added to the model's logits
             before every other edit (with transformers' ``sequence_bias``).
+        structured_output: constrain each row to a JSON schema, a regex or a grammar
+            (xgrammar, ``pip install "flashspec[structured]"``; the tokenizer from
+            ``tokenizer=``): ``{"json": schema}``, ``{"regex": pattern}``, ``{"grammar":
+            ebnf}``, ``{"choice": [...]}``, ``{"json_object": True}`` (vLLM's structured
+            outputs), OpenAI's ``{"type": "json_schema", "json_schema": {"schema": ...}}``
+            or ``{"type": "json_object"}``, an xgrammar ``Grammar`` or ``CompiledGrammar``,
+            or a list with one per prompt (None: free). Greedy tokens are stock's with
+            xgrammar's logits processor; a row that completes its grammar ends with EOS;
+            works with every drafter (`flashspec.generation.grammar`).
         presence_penalty, frequency_penalty: vLLM's penalties (a float, or one per row):
             ``logit - frequency_penalty * c - presence_penalty * (c > 0)``, c the token's
             count among the row's generated tokens (not the prompt, as vLLM counts), after
@@ -104,13 +113,14 @@ class FlashGenerationMixin(GenerationMixin):
 
     def generate(self, inputs=None, generation_config=None, *args, sampler=None, seed=None,
                  output_logprobs=False, drafter=None, invariant=False, allowed_tokens_fn=None,
-                 logit_bias=None, presence_penalty=None, frequency_penalty=None, **kwargs):
+                 logit_bias=None, presence_penalty=None, frequency_penalty=None,
+                 structured_output=None, **kwargs):
         started = time.monotonic()            # max_time counts from here
         additive = dict(logit_bias=logit_bias, presence_penalty=presence_penalty,
                         frequency_penalty=frequency_penalty)
         given = _flash_options_given(seed=seed, output_logprobs=output_logprobs, drafter=drafter,
                                      invariant=invariant, allowed_tokens_fn=allowed_tokens_fn,
-                                     **additive)
+                                     structured_output=structured_output, **additive)
         if sampler is None:
             name = next(iter(given), None)
             if name is not None:
@@ -140,7 +150,8 @@ class FlashGenerationMixin(GenerationMixin):
         with torch.no_grad():
             plan = plan_generation(self, inputs, generation_config, seed=seed,
                                    output_logprobs=output_logprobs, drafter=drafter,
-                                   allowed_tokens_fn=allowed_tokens_fn, started=started,
+                                   allowed_tokens_fn=allowed_tokens_fn,
+                                   structured_output=structured_output, started=started,
                                    **additive, **kwargs)
             if isinstance(plan, StockDelegation):
                 _check_stock_call(plan, seed, given)

@@ -83,6 +83,7 @@ from .arguments import (Sources, check_eval_mode, check_options, checked_input_i
 from .drafters import AssistantDrafter, Drafter, PromptLookupDrafter
 from .mtp import Mtp, mtp_layers
 from .edits import FUSED_OPTIONS, EditRules
+from .grammar import StructuredOutput
 from .heads import (OutputHead, check_decoder, check_logits, model_hooks, output_head,
                     uncapturable_experts)
 from .inputs import takes
@@ -221,13 +222,14 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
                     assistant_model=None, streamer=None, negative_prompt_ids=None,
                     negative_prompt_attention_mask=None, custom_generate=None, seed=None,
                     output_logprobs=False, drafter=None, allowed_tokens_fn=None, logit_bias=None,
-                    presence_penalty=None, frequency_penalty=None, started=None,
-                    **kwargs) -> GenerationPlan | StockDelegation:
+                    presence_penalty=None, frequency_penalty=None, structured_output=None,
+                    started=None, **kwargs) -> GenerationPlan | StockDelegation:
     """`generate()`'s arguments as a `GenerationPlan`, a `StockDelegation`, or a ValueError
     or TypeError naming what cannot run. `drafter`: a `Drafter` of the caller's own (instead
     of an assistant or prompt lookup), with `num_assistant_tokens` drafts per step.
     `logit_bias`, `presence_penalty`, `frequency_penalty`: vLLM's additive edits
-    (`additive.AdditiveEdits.of_call`).
+    (`additive.AdditiveEdits.of_call`). `structured_output`: a grammar per row
+    (`grammar.StructuredOutput.of_call`).
     `started`: the call's `time.monotonic()` (`max_time` counts from it; default: now)."""
     started = time.monotonic() if started is None else started
     if not isinstance(output_logprobs, bool):
@@ -372,8 +374,11 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
     pad = config._pad_token_tensor
     pad_token_id = int(pad.reshape(-1)[0]) if pad is not None else 0
     processing = edits = None
+    structured = StructuredOutput.of_call(
+        structured_output, tokenizer, ids.shape[0], options.num_return_sequences,
+        input_ids.shape[1], [] if eos is None else eos.reshape(-1).tolist(), head.vocab_size)
     allowed = AllowedTokens.of_call(prefix_allowed_tokens_fn, allowed_tokens_fn, input_ids,
-                                    pad_token_id, head.vocab_size)
+                                    pad_token_id, head.vocab_size, structured)
     additive = AdditiveEdits.of_call(logit_bias, presence_penalty, frequency_penalty, batch_size,
                                      head.vocab_size)
 
@@ -395,8 +400,9 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
     if reasons:
         reasons = [reason for _, reason in reasons]
         if allowed is not None:     # where transformers applies `prefix_allowed_tokens_fn`
-            processors = processors_with(prefix_allowed_tokens_fn if allowed_tokens_fn is None
-                                         else allowed.prefix_fn)
+            processors = processors_with(allowed.prefix_fn if len(allowed.sources) > 1
+                                         or prefix_allowed_tokens_fn is None
+                                         else prefix_allowed_tokens_fn)
             allowed = None
         params = SamplingParams.create(batch_size, do_sample=sampling, seed=seed, device=device)
         processors = with_additive(processors, additive, input_length)

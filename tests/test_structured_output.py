@@ -1,0 +1,350 @@
+"""Structured output, ``generate(sampler="flash", structured_output=...)``
+(flashspec/generation/grammar.py): greedy tokens are stock's with xgrammar's own logits
+processor on the same grammar; sampled outputs parse and validate; drafts (prompt lookup, an
+assistant, an EAGLE-3 head) change no seeded token; bad specs are refused before generating.
+GPU twin: tests/test_structured_output_gpu.py."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import sys
+
+import hypothesis
+import jsonschema
+import pytest
+import torch
+import xgrammar as xgr
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from xgrammar.contrib.hf import LogitsProcessor
+
+import flashspec
+from flashspec.assets import tiny_pair_path
+from flashspec.generation import grammar
+
+SCHEMAS = {
+    "nested": {"type": "object", "properties": {
+        "user": {"type": "object", "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "id": {"type": "integer", "minimum": 0, "maximum": 999}},
+            "required": ["name", "id"]},
+        "ok": {"type": "boolean"}}, "required": ["user", "ok"]},
+    "enums": {"type": "object", "properties": {
+        "color": {"enum": ["red", "green", "blue"]}, "size": {"enum": [1, 2, 3]}},
+        "required": ["color", "size"]},
+    "array": {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 5},
+                 "minItems": 1, "maxItems": 3}}, "required": ["tags"]},
+    "numbers": {"type": "object", "properties": {
+        "x": {"type": "number", "minimum": -10, "maximum": 10},
+        "n": {"type": "integer", "minimum": -50, "maximum": 50}}, "required": ["x", "n"]},
+}
+REGEX = r"[a-z]{2,6}@[a-z]{2,5}\.(com|org)"
+EBNF = 'root ::= "def " name "(" name "):" " return " name\nname ::= [a-z_] [a-z_0-9]?'
+PROMPTS = ["def add(a, b):", "import os\n", "class Point:\n    def __init__(self"]
+
+
+@functools.lru_cache(maxsize=None)
+def pair():
+    """The built-in tiny pair (fp32 CPU): target, draft, tokenizer."""
+    path = tiny_pair_path()
+    target = flashspec.wrap(AutoModelForCausalLM.from_pretrained(
+        path / "target", dtype=torch.float32).eval())
+    draft = AutoModelForCausalLM.from_pretrained(path / "draft", dtype=torch.float32).eval()
+    return target, draft, AutoTokenizer.from_pretrained(path / "target")
+
+
+@functools.lru_cache(maxsize=None)
+def random_llama():
+    """A random-init Llama over the tiny tokenizer's ids and more (a padded vocabulary)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=8256, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         eos_token_id=0, pad_token_id=0, bos_token_id=None)
+    return flashspec.wrap(LlamaForCausalLM(config).eval())
+
+
+def encoded(texts=PROMPTS):
+    tokenizer = pair()[2]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    return batch.input_ids, batch.attention_mask
+
+
+def stock_processor(model, tokenizer, kind, source):
+    """xgrammar's own transformers logits processor for the spec `{kind: source}`."""
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer,
+                                              vocab_size=model.get_output_embeddings().out_features)
+    compiler = xgr.GrammarCompiler(info)
+    compiled = {"json": lambda: compiler.compile_json_schema(json.dumps(source)),
+                "regex": lambda: compiler.compile_regex(source),
+                "grammar": lambda: compiler.compile_grammar(source)}[kind]()
+    return LogitsProcessor(compiled)
+
+
+def generated_texts(tokenizer, sequences, prompt_width):
+    """Each row's text up to its EOS, and whether it reached one."""
+    out = []
+    for row in sequences[:, prompt_width:].tolist():
+        ended = tokenizer.eos_token_id in row
+        out.append((tokenizer.decode(row[: row.index(tokenizer.eos_token_id)] if ended else row),
+                    ended))
+    return out
+
+
+SPECS = [("json", SCHEMAS["nested"]), ("json", SCHEMAS["enums"]), ("json", SCHEMAS["array"]),
+         ("json", SCHEMAS["numbers"]), ("regex", REGEX), ("grammar", EBNF)]
+
+
+@pytest.mark.parametrize("which", ["tiny", "random"])
+@pytest.mark.parametrize("kind, source", SPECS, ids=["nested", "enums", "array", "numbers",
+                                                     "regex", "ebnf"])
+def test_greedy_tokens_are_stocks_with_xgrammars_processor(which, kind, source):
+    """A left-padded batch of three, greedy: the tokens of stock generate with xgrammar's
+    `LogitsProcessor` (the matcher per row, the mask on the materialized logits)."""
+    model = pair()[0] if which == "tiny" else random_llama()
+    tokenizer = pair()[2]
+    ids, mask = encoded()
+    common = dict(attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    stock = model.generate(ids, logits_processor=[stock_processor(model, tokenizer, kind, source)],
+                           **common)
+    flash = model.generate(ids, sampler="flash", structured_output={kind: source},
+                           tokenizer=tokenizer, **common)
+    assert torch.equal(flash, stock)
+
+
+@pytest.mark.parametrize("options", [dict(sampler="materialized"),
+                                     dict(sampler="flash", typical_p=0.9, do_sample=True, seed=1)])
+def test_the_materialized_path_takes_the_grammar_too(options):
+    """The `[B, V]` logits path (sampler="materialized", or an option the kernels do not
+    fuse: transformers' processors run, the masks among them) gives the same language."""
+    model, _, tokenizer = pair()
+    ids, mask = encoded()
+    common = dict(attention_mask=mask, max_new_tokens=40, pad_token_id=0)
+    out = model.generate(ids, tokenizer=tokenizer, structured_output={"regex": REGEX},
+                         **common, **{"do_sample": False, **options})
+    if options["sampler"] == "materialized":
+        stock = model.generate(ids, do_sample=False, **common, logits_processor=[
+            stock_processor(model, tokenizer, "regex", REGEX)])
+        assert torch.equal(out, stock)
+    for text, ended in generated_texts(tokenizer, out, ids.shape[1]):
+        assert ended and re.fullmatch(REGEX, text), text
+
+
+def test_a_completed_grammar_ends_the_row_with_eos():
+    model, _, tokenizer = pair()
+    ids, mask = encoded()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
+                         sampler="flash", structured_output={"choice": ["yes", "no"]},
+                         tokenizer=tokenizer, pad_token_id=0)
+    for text, ended in generated_texts(tokenizer, out, ids.shape[1]):
+        assert ended and text in ("yes", "no")
+    assert out.shape[1] - ids.shape[1] < 40      # every row stopped: nothing past its EOS
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_a_hundred_sampled_outputs_parse_and_validate(name):
+    """100 rows of one call (seeds 0..99 by row), temperature 1, no whitespace between
+    JSON tokens: every output ends with EOS, parses and validates against its schema."""
+    model, _, tokenizer = pair()
+    ids, mask = encoded(["{"] * 100)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=96, do_sample=True,
+                         top_k=0, seed=0, sampler="flash", tokenizer=tokenizer, pad_token_id=0,
+                         structured_output={"json": SCHEMAS[name], "disable_any_whitespace": True})
+    texts = generated_texts(tokenizer, out, ids.shape[1])
+    assert all(ended for _, ended in texts), [text for text, ended in texts if not ended][:3]
+    for text, _ in texts:
+        jsonschema.validate(json.loads(text), SCHEMAS[name])
+    assert len({text for text, _ in texts}) >= 5     # sampled (enums has 9 outputs in all)
+
+
+@pytest.mark.parametrize("drafts", ["lookup", "assistant", "eagle3"])
+def test_seeded_tokens_with_drafts_are_the_tokens_without(drafts):
+    """Sampled (top-p, temperature) and greedy, a ragged batch: drafts advance each row's
+    matcher along them and roll it back when rejected; the tokens never change."""
+    model, draft, tokenizer = pair()
+    ids, mask = encoded()
+    by_drafter = {"lookup": dict(prompt_lookup_num_tokens=4),
+                  "assistant": dict(assistant_model=draft, num_assistant_tokens=4),
+                  "eagle3": dict(drafter=flashspec.Eagle3.from_pretrained(
+                      tiny_pair_path() / "eagle3", model), num_assistant_tokens=4)}[drafts]
+    for kind, source in (("json", SCHEMAS["nested"]), ("regex", REGEX)):
+        for sampling in (dict(do_sample=False), dict(do_sample=True, top_p=0.9,
+                                                     temperature=1.2, seed=5)):
+            common = dict(attention_mask=mask, max_new_tokens=48, sampler="flash",
+                          structured_output={kind: source}, tokenizer=tokenizer,
+                          pad_token_id=0, return_dict_in_generate=True, **sampling)
+            plain = model.generate(ids, **common)
+            drafted = model.generate(ids, **common, **by_drafter)
+            assert torch.equal(drafted.sequences, plain.sequences), (kind, sampling)
+            assert int(drafted.flash_stats.drafted.sum()) > 0
+
+
+def test_one_spec_per_prompt_and_free_rows():
+    """A list gives each prompt its own spec (None: unconstrained, stock's tokens)."""
+    model, _, tokenizer = pair()
+    ids, mask = encoded()
+    common = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    free = model.generate(ids, **common)
+    out = model.generate(ids, sampler="flash", tokenizer=tokenizer, **common,
+                         structured_output=[{"regex": REGEX}, None, {"choice": ["ok"]}])
+    texts = generated_texts(tokenizer, out, ids.shape[1])
+    assert texts[2] == ("ok", True)
+    assert torch.equal(out[1, : free.shape[1]], free[1])
+    stock = model.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=24, do_sample=False,
+                           pad_token_id=0,
+                           logits_processor=[stock_processor(model, tokenizer, "regex", REGEX)])
+    assert torch.equal(out[0, : stock.shape[1]], stock[0])
+
+
+def test_openai_response_formats_and_compiled_grammars():
+    model, _, tokenizer = pair()
+    ids, mask = encoded()
+    common = dict(attention_mask=mask, max_new_tokens=32, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, sampler="flash", tokenizer=tokenizer,
+                          structured_output={"json": SCHEMAS["enums"]}, **common)
+    openai = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMAS["enums"]}}
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=8192)
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMAS["enums"]))
+    as_string = {"json": json.dumps(SCHEMAS["enums"])}
+    for spec in (openai, compiled, as_string):
+        got = model.generate(ids, sampler="flash", tokenizer=tokenizer, structured_output=spec,
+                             **common)
+        assert torch.equal(got, want)
+    for spec in ({"type": "json_object"}, {"json_object": True}):
+        out = model.generate(ids, sampler="flash", tokenizer=tokenizer, structured_output=spec,
+                             **common)
+        for text, ended in generated_texts(tokenizer, out, ids.shape[1]):
+            if ended:
+                json.loads(text)
+
+
+@pytest.mark.parametrize("spec, error, message", [
+    ({"json": "{not json"}, ValueError, "the JSON schema is not valid JSON"),
+    ({"json": {"type": "nonsense"}}, ValueError, "cannot compile its json: .*nonsense"),
+    ({"json": {"type": "integer", "minimum": 5, "maximum": 2}}, ValueError,
+     "minimum greater than maximum"),
+    ({"regex": "("}, ValueError, "cannot compile its regex: .*parenthesis"),
+    ({"grammar": "root ::= foo"}, ValueError, 'cannot compile its grammar: .*"foo"'),
+    ({"regex": "[^\\x00-\\U0010FFFF]"}, ValueError, "allows no token to start with"),
+    ({"json": {}, "regex": "a"}, ValueError, "exactly one of the keys"),
+    ({"jsn": {}}, ValueError, "exactly one of the keys"),
+    ({"regex": "a", "disable_any_whitespace": True}, ValueError, "goes with 'json'"),
+    ({"choice": []}, ValueError, "non-empty list of strings"),
+    ({"json_object": 1}, ValueError, "'json_object' must be True"),
+    ({"type": "text"}, ValueError, "OpenAI's structured response formats"),
+    ("{}", TypeError, "is a str; allowed: "),
+    ([{"regex": "a"}], ValueError, "a list of 1 entries for 3 prompts"),
+])
+def test_bad_specs_are_refused_naming_the_parameter(spec, error, message):
+    model, _, tokenizer = pair()
+    ids, mask = encoded()
+    with pytest.raises(error, match=message):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, sampler="flash",
+                       tokenizer=tokenizer, structured_output=spec, pad_token_id=0)
+
+
+def test_tokenizers_and_calls_that_cannot_hold_a_grammar_are_refused():
+    model, _, tokenizer = pair()
+    ids, mask = encoded()
+    common = dict(attention_mask=mask, max_new_tokens=4, sampler="flash", pad_token_id=0)
+    spec = {"regex": REGEX}
+    with pytest.raises(ValueError, match="needs the model's tokenizer: pass `tokenizer=`"):
+        model.generate(ids, structured_output=spec, **common)
+    torch.manual_seed(0)
+    small = flashspec.wrap(LlamaForCausalLM(LlamaConfig(
+        vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, eos_token_id=0)).eval())
+    with pytest.raises(ValueError, match="`tokenizer` has 8192 tokens and the model's LM head "
+                                         "4096 rows"):
+        small.generate(ids.clamp_max(4000), structured_output=spec, tokenizer=tokenizer,
+                       **common)
+    with pytest.raises(ValueError, match=r"`eos_token_id` includes \[9000\]"):
+        random_llama().generate(ids, structured_output=spec, tokenizer=tokenizer,
+                                eos_token_id=9000, **common)
+    with pytest.raises(ValueError, match="needs an `eos_token_id`"):
+        model.generate(ids, structured_output=spec, tokenizer=tokenizer, eos_token_id=None,
+                       **{**common, "pad_token_id": 0})
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=8192)
+    compiled = xgr.GrammarCompiler(info).compile_regex(REGEX)
+    with pytest.raises(ValueError, match="CompiledGrammar for a vocabulary of 8192 tokens; the "
+                                         "model's LM head has 8256"):
+        random_llama().generate(ids, structured_output=compiled, **common)
+    with pytest.raises(ValueError, match="`structured_output` is a flashspec option"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, structured_output=spec)
+
+
+def test_without_xgrammar_the_error_names_the_extra(monkeypatch):
+    model, _, tokenizer = pair()
+    ids, mask = encoded()
+    monkeypatch.setitem(sys.modules, "xgrammar", None)
+    with pytest.raises(ImportError, match=r'pip install "flashspec\[structured\]"'):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, sampler="flash",
+                       tokenizer=tokenizer, structured_output={"regex": REGEX}, pad_token_id=0)
+
+
+# ---- Hypothesis: random schemas from a small generator -------------------------------------
+
+NAMES = st.text("abcdefgh", min_size=1, max_size=4)
+LEAVES = st.one_of(
+    st.just({"type": "boolean"}),
+    st.tuples(st.integers(-99, 0), st.integers(0, 99)).map(
+        lambda r: {"type": "integer", "minimum": r[0], "maximum": r[1]}),
+    st.integers(1, 6).map(lambda n: {"type": "string", "maxLength": n}),
+    st.lists(st.text("xyz", min_size=1, max_size=3), min_size=1, max_size=3, unique=True).map(
+        lambda values: {"enum": values}),
+)
+
+
+def _objects(children):
+    return st.dictionaries(NAMES, children, min_size=1, max_size=3).map(
+        lambda props: {"type": "object", "properties": props, "required": sorted(props)})
+
+
+SCHEMA_TREES = st.recursive(
+    LEAVES, lambda children: st.one_of(
+        _objects(children),
+        st.tuples(children, st.integers(1, 2)).map(
+            lambda a: {"type": "array", "items": a[0], "minItems": 1, "maxItems": a[1]})),
+    max_leaves=5).map(lambda schema: schema if schema.get("type") == "object"
+                      else {"type": "object", "properties": {"v": schema}, "required": ["v"]})
+
+
+@hypothesis.settings(max_examples=25, deadline=None, derandomize=True,
+                     suppress_health_check=[hypothesis.HealthCheck.too_slow])
+@hypothesis.given(schema=SCHEMA_TREES, seed=st.integers(0, 2**20), lookup=st.booleans())
+def test_random_schemas_give_valid_outputs(schema, seed, lookup):
+    """Sampled rows, with or without prompt lookup: each output ends, parses and validates."""
+    model, _, tokenizer = pair()
+    ids, mask = encoded(["{", "x = "])
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=160, do_sample=True, seed=seed,
+                         sampler="flash", tokenizer=tokenizer, pad_token_id=0,
+                         prompt_lookup_num_tokens=3 if lookup else None,
+                         structured_output={"json": schema, "disable_any_whitespace": True})
+    for text, ended in generated_texts(tokenizer, out, ids.shape[1]):
+        assert ended, (schema, text)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_the_matcher_follows_contexts_by_rolling_back():
+    """`StructuredOutput.masks_of` brings a row's matcher to any context: asked along drafts
+    and then at a shorter context that shares a prefix, its masks are those of a fresh
+    matcher fed the context."""
+    tokenizer = pair()[2]
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=8192)
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMAS["nested"]),
+                                                             any_whitespace=False)
+    text = tokenizer('{"user": {"name": "ab", "id": 12}, "ok": true}').input_ids
+    structured = grammar.StructuredOutput([compiled], prompt_width=2, stop_token_ids=[0],
+                                          vocab_size=8192)
+    prompt = [5, 6]
+    for length in (3, 7, 5, 5, 0, 9, 8, len(text), 2):
+        context = torch.tensor([prompt + text[:length]])
+        got = structured.masks_of(torch.tensor([0]), context)
+        fresh = xgr.GrammarMatcher(compiled)
+        for token in text[:length]:
+            assert fresh.accept_token(token)
+        want = xgr.allocate_token_bitmask(1, 8192)
+        fresh.fill_next_token_bitmask(want)
+        assert torch.equal(got, want), length
