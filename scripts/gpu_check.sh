@@ -26,6 +26,10 @@
 # qwen3.5-9b-mtp.json says how it is built), computed at 1.8 tokens per round (one draft
 # accepted 80% of the time, as reported for Qwen3.5's MTP layer), into $OUT/mtp:
 #   PARTS=mtp bash scripts/gpu_check.sh
+# The part structured runs scripts/bench_structured.py: tok/s with and without a grammar
+# (structured_output), Qwen3-1.7B shape, B = 1, 8, 32, plain and prompt lookup; it and the
+# structured-output tests need xgrammar and jsonschema (device machines: carried wheels).
+#   PARTS=structured bash scripts/gpu_check.sh
 # The part multi needs two GPUs or more (the device tool's nvidia-h100-x2): a tensor-parallel
 # model on one GPU per rank, and a model whose layers accelerate split over two GPUs, against
 # the same model on one GPU (tests/test_tensor_parallel.py, tests/test_device_map.py; log in
@@ -41,8 +45,8 @@ OUT=${OUT:-gpu_out}
 PARTS=${PARTS:-tests fuzz kernels verify}
 for part in $PARTS; do
     case $part in
-        tests|fuzz|kernels|verify|eagle3|mtp|multi|head|tp) ;;
-        *) echo "gpu_check.sh: PARTS has '$part'; allowed: tests, fuzz, kernels, verify, eagle3, mtp, multi, head, tp" >&2
+        tests|fuzz|kernels|verify|eagle3|mtp|structured|multi|head|tp) ;;
+        *) echo "gpu_check.sh: PARTS has '$part'; allowed: tests, fuzz, kernels, verify, eagle3, mtp, structured, multi, head, tp" >&2
            exit 2 ;;
     esac
 done
@@ -56,7 +60,7 @@ if [ $# -eq 0 ]; then
         tests/test_allowed_tokens.py tests/test_additive_edits.py tests/test_additive_generate.py \
         tests/test_invariant_kernels.py tests/test_shard_summary.py \
         tests/test_invariance_gpu.py tests/test_generate_gpu.py tests/test_attention_kernel.py \
-        tests/test_eagle3_gpu.py tests/test_mtp_gpu.py
+        tests/test_eagle3_gpu.py tests/test_mtp_gpu.py tests/test_structured_output_gpu.py
 fi
 for part in $PARTS; do
     case $part in
@@ -89,6 +93,8 @@ for part in $PARTS; do
                 --variants hf,flash_plain,flash_mtp --batch-sizes 1 --num-drafts 1 \
                 --assumed-acceptance-length 1.8 --out "$OUT/mtp" 2>&1 \
                 | tee "$OUT/mtp.log" | tail -12 ;;
+        structured) python scripts/bench_structured.py --shape qwen3-1.7b --batch-sizes 1,8,32 \
+                --out "$OUT/structured" 2>&1 | tee "$OUT/structured.log" | tail -9 ;;
         multi) timeout "${TEST_TIMEOUT:-0}" python -m pytest -q -p no:cacheprovider \
                 tests/test_tensor_parallel.py tests/test_device_map.py 2>&1 \
                 | tee "$OUT/multi.log" | tail -5 ;;

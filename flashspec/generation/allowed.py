@@ -8,7 +8,7 @@ codes (with the call's other fused edits), so the logits still never exist.
 
 A call gives its masks as a function of each position's context (`AllowedTokens`), the one
 contract that stays exact under speculation: a drafted position is asked with the drafts
-before it, and a rejected draft's answer is dropped with it. Two ways in:
+before it, and a rejected draft's answer is dropped with it. Three ways in:
 
 * transformers' ``prefix_allowed_tokens_fn(batch_id, input_ids) -> list[int]``, called per
   row as transformers' `PrefixConstrainedLogitsProcessor` calls it (stock's ``input_ids``
@@ -16,11 +16,14 @@ before it, and a rejected draft's answer is dropped with it. Two ways in:
   here);
 * flashspec's ``allowed_tokens_fn(rows, input_ids) -> mask``, batched: `rows` int64 ``[N]``
   (the call's row of each context), ``input_ids`` ``[N, L]`` (as above, one length per call),
-  and the mask either bool ``[N, V]`` or the int32 bitmask ``[N, ceil(V / 32)]``.
+  and the mask either bool ``[N, V]`` or the int32 bitmask ``[N, ceil(V / 32)]``;
+* flashspec's ``structured_output`` (`grammar.StructuredOutput`): xgrammar's matchers.
 
-Both are applied where transformers applies its processors: before temperature and the
-warpers (a top-k keeps the k most likely allowed tokens). Each step that asks them reads the
-host, so such a call runs its steps eagerly (no CUDA graphs).
+All are applied where transformers applies its processors: before temperature and the
+warpers (a top-k keeps the k most likely allowed tokens). The host asks them before each
+step (`Slot.fill_allowed`: it reads the step's drafts) and copies the masks into a buffer the
+step reads, so that the steps stay captured in CUDA graphs; such a call does not decode a
+step ahead of the host.
 """
 
 from __future__ import annotations
@@ -113,24 +116,22 @@ class AllowedTokens:
         masks = self.masks(torch.tensor([batch_id]), sent[None])
         return unpack(masks, self.vocab_size)[0].nonzero().flatten().tolist()
 
-    def bitmask(self, slot, drafts: torch.Tensor | None, width: int,
-                rows: list[int] | None = None) -> torch.Tensor:
+    def bitmask(self, slot, drafts: torch.Tensor | None, width: int) -> torch.Tensor:
         """int32 ``[S, W, ceil(V / 32)]`` (S: the slot's rows): each position's allowed
-        tokens, for the call's rows or those of `rows`. Every token at the positions nothing
-        reads: those a row does not use, those after a draft its position's mask leaves out
-        (never accepted, so never reached: a grammar need not answer for such a context), and
-        on rows finished, past the call's or not in `rows`."""
+        tokens. Every token at the positions nothing reads: those a row does not use, those
+        after a draft its position's mask leaves out (never accepted, so never reached: a
+        grammar need not answer for such a context), and on rows finished or past the
+        call's."""
         words = -(-self.vocab_size // 32)
         device = slot.seq.device
         out = torch.full((slot.seq.shape[0], width, words), -1, dtype=torch.int32, device=device)
         generated = (slot.length - slot.prompt_length).tolist()
         drafted = drafts.tolist() if drafts is not None else None
         unreached = {}                                    # row -> its first unreached position
-        wanted = None if rows is None else set(rows)
         for group, positions, input_ids in position_contexts(self.prompt_ids, self.pad_token_id,
                                                              slot, drafts, width):
             pairs = [(b, j) for b, j in zip(group.tolist(), positions.tolist())
-                     if (wanted is None or b in wanted) and j < unreached.get(b, width)]
+                     if j < unreached.get(b, width)]
             if not pairs:
                 continue
             which = torch.tensor([b for b, _ in pairs])

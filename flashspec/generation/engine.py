@@ -377,10 +377,10 @@ class Engine:
     def _decodes_ahead(self, slot: Slot, plan, stops, warm_widths: list[int]) -> bool:
         """Whether the call's steps can run one ahead of the host: captured steps, and no
         host work between steps (stop strings or criteria, a streamer, max_time, a warm-up's
-        widths)."""
+        widths, allowed-token masks)."""
         return (self.graphs_enabled and not slot.eager and not self.uncompiled
                 and not self.timed and not warm_widths and stops is None
-                and plan.streamer is None)
+                and plan.streamer is None and slot.allowed is None)
 
     def _decode_ahead(self, slot: Slot, plan, drafter, report: Report, steps: list,
                       num_rows: int) -> None:
@@ -429,6 +429,8 @@ class Engine:
         if width == 0:
             # A one-token forward writes a dead column too.
             slot.ensure_room(report, 2 * (ahead + 1))
+            if slot.allowed is not None:
+                slot.fill_allowed(0)
             return self._run_step(slot, "plain", slot.plain), None
         step = self._step_width(slot, width, timed)
         # A drafter's steps may write more columns of its cache than the verification's.
@@ -440,6 +442,8 @@ class Engine:
         if step > width:  # fewer drafts than columns: those past them are an old step's
             slot.drafts[:, width:step] = -1
             slot.draft_failed[:, width:step] = False
+        if slot.allowed is not None:
+            slot.fill_allowed(step)
         return self._run_step(slot, ("verify", step), lambda: slot.verify(step))
 
     def _verification_width(self, slot: Slot, width: int, step: int) -> int:
@@ -563,6 +567,8 @@ class Engine:
         prefilled = getattr(drafter, "prefilled", None)    # a caller's may not subclass ours
         if prefilled is not None:
             prefilled(prompt, taps)
+        if slot.allowed is not None:
+            slot.fill_allowed(0)
         return self._finish(slot, slot.sample(hidden), None)
 
     def _after_step(self, plan, slot: Slot, report: Report, stops) -> None:
@@ -700,14 +706,14 @@ class Engine:
         sampler = self.target_sampler(slot)
         if drafts is None:
             tokens, logprobs = samplers.complete_sample(sampler, hidden, rows, slot.length,
-                                                        slot.step_edits(rows=flagged))
+                                                        slot.step_edits())
             tokens, logprobs = tokens[:, None], logprobs[:, None]
             proposed = torch.ones_like(rows)
             drafted = torch.zeros_like(rows)
             accept_probs = None
         else:
             num_accepted, tokens, logprobs, accept_probs = samplers.complete_verify(
-                sampler, hidden, drafts, rows, slot.length, slot.step_edits(drafts, flagged))
+                sampler, hidden, drafts, rows, slot.length, slot.step_edits(drafts))
             proposed = num_accepted + 1
             drafted = (drafts[rows] >= 0).sum(dim=1)
         batch = slot.batch_size

@@ -60,8 +60,8 @@ class FlashGenerationMixin(GenerationMixin):
             int32 bitmask ``[N, ceil(V / 32)]`` (bit ``v % 32`` of word ``v // 32``). Applied
             where transformers applies ``prefix_allowed_tokens_fn`` (before temperature and
             the warpers), in the fused kernels as edit codes; it must be a function of its
-            arguments (speculation asks it for drafted contexts). Steps that ask it run
-            without CUDA graphs.
+            arguments (speculation asks it for drafted contexts). The host asks it before
+            each step; the steps stay captured.
         logit_bias: vLLM's and OpenAI's ``{token id: bias}`` (finite floats), for every row,
             or a list with one such dict (or None) per row: added to the model's logits
             before every other edit (with transformers' ``sequence_bias``).

@@ -149,6 +149,10 @@ class Slot:
         self.call_params = self.params
         self.processing = None                    # the call's `LogitsProcessing`, if any
         self.allowed = None                       # the call's `AllowedTokens`, if any
+        # Each position's allowed tokens for the next step, int32 [B, max_drafts + 1, words]
+        # (`fill_allowed`, on the host before the step), once a call had masks: the steps
+        # read it, so that they stay captured.
+        self.allowed_masks: torch.Tensor | None = None
         self.edit_state: EditState | None = None  # fused edits' buffers, once a call had edits
         self.edits: EditState | None = None       # the call's fused edits, if any
         self.heuristic = False
@@ -181,6 +185,9 @@ class Slot:
             self.logprobs[:, :kept] = old[1][:, :kept]
         self.drafts = torch.full((batch, self.max_drafts), -1, **long)
         self.draft_failed = torch.zeros(batch, self.max_drafts, dtype=torch.bool, device=self.device)
+        if self.allowed_masks is not None:
+            self.allowed_masks = torch.full((batch, self.max_drafts + 1, self.mask_words), -1,
+                                            dtype=torch.int32, device=self.device)
         if self.tap_layers:
             old_taps, width = self.taps, self._tap_width(self.tap_layers)
             self.taps = torch.zeros(batch, self.max_drafts + 1, width,
@@ -259,12 +266,14 @@ class Slot:
         taps = [self.taps, self.tap_position] if self.taps is not None else []
         return [self.seq, self.logprobs, self.length, self.finished, self.num_drafts, self.drafts,
                 self.draft_failed, self.report, *drafter_state, *edit_state, *taps,
+                *([self.allowed_masks] if self.allowed_masks is not None else []),
                 *(t for entry in self.caches
                   for t in (entry.cache.live, entry.cache.position, entry.cache.key_index))]
 
     def nbytes(self) -> int:
         tensors = [self.seq, self.logprobs, self.drafts, self.draft_failed, self.report,
-                   *([self.taps] if self.taps is not None else [])]
+                   *([self.taps] if self.taps is not None else []),
+                   *([self.allowed_masks] if self.allowed_masks is not None else [])]
         edit_bytes = self.edit_state.nbytes() if self.edit_state is not None else 0
         return (sum(t.numel() * t.element_size() for t in tensors) + edit_bytes
                 + sum(entry.cache.nbytes() for entry in self.caches))
@@ -375,6 +384,10 @@ class Slot:
         self.call_params = _with_flags(self.params, params)
         self.processing = plan.processing
         self.allowed = plan.allowed
+        if self.allowed is not None and self.allowed_masks is None:
+            self.mask_words = -(-self.engine.head.vocab_size // 32)
+            self.allowed_masks = self.drafts.new_empty(0)   # sized by `_allocate_columns`
+            self._allocate_columns()
         self._load_edits(plan.edits, stock_ids, plan.additive)
         self.heuristic = plan.schedule == "heuristic" and plan.drafter is not None
         self.use_taps(getattr(plan.drafter, "taps", ()) if plan.drafter is not None else ())
@@ -423,27 +436,35 @@ class Slot:
         for the engine's graph key."""
         if self.edits is None:
             return None
-        return self.edits.key()
+        return self.edits.key(), self.allowed is not None
 
     @property
     def eager(self) -> bool:
-        """Whether the call's steps read the host (the materialized path, allowed-token
-        functions) or take token types (`inputs.TokenTypes`, a hook no graph records), so
-        that they run without CUDA graphs."""
-        return self.processing is not None or self.allowed is not None or self.token_types
+        """Whether the call's steps read the host (the materialized path) or take token
+        types (`inputs.TokenTypes`, a hook no graph records), so that they run without CUDA
+        graphs."""
+        return self.processing is not None or self.token_types
 
-    def step_edits(self, drafts: torch.Tensor | None = None, rows: list[int] | None = None):
+    def fill_allowed(self, width: int) -> None:
+        """On the host, before a step: the call's allowed tokens (`AllowedTokens.bitmask`)
+        at the positions of the step verifying `width` drafts (0: sampling one token), into
+        `allowed_masks`, which the step reads. Reads the slot's state and drafts (a host
+        sync)."""
+        drafts = self.verified_drafts(width) if width else None
+        masks = self.allowed.bitmask(self, drafts, width + 1)
+        self.allowed_masks[:, : width + 1].copy_(masks, non_blocking=True)
+
+    def step_edits(self, drafts: torch.Tensor | None = None):
         """The fused edits (`LogitEdits`, or None without) of the rows' next token, or with
         `drafts` ``[B, G]`` of the positions verifying them, the call's allowed-token masks
-        included. A step's own, and after it those of the rows it flagged for completion
-        (`rows`: they emitted nothing, their state is as it was; the others' masks are not
-        asked for), for `samplers.complete_sample` / `complete_verify`."""
+        (`fill_allowed`'s) included: a step's own, and after it those of the rows it flagged
+        for completion (`samplers.complete_sample` / `complete_verify`; they emitted nothing,
+        their masks are the step's)."""
         if self.edits is None:
             return None
         generated = self.length - self.prompt_length
         width = 1 if drafts is None else drafts.shape[1] + 1
-        allowed = (self.allowed.bitmask(self, drafts, width, rows)
-                   if self.allowed is not None else None)
+        allowed = self.allowed_masks[:, :width] if self.allowed is not None else None
         if drafts is None:
             return self.edits.sample_edits(generated, allowed)
         return self.edits.verify_edits(generated, drafts, allowed)
@@ -574,12 +595,21 @@ class Slot:
                     torch.zeros_like(self.length), status)
         return hidden
 
-    def verify(self, width: int):
-        """Verify `width` drafts per row (``drafts[:, :width]``) after the row's last token."""
+    def verified_drafts(self, width: int) -> torch.Tensor:
+        """``[B, width]``: the drafts a verification of `width` checks, -1 past each row's
+        draft count and budget (none on finished rows)."""
+        return torch.where(self._within(width), self.drafts[:, :width], -1)
+
+    def _within(self, width: int) -> torch.Tensor:
         columns = torch.arange(width, device=self.device)
         allowed = torch.minimum(self.num_drafts, self.end - self.length - 1)
         allowed = torch.where(self.finished, 0, allowed)
-        within = columns[None, :] < allowed[:, None]
+        return columns[None, :] < allowed[:, None]
+
+    def verify(self, width: int):
+        """Verify `width` drafts per row (``drafts[:, :width]``) after the row's last token."""
+        columns = torch.arange(width, device=self.device)
+        within = self._within(width)
         broken = (self.draft_failed[:, :width] & within).any(dim=1)
         drafts = torch.where(within, self.drafts[:, :width], -1)
         # Padding (columns a row does not draft) stays out of the cache, at positions within
