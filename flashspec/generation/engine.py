@@ -606,11 +606,11 @@ class Engine:
 
     def _step_kind(self, slot: Slot, key, drafter=None) -> tuple:
         """A step's graph key but the KV views: the slot and its buffers' generation, the
-        step (a drafter's steps with the drafter's key), the sampler, the kernel flags and
-        the schedule."""
+        step (a drafter's steps with the drafter's key), the sampler, the kernel flags, the
+        schedule, the edits, whether it reads allowed-token masks, and the taps."""
         return (id(slot), slot.generation, drafter, key, self.sampler_kind,
                 slot.call_params.kernel_flags(self.head.vocab_size), slot.heuristic,
-                slot.edits_key(), slot.taps_key())
+                slot.edits_key(), slot.allowed is not None, slot.taps_key())
 
     def _run_step(self, slot: Slot, key, fn, drafter=None):
         """Run a step (of `drafter`, a drafter key, if given): replay its CUDA graph (captured

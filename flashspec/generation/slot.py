@@ -436,7 +436,7 @@ class Slot:
         for the engine's graph key."""
         if self.edits is None:
             return None
-        return self.edits.key(), self.allowed is not None
+        return self.edits.key()
 
     @property
     def eager(self) -> bool:
