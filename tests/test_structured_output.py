@@ -181,6 +181,33 @@ def test_seeded_tokens_with_drafts_are_the_tokens_without(drafts):
             assert int(drafted.flash_stats.drafted.sum()) > 0
 
 
+@pytest.mark.parametrize("drafts", [{}, dict(prompt_lookup_num_tokens=4)])
+def test_masks_from_the_reports_equal_masks_from_the_contexts(drafts, monkeypatch):
+    """A grammar alone fills its masks from the host's reports (`StructuredOutput.fill`);
+    beside an `allowed_tokens_fn` that allows every token, from each position's context
+    (`masks_of`): the same tokens, greedy and sampled, with and without drafts."""
+    model, _, tokenizer = pair()
+    ids, mask = encoded()
+
+    def everything(rows, input_ids):
+        return torch.ones(len(rows), 8192, dtype=torch.bool)
+
+    fills = []
+    fill = grammar.StructuredOutput.fill
+    monkeypatch.setattr(grammar.StructuredOutput, "fill",
+                        lambda self, *args: fills.append(1) or fill(self, *args))
+    for sampling in (dict(do_sample=False), dict(do_sample=True, seed=9, temperature=1.5)):
+        common = dict(attention_mask=mask, max_new_tokens=48, sampler="flash", pad_token_id=0,
+                      tokenizer=tokenizer, structured_output={"json": SCHEMAS["array"]},
+                      **sampling, **drafts)
+        del fills[:]
+        alone = model.generate(ids, **common)
+        assert len(fills) > 10
+        del fills[:]
+        assert torch.equal(model.generate(ids, allowed_tokens_fn=everything, **common), alone)
+        assert not fills
+
+
 def test_one_spec_per_prompt_and_free_rows():
     """A list gives each prompt its own spec (None: unconstrained, stock's tokens)."""
     model, _, tokenizer = pair()

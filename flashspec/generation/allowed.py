@@ -73,6 +73,25 @@ class AllowedTokens:
         self.vocab_size = vocab_size
         # (generated count, token) where a forced token overrides the masks (`edits`).
         self.forced: frozenset[tuple[int, int]] = frozenset()
+        # The call's grammars when they are its only source (`grammar.StructuredOutput`):
+        # they answer from the host's reports alone (`host_masks`).
+        self.structured = None
+
+    @property
+    def from_host(self) -> bool:
+        """Whether the masks come from the host's reports alone (`advance`, `host_masks`):
+        grammars only, no forced token that could override them."""
+        return self.structured is not None and not self.forced
+
+    def advance(self, report) -> None:
+        """After each step: its report (the rows' emitted tokens) to the grammars."""
+        if self.from_host:
+            self.structured.advance(report)
+
+    def host_masks(self, drafts: list[list[int]] | None, width: int, out: torch.Tensor) -> None:
+        """`bitmask`'s masks into host `out` ``[S, width, words]`` from the host's reports and
+        `drafts` (-1 padded lists): `from_host` calls only."""
+        self.structured.fill(drafts, width, out)
 
     @classmethod
     def of_call(cls, prefix_allowed_tokens_fn, allowed_tokens_fn, prompt_ids: torch.Tensor,
@@ -89,7 +108,10 @@ class AllowedTokens:
                             "prefix_allowed_tokens_fn"))
         if allowed_tokens_fn is not None:
             sources.append((allowed_tokens_fn, "allowed_tokens_fn"))
-        return cls(sources, prompt_ids, pad_token_id, vocab_size) if sources else None
+        made = cls(sources, prompt_ids, pad_token_id, vocab_size) if sources else None
+        if made is not None and len(sources) == 1:
+            made.structured = structured
+        return made
 
     def masks(self, rows: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """int32 ``[N, ceil(V / 32)]``: the tokens every source allows after the contexts

@@ -572,10 +572,12 @@ class Engine:
         return self._finish(slot, slot.sample(hidden), None)
 
     def _after_step(self, plan, slot: Slot, report: Report, stops) -> None:
-        """Host-side work on a step's report: stop strings, the streamer, the scores kept for
-        `output_scores` / `output_logits`."""
+        """Host-side work on a step's report: the grammars' texts, stop strings, the streamer,
+        the scores kept for `output_scores` / `output_logits`."""
         if stops is not None:
             stops.check(slot, report)
+        if slot.allowed is not None:            # after the stops: they cut rows' tokens
+            slot.allowed.advance(report)
         if plan.processing is not None:
             plan.processing.record(report.emitted)
         if plan.streamer is not None and report.emitted[0]:

@@ -91,6 +91,10 @@ class StructuredOutput:
         self.matchers = [None if g is None else xgr.GrammarMatcher(g, override_stop_tokens=stop_token_ids)
                          for g in grammars]
         self.paths: list[list[int]] = [[] for _ in grammars]    # tokens each matcher accepted
+        # Of them, the row's own (emitted) tokens, and whether the row is finished: the
+        # engine's reports say (`advance`).
+        self.committed = [0] * len(grammars)
+        self.finished = [False] * len(grammars)
         words = -(-vocab_size // 32)
         self._bitmask = torch.zeros(len(grammars), words, dtype=torch.int32)
         self._batch = xgr.BatchGrammarMatcher()
@@ -147,6 +151,47 @@ class StructuredOutput:
             self._batch.batch_fill_next_token_bitmask(constrained, bitmask, indices)
             out[indices] = bitmask[indices]
         return out
+
+    def advance(self, report) -> None:
+        """After a step: each row's emitted tokens (its `slot.Report`'s) join its text."""
+        for row, matcher in enumerate(self.matchers):
+            count = report.emitted[row]
+            self.finished[row] = bool(report.finished[row])
+            if matcher is None or count == 0:
+                continue
+            emitted = [report.tokens[k][row] for k in range(count)]
+            self._follow(row, self.paths[row][: self.committed[row]] + emitted)
+            self.committed[row] += count
+
+    def fill(self, drafts: list[list[int]] | None, width: int, out: torch.Tensor) -> None:
+        """The masks of a step's `width` positions from the rows' texts and `drafts` (the
+        step's, -1 padded; None: none) into `out` int32 ``[S, width, words]``, host memory
+        (S >= the call's rows): `masks_of`'s for each position's context, without reading
+        the device. Each position's matchers fill at once (xgrammar's threads); a row's
+        matcher then accepts its draft there, and a draft its mask leaves out ends the row's
+        positions (never reached). Every token where nothing reads: rows finished or free,
+        and unreached positions."""
+        out.fill_(-1)
+        active = [row for row, matcher in enumerate(self.matchers)
+                  if matcher is not None and not self.finished[row]]
+        for row in active:
+            self._follow(row, self.paths[row][: self.committed[row]])
+        scratch = self._bitmask
+        for j in range(width):
+            if not active:
+                return
+            self._batch.batch_fill_next_token_bitmask([self.matchers[r] for r in active],
+                                                      scratch, active)
+            out[active, j] = scratch[active]
+            if j + 1 == width:
+                return
+            reached = []
+            for row in active:
+                draft = drafts[row][j]
+                if draft >= 0 and self.matchers[row].accept_token(draft):
+                    self.paths[row].append(draft)
+                    reached.append(row)
+            active = reached
 
     def _follow(self, row: int, tokens: list[int]) -> None:
         """Bring row `row`'s matcher to the context whose generated tokens are `tokens`."""

@@ -186,8 +186,11 @@ class Slot:
         self.drafts = torch.full((batch, self.max_drafts), -1, **long)
         self.draft_failed = torch.zeros(batch, self.max_drafts, dtype=torch.bool, device=self.device)
         if self.allowed_masks is not None:
-            self.allowed_masks = torch.full((batch, self.max_drafts + 1, self.mask_words), -1,
-                                            dtype=torch.int32, device=self.device)
+            shape = (batch, self.max_drafts + 1, self.mask_words)
+            self.allowed_masks = torch.full(shape, -1, dtype=torch.int32, device=self.device)
+            # Where the host writes them; pinned, so that the copy is asynchronous.
+            self.host_masks = torch.empty(shape, dtype=torch.int32,
+                                          pin_memory=self.device.type == "cuda")
         if self.tap_layers:
             old_taps, width = self.taps, self._tap_width(self.tap_layers)
             self.taps = torch.zeros(batch, self.max_drafts + 1, width,
@@ -449,9 +452,13 @@ class Slot:
         """On the host, before a step: the call's allowed tokens (`AllowedTokens.bitmask`)
         at the positions of the step verifying `width` drafts (0: sampling one token), into
         `allowed_masks`, which the step reads. Reads the slot's state and drafts (a host
-        sync)."""
+        sync; only the drafts where the masks come from the host's reports)."""
         drafts = self.verified_drafts(width) if width else None
-        masks = self.allowed.bitmask(self, drafts, width + 1)
+        if self.allowed.from_host:
+            masks = self.host_masks[:, : width + 1]
+            self.allowed.host_masks(None if drafts is None else drafts.tolist(), width + 1, masks)
+        else:
+            masks = self.allowed.bitmask(self, drafts, width + 1)
         self.allowed_masks[:, : width + 1].copy_(masks, non_blocking=True)
 
     def step_edits(self, drafts: torch.Tensor | None = None):
