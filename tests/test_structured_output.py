@@ -293,11 +293,11 @@ def test_tokenizers_and_calls_that_cannot_hold_a_grammar_are_refused():
     with pytest.raises(ValueError, match="needs an `eos_token_id`"):
         model.generate(ids, structured_output=spec, tokenizer=tokenizer, eos_token_id=None,
                        **{**common, "pad_token_id": 0})
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=8192)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=9000)
     compiled = xgr.GrammarCompiler(info).compile_regex(REGEX)
-    with pytest.raises(ValueError, match="CompiledGrammar for a vocabulary of 8192 tokens; the "
-                                         "model's LM head has 8256"):
-        random_llama().generate(ids, structured_output=compiled, **common)
+    with pytest.raises(ValueError, match="CompiledGrammar for a vocabulary of 9000 tokens; the "
+                                         "model's LM head has 8192"):
+        model.generate(ids, structured_output=compiled, **common)
     with pytest.raises(ValueError, match="`structured_output` is a flashspec option"):
         model.generate(ids, attention_mask=mask, max_new_tokens=4, structured_output=spec)
 

@@ -11,11 +11,13 @@ and OpenAI's ``response_format``:
   `StructuredOutputsParams` fields;
 * ``{"type": "json_schema", "json_schema": {"schema": schema, ...}}`` and ``{"type":
   "json_object"}``: OpenAI's ``response_format``;
-* an ``xgrammar.Grammar``, or an ``xgrammar.CompiledGrammar`` compiled for the model's
-  vocabulary (then no tokenizer is needed);
+* an ``xgrammar.Grammar``, or an ``xgrammar.CompiledGrammar`` (compiled for the model's
+  tokenizer, with ``vocab_size`` up to the LM head's rows; then no tokenizer is needed);
 * a list of those with one entry per prompt (None: that row is free).
 
-Each row gets xgrammar's `GrammarMatcher`, whose stop tokens are the call's EOS ids: a row
+Grammars are compiled for the tokenizer's own ids (``len(tokenizer)``); the LM head's rows
+past them (a padded vocabulary) are never allowed, as xgrammar treats them. Each row gets
+xgrammar's `GrammarMatcher`, whose stop tokens are the call's EOS ids: a row
 whose text completes the grammar may only end, and ends as at EOS. The masks reach the fused
 kernels through `allowed.AllowedTokens`, which asks them per position with the position's
 context, drafts included. A row's matcher follows the contexts it is asked about: it rolls
@@ -48,9 +50,7 @@ FORMS = ("{'json': schema}, {'regex': pattern}, {'grammar': ebnf}, {'choice': [.
          "...}} or {'type': 'json_object'}, an xgrammar Grammar or CompiledGrammar, or a list "
          "with one of those (or None) per prompt")
 
-# GrammarCompiler per tokenizer and vocabulary size: building one reads the whole
-# vocabulary, and it caches the grammars it compiles.
-_COMPILERS: "weakref.WeakKeyDictionary[Any, dict[int, Any]]" = weakref.WeakKeyDictionary()
+_COMPILERS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
 def _xgrammar():
@@ -61,13 +61,14 @@ def _xgrammar():
     return xgrammar
 
 
-def _compiler(tokenizer, vocab_size: int):
-    xgr = _xgrammar()
-    by_size = _COMPILERS.setdefault(tokenizer, {})
-    if vocab_size not in by_size:
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        by_size[vocab_size] = xgr.GrammarCompiler(info)
-    return by_size[vocab_size]
+def _compiler(tokenizer):
+    """xgrammar's compiler for `tokenizer`'s ids, made once per tokenizer (it reads the
+    whole vocabulary, and caches the grammars it compiles)."""
+    if tokenizer not in _COMPILERS:
+        xgr = _xgrammar()
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+        _COMPILERS[tokenizer] = xgr.GrammarCompiler(info)
+    return _COMPILERS[tokenizer]
 
 
 class StructuredOutput:
@@ -75,7 +76,7 @@ class StructuredOutput:
 
     Args:
         grammars: one ``xgrammar.CompiledGrammar`` or None per row of the call (after
-            ``num_return_sequences`` expansion).
+            ``num_return_sequences`` expansion), all for one vocabulary of at most V ids.
         prompt_width: the width of the call's left-padded prompts (a context's tokens after
             it are the row's generated tokens and drafts).
         stop_token_ids: the call's EOS ids: the matchers' stop tokens.
@@ -95,9 +96,11 @@ class StructuredOutput:
         # engine's reports say (`advance`).
         self.committed = [0] * len(grammars)
         self.finished = [False] * len(grammars)
-        words = -(-vocab_size // 32)
-        self._bitmask = torch.zeros(len(grammars), words, dtype=torch.int32)
-        self._batch = xgr.BatchGrammarMatcher()
+        # The grammars' vocabulary: masks cover its words, the LM head's others are banned.
+        self.grammar_vocab = next(g for g in grammars if g is not None).tokenizer_info.vocab_size
+        self.words = -(-vocab_size // 32)
+        self._bitmask = torch.zeros(len(grammars), -(-self.grammar_vocab // 32),
+                                    dtype=torch.int32)
         self._check_start()
 
     @classmethod
@@ -126,14 +129,18 @@ class StructuredOutput:
             if id(entry) not in compiled:
                 compiled[id(entry)] = _compiled(entry, tokenizer, vocab_size, row, eos_token_ids)
             grammars.extend([compiled[id(entry)]] * expand)
+        sizes = sorted({g.tokenizer_info.vocab_size for g in grammars if g is not None})
+        if len(sizes) > 1:
+            raise ValueError(f"`{PARAMETER}`'s grammars are compiled for vocabularies of {sizes} "
+                             "tokens: give one call grammars of one tokenizer")
         return cls(grammars, prompt_width, list(eos_token_ids), vocab_size)
 
     def masks_of(self, rows: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """int32 ``[N, ceil(V / 32)]``: each row's tokens allowed after its context (every
         token on a row without a grammar)."""
         generated = input_ids[:, self.prompt_width:].tolist()
-        out = torch.full((len(rows), self._bitmask.shape[1]), -1, dtype=torch.int32)
-        constrained, indices = [], []
+        out = torch.full((len(rows), self.words), -1, dtype=torch.int32)
+        indices = []
         for i, (row, tokens) in enumerate(zip(rows.tolist(), generated)):
             if self.matchers[row] is None:
                 continue
@@ -144,13 +151,16 @@ class StructuredOutput:
             self._follow(row, tokens if end is None else tokens[: end + 1])
             if end is not None:
                 continue
-            constrained.append(self.matchers[row])
+            self.matchers[row].fill_next_token_bitmask(self._bitmask, i)
             indices.append(i)
-        if constrained:
-            bitmask = self._bitmask[: len(rows)]
-            self._batch.batch_fill_next_token_bitmask(constrained, bitmask, indices)
-            out[indices] = bitmask[indices]
+        self._place(out, indices, self._bitmask[indices])
         return out
+
+    def _place(self, out: torch.Tensor, rows: list[int], masks: torch.Tensor) -> None:
+        """`masks` ``[N, grammar words]`` as rows `rows` of `out` ``[S, words]`` (the LM
+        head's ids past the grammar's vocabulary banned)."""
+        out[rows, : masks.shape[1]] = masks
+        out[rows, masks.shape[1]:] = 0
 
     def advance(self, report) -> None:
         """After a step: each row's emitted tokens (its `slot.Report`'s) join its text."""
@@ -167,8 +177,7 @@ class StructuredOutput:
         """The masks of a step's `width` positions from the rows' texts and `drafts` (the
         step's, -1 padded; None: none) into `out` int32 ``[S, width, words]``, host memory
         (S >= the call's rows): `masks_of`'s for each position's context, without reading
-        the device. Each position's matchers fill at once (xgrammar's threads); a row's
-        matcher then accepts its draft there, and a draft its mask leaves out ends the row's
+        the device. A row's matcher fills position j, then accepts its draft there, and a draft its mask leaves out ends the row's
         positions (never reached). Every token where nothing reads: rows finished or free,
         and unreached positions."""
         out.fill_(-1)
@@ -176,13 +185,14 @@ class StructuredOutput:
                   if matcher is not None and not self.finished[row]]
         for row in active:
             self._follow(row, self.paths[row][: self.committed[row]])
-        scratch = self._bitmask
         for j in range(width):
             if not active:
                 return
-            self._batch.batch_fill_next_token_bitmask([self.matchers[r] for r in active],
-                                                      scratch, active)
-            out[active, j] = scratch[active]
+            # One matcher at a time: xgrammar's batched fill costs milliseconds a call on a
+            # 16-core host (its threads), a matcher's microseconds.
+            for row in active:
+                self.matchers[row].fill_next_token_bitmask(self._bitmask, row)
+            self._place(out[:, j], active, self._bitmask[active])
             if j + 1 == width:
                 return
             reached = []
@@ -220,7 +230,7 @@ class StructuredOutput:
             bitmask = self._bitmask[row: row + 1]
             matcher.fill_next_token_bitmask(bitmask)
             words = bitmask[0].clone()
-            words[-1] &= low_bits(self.vocab_size % 32)
+            words[-1] &= low_bits(self.grammar_vocab % 32)
             if not bool((words != 0).any()):
                 raise ValueError(f"`{PARAMETER}` for row {row} allows no token to start with: "
                                  "its grammar matches no text this tokenizer can write")
@@ -234,13 +244,17 @@ def _compiled(entry, tokenizer, vocab_size: int, row: int, eos_token_ids: list[i
     where = f"`{PARAMETER}` (row {row})"
     if isinstance(entry, xgr.CompiledGrammar):
         size = entry.tokenizer_info.vocab_size
-        if size != vocab_size:
+        if size > vocab_size:
             raise ValueError(f"{where} is an xgrammar CompiledGrammar for a vocabulary of "
-                             f"{size} tokens; the model's LM head has {vocab_size}: compile it "
-                             f"with TokenizerInfo.from_huggingface(tokenizer, vocab_size={vocab_size})")
+                             f"{size} tokens; the model's LM head has {vocab_size}: it is not "
+                             "this model's tokenizer")
+        unknown = [token for token in eos_token_ids if token >= size]
+        if unknown:
+            raise ValueError(f"{where} is an xgrammar CompiledGrammar for a vocabulary of "
+                             f"{size} tokens, without the call's `eos_token_id` {unknown}")
         return entry
     kind, source, any_whitespace = _kind(entry, where)
-    compiler = _compiler(_checked_tokenizer(tokenizer, vocab_size, eos_token_ids), vocab_size)
+    compiler = _compiler(_checked_tokenizer(tokenizer, vocab_size, eos_token_ids))
     try:
         if kind == "grammar_object":
             return compiler.compile_grammar(source)
