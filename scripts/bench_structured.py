@@ -37,8 +37,9 @@ def main() -> None:
     print(f"{args.shape}, {device}, {args.prompt_length} + {args.new_tokens} tokens, greedy")
     print(f"{'B':>3} {'drafts':>7} {'free tok/s':>11} {'grammar tok/s':>14} {'ratio':>6}  steps")
     for row in rows:
+        steps = " ".join(row.get("grammar_steps", []))
         print(f"{row['batch']:>3} {row['drafts']:>7} {row['free_tok_s']:>11.1f} "
-              f"{row['grammar_tok_s']:>14.1f} {row['ratio']:>6.3f}  {' '.join(row.get('grammar_steps', []))}")
+              f"{row['grammar_tok_s']:>14.1f} {row['ratio']:>6.3f}  {steps}")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "structured.json").write_text(json.dumps(

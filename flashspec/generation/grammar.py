@@ -86,10 +86,10 @@ class StructuredOutput:
     def __init__(self, grammars: list, prompt_width: int, stop_token_ids: list[int],
                  vocab_size: int):
         xgr = _xgrammar()
-        self.vocab_size = vocab_size
         self.prompt_width = prompt_width
         self.stop_token_ids = frozenset(stop_token_ids)
-        self.matchers = [None if g is None else xgr.GrammarMatcher(g, override_stop_tokens=stop_token_ids)
+        self.matchers = [None if g is None
+                         else xgr.GrammarMatcher(g, override_stop_tokens=stop_token_ids)
                          for g in grammars]
         self.paths: list[list[int]] = [[] for _ in grammars]    # tokens each matcher accepted
         # Of them, the row's own (emitted) tokens, and whether the row is finished: the
@@ -170,21 +170,21 @@ class StructuredOutput:
             if matcher is None or count == 0:
                 continue
             emitted = [report.tokens[k][row] for k in range(count)]
-            self._follow(row, self.paths[row][: self.committed[row]] + emitted)
+            self._follow(row, emitted, start=self.committed[row])
             self.committed[row] += count
 
     def fill(self, drafts: list[list[int]] | None, width: int, out: torch.Tensor) -> None:
         """The masks of a step's `width` positions from the rows' texts and `drafts` (the
         step's, -1 padded; None: none) into `out` int32 ``[S, width, words]``, host memory
         (S >= the call's rows): `masks_of`'s for each position's context, without reading
-        the device. A row's matcher fills position j, then accepts its draft there, and a draft its mask leaves out ends the row's
-        positions (never reached). Every token where nothing reads: rows finished or free,
-        and unreached positions."""
+        the device. A row's matcher fills position j, then accepts its draft there; a draft
+        its mask leaves out ends the row's positions (never reached). Every token where
+        nothing reads: rows finished or free, and unreached positions."""
         out.fill_(-1)
         active = [row for row, matcher in enumerate(self.matchers)
                   if matcher is not None and not self.finished[row]]
         for row in active:
-            self._follow(row, self.paths[row][: self.committed[row]])
+            self._follow(row, [], start=self.committed[row])      # the last step's drafts off
         for j in range(width):
             if not active:
                 return
@@ -203,18 +203,21 @@ class StructuredOutput:
                     reached.append(row)
             active = reached
 
-    def _follow(self, row: int, tokens: list[int]) -> None:
-        """Bring row `row`'s matcher to the context whose generated tokens are `tokens`."""
+    def _follow(self, row: int, tokens: list[int], start: int = 0) -> None:
+        """Bring row `row`'s matcher to the context whose generated tokens are the first
+        `start` it accepted, then `tokens`: roll back to the longest prefix they share with
+        what it accepted, accept the rest."""
         matcher, path = self.matchers[row], self.paths[row]
-        shared = 0
-        for a, b in zip(path, tokens):
+        shared = start
+        for a, b in zip(path[start:], tokens):
             if a != b:
                 break
             shared += 1
         if shared < len(path):
             matcher.rollback(len(path) - shared)
             del path[shared:]
-        for token in tokens[shared:]:
+        tokens = tokens[shared - start:]
+        for token in tokens:
             if not matcher.accept_token(token):
                 raise ValueError(f"`{PARAMETER}`: row {row}'s grammar does not allow token "
                                  f"{token} after its {len(path)} generated tokens, which a "
