@@ -150,9 +150,11 @@ class Slot:
         self.processing = None                    # the call's `LogitsProcessing`, if any
         self.allowed = None                       # the call's `AllowedTokens`, if any
         # Each position's allowed tokens for the next step, int32 [B, max_drafts + 1, words]
-        # (`fill_allowed`, on the host before the step), once a call had masks: the steps
-        # read it, so that they stay captured.
+        # (`fill_allowed`, on the host before the step), once a call had masks (`mask_words`
+        # words per mask; 0: none yet): the steps read it, so that they stay captured.
+        self.mask_words = 0
         self.allowed_masks: torch.Tensor | None = None
+        self.host_masks: torch.Tensor | None = None
         self.edit_state: EditState | None = None  # fused edits' buffers, once a call had edits
         self.edits: EditState | None = None       # the call's fused edits, if any
         self.heuristic = False
@@ -185,7 +187,7 @@ class Slot:
             self.logprobs[:, :kept] = old[1][:, :kept]
         self.drafts = torch.full((batch, self.max_drafts), -1, **long)
         self.draft_failed = torch.zeros(batch, self.max_drafts, dtype=torch.bool, device=self.device)
-        if self.allowed_masks is not None:
+        if self.mask_words:
             shape = (batch, self.max_drafts + 1, self.mask_words)
             self.allowed_masks = torch.full(shape, -1, dtype=torch.int32, device=self.device)
             # Where the host writes them; pinned, so that the copy is asynchronous.
@@ -387,9 +389,8 @@ class Slot:
         self.call_params = _with_flags(self.params, params)
         self.processing = plan.processing
         self.allowed = plan.allowed
-        if self.allowed is not None and self.allowed_masks is None:
+        if self.allowed is not None and not self.mask_words:
             self.mask_words = -(-self.engine.head.vocab_size // 32)
-            self.allowed_masks = self.drafts.new_empty(0)   # sized by `_allocate_columns`
             self._allocate_columns()
         self._load_edits(plan.edits, stock_ids, plan.additive)
         self.heuristic = plan.schedule == "heuristic" and plan.drafter is not None
