@@ -208,6 +208,30 @@ def test_masks_from_the_reports_equal_masks_from_the_contexts(drafts, monkeypatc
         assert not fills
 
 
+def test_assistant_drafts_among_the_grammars_tokens():
+    """The assistant drafts among each position's allowed tokens (the host fills the masks
+    before each draft step): on code prompts under a JSON schema, which the tiny pair does
+    not write unconstrained, most drafts are accepted (measured 0.85 of those drafted; 0.02
+    when the assistant ignored the grammar), and the tokens are those without drafts."""
+    from flashspec.bench.prompt_sets import encode_prompts, load_prompts
+
+    model, draft, tokenizer = pair()
+    texts = [record["prompt"] for record in load_prompts("code_edit")[:8]]
+    batch = encode_prompts(tokenizer, texts, max_length=64)
+    spec = {"json": {"type": "object", "properties": {"code": {"type": "string"},
+                                                      "lines": {"type": "integer"}},
+                     "required": ["code", "lines"]}}
+    common = dict(attention_mask=batch.attention_mask, max_new_tokens=64, do_sample=False,
+                  sampler="flash", pad_token_id=0, tokenizer=tokenizer, structured_output=spec,
+                  return_dict_in_generate=True)
+    plain = model.generate(batch.input_ids, **common)
+    drafted = model.generate(batch.input_ids, assistant_model=draft, num_assistant_tokens=4,
+                             **common)
+    assert torch.equal(drafted.sequences, plain.sequences)
+    stats = drafted.flash_stats
+    assert int(stats.accepted.sum()) / int(stats.drafted.sum()) > 0.6
+
+
 def test_one_spec_per_prompt_and_free_rows():
     """A list gives each prompt its own spec (None: unconstrained, stock's tokens)."""
     model, _, tokenizer = pair()

@@ -28,13 +28,19 @@ step ahead of the host.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
 
 from .processing import position_contexts
 
-_BITS = torch.arange(32, dtype=torch.int32)
+
+@functools.lru_cache(maxsize=None)
+def _bits(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """0..31 on `device`: made once per device, so that a CUDA graph's capture, which a
+    warm-up run of the same step precedes, copies nothing from the host."""
+    return torch.arange(32, dtype=dtype, device=device)
 
 
 def pack(allowed: torch.Tensor) -> torch.Tensor:
@@ -42,14 +48,14 @@ def pack(allowed: torch.Tensor) -> torch.Tensor:
     vocab = allowed.shape[-1]
     words = -(-vocab // 32)
     padded = torch.nn.functional.pad(allowed.to(torch.int64), (0, 32 * words - vocab))
-    bits = padded.view(*allowed.shape[:-1], words, 32) << _BITS.to(allowed.device, torch.int64)
+    bits = padded.view(*allowed.shape[:-1], words, 32) << _bits(allowed.device, torch.int64)
     values = bits.sum(dim=-1)
     return torch.where(values >= 2**31, values - 2**32, values).to(torch.int32)  # bit 31: sign
 
 
 def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """bool ``[..., V]``: the tokens int32 `bitmask` ``[..., ceil(V / 32)]`` allows."""
-    bits = (bitmask[..., None] >> _BITS.to(bitmask.device)) & 1
+    bits = (bitmask[..., None] >> _bits(bitmask.device, torch.int32)) & 1
     return bits.flatten(-2)[..., :vocab_size].bool()
 
 
@@ -88,10 +94,21 @@ class AllowedTokens:
         if self.from_host:
             self.structured.advance(report)
 
-    def host_masks(self, drafts: list[list[int]] | None, width: int, out: torch.Tensor) -> None:
-        """`bitmask`'s masks into host `out` ``[S, width, words]`` from the host's reports and
-        `drafts` (-1 padded lists): `from_host` calls only."""
-        self.structured.fill(drafts, width, out)
+    def host_masks(self, drafts: list[list[int]] | None, width: int, out: torch.Tensor,
+                   resume: bool = False) -> None:
+        """`bitmask`'s masks of `width` positions into host `out` ``[S, >= width, words]``
+        from the host's reports and `drafts` (-1 padded lists): `from_host` calls only.
+        `resume`: the positions `draft_masks` filled this step stay."""
+        self.structured.fill(drafts, width, out, resume)
+
+    def draft_masks(self, column: int, previous: list[int] | None, out: torch.Tensor) -> None:
+        """Before the drafter's step writing draft `column`: the masks of that position into
+        `out[:, column]`, after each row's draft `previous[row]` at the column before (None
+        for column 0): `from_host` calls whose drafter reads them."""
+        if column == 0:
+            self.structured.start(out)
+        else:
+            self.structured.extend(previous)
 
     @classmethod
     def of_call(cls, prefix_allowed_tokens_fn, allowed_tokens_fn, prompt_ids: torch.Tensor,

@@ -30,6 +30,8 @@ from typing import Callable, Hashable
 import torch
 
 from .. import reference
+from ..params import BAN, BANNED_LOGIT, KEEP, LogitEdits
+from .allowed import unpack
 from .heads import OutputHead
 
 Step = tuple[Hashable, Callable[[], None]]
@@ -37,6 +39,11 @@ Step = tuple[Hashable, Callable[[], None]]
 
 class AttachedDrafter:
     """A drafter bound to one slot: the state it keeps there and its steps."""
+
+    # Whether the steps draft among a call's allowed tokens (grammars): the host then fills
+    # each drafted position's masks into ``slot.allowed_masks[:, column]`` before the step
+    # writing that column (`Slot.fill_draft_masks`), where `Slot.masks_drafts`.
+    reads_masks = False
 
     def use(self, drafter: "Drafter") -> None:
         """This call's `drafter` (a key equal to the attachment's), with its per-call
@@ -122,11 +129,18 @@ class _AttachedAssistant(AttachedDrafter):
     never saw) and drafts one token; ``draft_next`` feeds the previous draft and drafts the
     next. `start` reads the prompts into the cache."""
 
+    # Greedy drafts among the grammar's tokens agree with the target's constrained tokens
+    # far more often than free ones (the tiny pair, a JSON schema: 90% of positions, against
+    # 11%).
+    reads_masks = True
+
     def __init__(self, head: OutputHead, slot):
         self.head = head
         self.slot = slot
         self.runner, self.cache = slot.add_cache(head.decoder, "assistant_model", refeed=2)
         self.count = torch.zeros((), dtype=torch.long, device=slot.device)
+        # The repetition penalty of masked drafts' edit codes: none.
+        self.no_penalty = torch.ones(slot.batch_size, dtype=torch.float64, device=slot.device)
         self.confidence_threshold = 0.0
         # Eager CPU steps with a threshold: rows done drafting this step (host-read).
         self.stopped: torch.Tensor | None = None
@@ -165,7 +179,7 @@ class _AttachedAssistant(AttachedDrafter):
         hidden = self.runner.step(self.cache, slot.seq.gather(1, positions), positions, live)[:, -1]
         # Finished rows (padding a batch) draft nothing.
         self.stopped = slot.finished.clone() if self._stops_unconfident else None
-        self._write(0, *self._argmax(hidden))
+        self._write(0, *self._argmax(hidden, self.count.new_zeros(1)))
         self.count.fill_(1)
 
     def _draft_next(self) -> None:
@@ -186,21 +200,33 @@ class _AttachedAssistant(AttachedDrafter):
         positions = torch.minimum(slot.length[:, None] + count - 1, (slot.end - 1)[:, None])
         hidden = self.runner.step(self.cache, previous, positions.repeat(1, fed),
                                   slot.one_live[:, :fed])[:, 0]
-        tokens, failed = self._argmax(hidden)
+        tokens, failed = self._argmax(hidden, count)
         self.slot.drafts.index_copy_(1, count, tokens[:, None])
         self.slot.draft_failed.index_copy_(1, count, failed[:, None])
         self.count.add_(1)
 
-    def _argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _argmax(self, hidden: torch.Tensor,
+                column: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The assistant's greedy draft of each row (-1 where its logits are not finite),
-        and where it failed so. With `stopped`: -1 and not failed for the rows that stopped
-        drafting, which then take in those whose draft's probability is below the threshold
-        (the draft itself is kept, as stock's stopping criterion keeps it)."""
+        and where it failed so: among the call's allowed tokens at draft `column` ``[1]``
+        where `Slot.masks_drafts`. With `stopped`: -1 and not failed for the rows that
+        stopped drafting, which then take in those whose draft's probability is below the
+        threshold (the draft itself is kept, as stock's stopping criterion keeps it)."""
         hidden = hidden.to(self.head.weight.dtype)
+        allowed = None
+        if self.slot.masks_drafts:
+            masks = self.slot.allowed_masks.index_select(1, column)[:, 0]
+            allowed = unpack(masks, self.head.weight.shape[0])
         if self.stopped is None:
-            tokens = self.sampler.argmax(hidden)
+            edits = None
+            if allowed is not None:
+                codes = torch.where(allowed, KEEP, BAN).to(torch.uint8)
+                edits = LogitEdits(codes, self.no_penalty)
+            tokens = self.sampler.argmax(hidden, edits)
             return tokens, tokens < 0
         logits = reference.compute_logits(hidden, self.head.weight)
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, BANNED_LOGIT)
         tokens = reference.argmax_logits(logits).tokens
         failed = (tokens < 0) & ~self.stopped
         # The draft's own logit, not a second pass for the maximum (a failed row's is moot:

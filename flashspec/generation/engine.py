@@ -436,14 +436,17 @@ class Engine:
         # A drafter's steps may write more columns of its cache than the verification's.
         columns = max(step + 2, getattr(drafter, "columns", lambda width: 0)(step))
         slot.ensure_room(report, columns * (ahead + 1))
-        for key, fn in drafter.steps(width):
+        masked = slot.masks_drafts and getattr(drafter, "reads_masks", False)   # a caller's
+        for column, (key, fn) in enumerate(drafter.steps(width)):
+            if masked:
+                slot.fill_draft_masks(column)
             self._run_step(slot, key, fn, plan.drafter.key)
         step = self._verification_width(slot, width, step)
         if step > width:  # fewer drafts than columns: those past them are an old step's
             slot.drafts[:, width:step] = -1
             slot.draft_failed[:, width:step] = False
         if slot.allowed is not None:
-            slot.fill_allowed(step)
+            slot.fill_allowed(step, resume=masked)
         return self._run_step(slot, ("verify", step), lambda: slot.verify(step))
 
     def _verification_width(self, slot: Slot, width: int, step: int) -> int:
@@ -609,10 +612,11 @@ class Engine:
     def _step_kind(self, slot: Slot, key, drafter=None) -> tuple:
         """A step's graph key but the KV views: the slot and its buffers' generation, the
         step (a drafter's steps with the drafter's key), the sampler, the kernel flags, the
-        schedule, the edits, whether it reads allowed-token masks, and the taps."""
+        schedule, the edits, whether it reads allowed-token masks (and its drafts do), and
+        the taps."""
         return (id(slot), slot.generation, drafter, key, self.sampler_kind,
                 slot.call_params.kernel_flags(self.head.vocab_size), slot.heuristic,
-                slot.edits_key(), slot.allowed is not None, slot.taps_key())
+                slot.edits_key(), slot.allowed is not None, slot.masks_drafts, slot.taps_key())
 
     def _run_step(self, slot: Slot, key, fn, drafter=None):
         """Run a step (of `drafter`, a drafter key, if given): replay its CUDA graph (captured

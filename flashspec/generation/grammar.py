@@ -173,35 +173,55 @@ class StructuredOutput:
             self._follow(row, emitted, start=self.committed[row])
             self.committed[row] += count
 
-    def fill(self, drafts: list[list[int]] | None, width: int, out: torch.Tensor) -> None:
+    def fill(self, drafts: list[list[int]] | None, width: int, out: torch.Tensor,
+             resume: bool = False) -> None:
         """The masks of a step's `width` positions from the rows' texts and `drafts` (the
         step's, -1 padded; None: none) into `out` int32 ``[S, width, words]``, host memory
         (S >= the call's rows): `masks_of`'s for each position's context, without reading
         the device. A row's matcher fills position j, then accepts its draft there; a draft
         its mask leaves out ends the row's positions (never reached). Every token where
-        nothing reads: rows finished or free, and unreached positions."""
-        out.fill_(-1)
-        active = [row for row, matcher in enumerate(self.matchers)
-                  if matcher is not None and not self.finished[row]]
-        for row in active:
-            self._follow(row, [], start=self.committed[row])      # the last step's drafts off
-        for j in range(width):
-            if not active:
-                return
-            # One matcher at a time: xgrammar's batched fill costs milliseconds a call on a
-            # 16-core host (its threads), a matcher's microseconds.
-            for row in active:
-                self.matchers[row].fill_next_token_bitmask(self._bitmask, row)
-            self._place(out[:, j], active, self._bitmask[active])
-            if j + 1 == width:
-                return
-            reached = []
-            for row in active:
-                draft = drafts[row][j]
-                if draft >= 0 and self.matchers[row].accept_token(draft):
-                    self.paths[row].append(draft)
+        nothing reads: rows finished or free, and unreached positions. `resume`: the
+        positions `start` and `extend` filled this step stay (masked drafts)."""
+        if not resume:
+            self.start(out)
+        while self._next < width:
+            self.extend([row[self._next - 1] for row in drafts])
+
+    def start(self, out: torch.Tensor) -> None:
+        """Begin a step's masks in `out` (`fill`): the rows' matchers back at their texts,
+        position 0 filled."""
+        self._out = out
+        self._active = [row for row, matcher in enumerate(self.matchers)
+                        if matcher is not None and not self.finished[row]]
+        for row in self._active:
+            self._follow(row, [], start=self.committed[row])   # the last step's drafts off
+        self._next = 0
+        self._fill_next()
+
+    def extend(self, drafts: list[int]) -> None:
+        """The next position's masks after each row's draft `drafts[row]` at the position
+        before (-1: none), for the rows that reach it (not past a draft the grammar leaves
+        out, nor past an EOS)."""
+        reached = []
+        for row in self._active:
+            draft, matcher = drafts[row], self.matchers[row]
+            if draft >= 0 and matcher.accept_token(draft):
+                self.paths[row].append(draft)
+                if not matcher.is_terminated():        # after an EOS draft nothing is read
                     reached.append(row)
-            active = reached
+        self._active = reached
+        self._fill_next()
+
+    def _fill_next(self) -> None:
+        # One matcher at a time: xgrammar's batched fill costs milliseconds a call on a
+        # 16-core host (its threads), a matcher's microseconds.
+        for row in self._active:
+            self.matchers[row].fill_next_token_bitmask(self._bitmask, row)
+        column = self._out[:, self._next]
+        column.fill_(-1)
+        if self._active:
+            self._place(column, self._active, self._bitmask[self._active])
+        self._next += 1
 
     def _follow(self, row: int, tokens: list[int], start: int = 0) -> None:
         """Bring row `row`'s matcher to the context whose generated tokens are the first

@@ -53,9 +53,9 @@ class _Sampler:
         self.params = params
         self.head = dict(bias=bias, softcap=softcap)
 
-    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        return sampling.argmax(hidden, self.weight, check=False, backend=self.backend,
-                               **self.head).tokens
+    def argmax(self, hidden: torch.Tensor, edits: LogitEdits | None = None) -> torch.Tensor:
+        return sampling.argmax(hidden, self.weight, edits=edits, check=False,
+                               backend=self.backend, **self.head).tokens
 
     def sample(self, hidden: torch.Tensor, positions: torch.Tensor,
                edits: LogitEdits | None = None):
@@ -102,8 +102,9 @@ class ParallelSampler(_Sampler):
         super().__init__(weight, params, bias=bias, softcap=softcap)
         self.shards = shards
 
-    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        return parallel.argmax(hidden, self.weight, shards=self.shards, check=False,
+    def argmax(self, hidden: torch.Tensor, edits: LogitEdits | None = None) -> torch.Tensor:
+        return parallel.argmax(hidden, self.weight, shards=self.shards,
+                               edits=self.shards.local_edits(edits), check=False,
                                **self.head).tokens
 
     def sample(self, hidden: torch.Tensor, positions: torch.Tensor,

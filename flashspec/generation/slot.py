@@ -449,18 +449,34 @@ class Slot:
         graphs."""
         return self.processing is not None or self.token_types
 
-    def fill_allowed(self, width: int) -> None:
+    @property
+    def masks_drafts(self) -> bool:
+        """Whether a drafter that reads masks (`AttachedDrafter.reads_masks`) gets them:
+        the call's masks come from the host's reports alone (`AllowedTokens.from_host`)."""
+        return self.allowed is not None and self.allowed.from_host
+
+    def fill_allowed(self, width: int, resume: bool = False) -> None:
         """On the host, before a step: the call's allowed tokens (`AllowedTokens.bitmask`)
         at the positions of the step verifying `width` drafts (0: sampling one token), into
         `allowed_masks`, which the step reads. Reads the slot's state and drafts (a host
-        sync; only the drafts where the masks come from the host's reports)."""
+        sync; only the drafts where the masks come from the host's reports). `resume`: the
+        drafter's steps had their positions' masks (`fill_draft_masks`), which stay."""
         drafts = self.verified_drafts(width) if width else None
         if self.allowed.from_host:
             masks = self.host_masks[:, : width + 1]
-            self.allowed.host_masks(None if drafts is None else drafts.tolist(), width + 1, masks)
+            self.allowed.host_masks(None if drafts is None else drafts.tolist(), width + 1,
+                                    self.host_masks, resume)
         else:
             masks = self.allowed.bitmask(self, drafts, width + 1)
         self.allowed_masks[:, : width + 1].copy_(masks, non_blocking=True)
+
+    def fill_draft_masks(self, column: int) -> None:
+        """On the host, before the drafter's step writing draft `column`: that position's
+        allowed tokens into `allowed_masks[:, column]`, after the drafts before it (read
+        from the device: a host sync)."""
+        previous = self.drafts[:, column - 1].tolist() if column else None
+        self.allowed.draft_masks(column, previous, self.host_masks)
+        self.allowed_masks[:, column].copy_(self.host_masks[:, column], non_blocking=True)
 
     def step_edits(self, drafts: torch.Tensor | None = None):
         """The fused edits (`LogitEdits`, or None without) of the rows' next token, or with
