@@ -243,3 +243,38 @@ def test_moe_experts_that_cuda_graphs_cannot_capture_are_named(model):
         assert uncapturable_experts(model.model, "model") is None
     finally:
         model.to(torch.float32)
+
+
+def test_mtp_drafts_among_a_grammars_tokens(model, monkeypatch):
+    """With `structured_output` (an xgrammar grammar over a raw 128-token vocabulary: token
+    i is letter i % 26 written 1 + i // 26 times) the MTP layer drafts among each
+    position's allowed tokens: every draft up to an EOS draft is made of the grammar's
+    letters (the random layer drafts any token unmasked), and the tokens are those without
+    drafts."""
+    import xgrammar as xgr
+
+    vocab = [chr(ord("a") + i % 26) * (1 + i // 26) for i in range(127)] + ["</s>"]
+    info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, stop_token_ids=[127])
+    grammar = xgr.GrammarCompiler(info).compile_regex("[ab]+e")
+    drafts = []
+    verify = slot_module.Slot.verify
+
+    def verifying(slot, width):
+        for row in slot.verified_drafts(width).tolist():     # up to an EOS: nothing after
+            row = [d for d in row if d >= 0]
+            drafts.extend(row[: row.index(127) + 1] if 127 in row else row)
+        return verify(slot, width)
+
+    monkeypatch.setattr(slot_module.Slot, "verify", verifying)
+    ids, mask = prompts()
+    common = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, sampler="flash",
+                  structured_output=grammar, eos_token_id=127)
+    plain = model.generate(ids, **common)
+    drafted = model.generate(ids, use_mtp=True, num_assistant_tokens=3, **common)
+    assert torch.equal(drafted, plain)
+    for row in plain[:, ids.shape[1]:].tolist():                 # the grammar's language
+        matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=[127])
+        for token in row[: row.index(127) + 1] if 127 in row else row:
+            assert matcher.accept_token(token)
+    assert len(drafts) > 20
+    assert [t for t in drafts if not (t == 127 or t % 26 in (0, 1, 4))] == []

@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from ..params import BAN, KEEP, LogitEdits
 from .processing import position_contexts
 
 
@@ -51,6 +52,13 @@ def pack(allowed: torch.Tensor) -> torch.Tensor:
     bits = padded.view(*allowed.shape[:-1], words, 32) << _bits(allowed.device, torch.int64)
     values = bits.sum(dim=-1)
     return torch.where(values >= 2**31, values - 2**32, values).to(torch.int32)  # bit 31: sign
+
+
+def mask_edits(allowed: torch.Tensor) -> LogitEdits:
+    """The `LogitEdits` that ban the tokens bool `allowed` ``[B, V]`` leaves out, and
+    nothing else: a drafter's argmax among a grammar's tokens."""
+    codes = torch.where(allowed, KEEP, BAN).to(torch.uint8)
+    return LogitEdits(codes, torch.ones(len(allowed), dtype=torch.float64, device=allowed.device))
 
 
 def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

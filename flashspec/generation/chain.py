@@ -41,15 +41,18 @@ class ChainHead:
     def combine(self, taps: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def draft(self, slot, hidden: torch.Tensor) -> torch.Tensor:
+    def draft(self, slot, hidden: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
         """Target token ids ``[B]`` drafted from the layer outputs `hidden` ``[B, H]`` (-1
-        where the head's logits were not finite)."""
+        where the head's logits were not finite), among the target ids bool `allowed`
+        ``[B, V]`` allows (None: all)."""
         raise NotImplementedError
 
 
 class ChainSteps(AttachedDrafter):
     """A `ChainHead`'s KV cache in the slot, the previous draft's layer output, and the
     steps (module docstring)."""
+
+    reads_masks = True
 
     def __init__(self, head: ChainHead, slot):
         self.head = head
@@ -129,6 +132,6 @@ class ChainSteps(AttachedDrafter):
     def _draft(self, column: torch.Tensor, hidden: torch.Tensor) -> None:
         """Draft from the layer outputs `hidden` ``[B, H]`` into ``drafts[:, column]``."""
         self.hidden.copy_(hidden)
-        tokens = self.head.draft(self.slot, hidden)
+        tokens = self.head.draft(self.slot, hidden, self.slot.draft_allowed(column))
         self.slot.drafts.index_copy_(1, column, tokens[:, None])
         self.slot.draft_failed.index_copy_(1, column, (tokens < 0)[:, None])

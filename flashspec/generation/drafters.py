@@ -30,8 +30,8 @@ from typing import Callable, Hashable
 import torch
 
 from .. import reference
-from ..params import BAN, BANNED_LOGIT, KEEP, LogitEdits
-from .allowed import unpack
+from ..params import BANNED_LOGIT
+from .allowed import mask_edits
 from .heads import OutputHead
 
 Step = tuple[Hashable, Callable[[], None]]
@@ -139,8 +139,6 @@ class _AttachedAssistant(AttachedDrafter):
         self.slot = slot
         self.runner, self.cache = slot.add_cache(head.decoder, "assistant_model", refeed=2)
         self.count = torch.zeros((), dtype=torch.long, device=slot.device)
-        # The repetition penalty of masked drafts' edit codes: none.
-        self.no_penalty = torch.ones(slot.batch_size, dtype=torch.float64, device=slot.device)
         self.confidence_threshold = 0.0
         # Eager CPU steps with a threshold: rows done drafting this step (host-read).
         self.stopped: torch.Tensor | None = None
@@ -213,16 +211,11 @@ class _AttachedAssistant(AttachedDrafter):
         stopped drafting, which then take in those whose draft's probability is below the
         threshold (the draft itself is kept, as stock's stopping criterion keeps it)."""
         hidden = hidden.to(self.head.weight.dtype)
-        allowed = None
-        if self.slot.masks_drafts:
-            masks = self.slot.allowed_masks.index_select(1, column)[:, 0]
-            allowed = unpack(masks, self.head.weight.shape[0])
+        allowed = self.slot.draft_allowed(column)
+        if allowed is not None:
+            allowed = allowed[:, : self.head.weight.shape[0]]
         if self.stopped is None:
-            edits = None
-            if allowed is not None:
-                codes = torch.where(allowed, KEEP, BAN).to(torch.uint8)
-                edits = LogitEdits(codes, self.no_penalty)
-            tokens = self.sampler.argmax(hidden, edits)
+            tokens = self.sampler.argmax(hidden, None if allowed is None else mask_edits(allowed))
             return tokens, tokens < 0
         logits = reference.compute_logits(hidden, self.head.weight)
         if allowed is not None:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
+from .allowed import mask_edits
 from .chain import ChainHead, ChainSteps
 from .drafters import AttachedDrafter, Drafter
 from .eagle3_model import (Eagle3Model, check_config, config_taps, read_config, read_weights,
@@ -155,11 +156,16 @@ class Eagle3(Drafter, ChainHead):
     def combine(self, taps: torch.Tensor) -> torch.Tensor:
         return self.model.combine(taps)
 
-    def draft(self, slot, hidden: torch.Tensor) -> torch.Tensor:
-        """The argmax over the draft vocabulary (the fused kernel on CUDA), as target ids."""
+    def draft(self, slot, hidden: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+        """The argmax over the draft vocabulary (the fused kernel on CUDA), as target ids;
+        among the draft ids whose target ids `allowed` allows."""
         weight = self.model.lm_head.weight
         normed = self.model.norm(hidden).to(weight.dtype)
-        return self.model.target_ids(slot.sampler(weight).argmax(normed))
+        edits = None
+        if allowed is not None:
+            targets = self.model.target_ids(torch.arange(weight.shape[0], device=weight.device))
+            edits = mask_edits(allowed[:, targets])
+        return self.model.target_ids(slot.sampler(weight).argmax(normed, edits))
 
 
 def _from_weights(config: dict, weights: dict[str, torch.Tensor], where: str) -> Eagle3Model:

@@ -26,6 +26,7 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from .allowed import mask_edits
 from .chain import ChainHead, ChainSteps
 from .drafters import AttachedDrafter, Drafter
 from .heads import output_head, uncapturable_experts
@@ -147,8 +148,9 @@ class Mtp(Drafter, ChainHead):
     def combine(self, taps: torch.Tensor) -> torch.Tensor:
         return taps
 
-    def draft(self, slot, hidden: torch.Tensor) -> torch.Tensor:
-        return slot.sampler(self.weight).argmax(hidden.to(self.weight.dtype))
+    def draft(self, slot, hidden: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+        edits = None if allowed is None else mask_edits(allowed[:, : self.weight.shape[0]])
+        return slot.sampler(self.weight).argmax(hidden.to(self.weight.dtype), edits)
 
     def attach(self, slot) -> AttachedDrafter:
         return ChainSteps(self, slot)

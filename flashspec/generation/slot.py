@@ -30,6 +30,7 @@ import torch
 
 from ..params import SamplingParams
 from .compiled import DecoderRunner
+from .allowed import unpack
 from .cpu import outside_inference_mode
 from ..outputs import NO_TOKEN_LEFT, OK
 from .edits import EditState, bans_every_token
@@ -469,6 +470,15 @@ class Slot:
         else:
             masks = self.allowed.bitmask(self, drafts, width + 1)
         self.allowed_masks[:, : width + 1].copy_(masks, non_blocking=True)
+
+    def draft_allowed(self, column: torch.Tensor) -> torch.Tensor | None:
+        """Inside a drafter's step: bool ``[B, V]``, the tokens allowed at draft `column`
+        (``[1]``, on the device) as `fill_draft_masks` left them, where `masks_drafts`;
+        else None."""
+        if not self.masks_drafts:
+            return None
+        masks = self.allowed_masks.index_select(1, column)[:, 0]
+        return unpack(masks, self.engine.head.vocab_size)
 
     def fill_draft_masks(self, column: int) -> None:
         """On the host, before the drafter's step writing draft `column`: that position's
