@@ -25,7 +25,10 @@ back to the longest prefix it shares with the new context and accepts the rest, 
 step's drafted positions advance it along the drafts, a rejected draft rolls it back, and
 the accepted drafts and the corrected token advance it for good. Nothing is asked after a
 draft its position's mask leaves out (`AllowedTokens.bitmask`), so the drafts a matcher
-accepts are those the grammar allows.
+accepts are those the grammar allows. With the grammars alone the masks come from the host's
+reports (`advance`, `start`, `extend`), and drafters that read them (`AttachedDrafter.
+reads_masks`: assistants, EAGLE-3 heads, MTP layers) draft among each position's allowed
+tokens, the host filling a position's masks before the step that drafts it.
 
 xgrammar is an optional dependency: ``pip install "flashspec[structured]"``.
 """
