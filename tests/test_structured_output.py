@@ -253,6 +253,42 @@ def test_one_spec_per_prompt_and_free_rows():
     assert torch.equal(out[0, : stock.shape[1]], stock[0])
 
 
+def test_num_return_sequences_repeat_each_prompts_spec():
+    """A spec per prompt, each prompt's rows repeated (num_return_sequences=3, sampled):
+    every row in its own prompt's language."""
+    model, _, tokenizer = pair()
+    ids, mask = encoded(PROMPTS[:2])
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=True, seed=4,
+                         num_return_sequences=3, sampler="flash", tokenizer=tokenizer,
+                         pad_token_id=0, structured_output=[{"regex": REGEX},
+                                                            {"choice": ["yes", "no"]}])
+    texts = generated_texts(tokenizer, out, ids.shape[1])
+    assert len(texts) == 6 and all(ended for _, ended in texts)
+    assert all(re.fullmatch(REGEX, text) for text, _ in texts[:3])
+    assert all(text in ("yes", "no") for text, _ in texts[3:])
+
+
+def test_stop_strings_cut_constrained_rows():
+    """Stop strings end rows mid-grammar (stock's xgrammar processor fails there: it feeds
+    the padding to the matcher): each row is the call without stop strings cut at the token
+    that completes its first stop string, and the grammars follow the cut rows."""
+    model, _, tokenizer = pair()
+    ids, mask = encoded()
+    common = dict(attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0,
+                  tokenizer=tokenizer, sampler="flash",
+                  structured_output={"json": SCHEMAS["nested"]})
+    stopped = model.generate(ids, stop_strings=['"name"'], **common)
+    uncut = model.generate(ids, **common)
+    cut = 0
+    for row, full in zip(stopped[:, ids.shape[1]:].tolist(), uncut[:, ids.shape[1]:].tolist()):
+        row = row[: row.index(0)] if 0 in row else row           # EOS and padding: id 0
+        assert full[: len(row)] == row
+        if '"name"' in tokenizer.decode(full):
+            assert '"name"' in tokenizer.decode(row) and '"name"' not in tokenizer.decode(row[:-1])
+            cut += 1
+    assert cut >= 2
+
+
 def test_openai_response_formats_and_compiled_grammars():
     model, _, tokenizer = pair()
     ids, mask = encoded()
