@@ -22,6 +22,7 @@ from xgrammar.contrib.hf import LogitsProcessor
 
 import flashspec
 from flashspec.assets import tiny_pair_path
+from flashspec.bench.structured import GRAMMAR as ENDLESS_JSON_LINES
 from flashspec.generation import grammar
 
 SCHEMAS = {
@@ -439,3 +440,29 @@ def test_the_matcher_follows_contexts_by_rolling_back():
         want = xgr.allocate_token_bitmask(1, 8192)
         fresh.fill_next_token_bitmask(want)
         assert torch.equal(got, want), length
+
+
+def test_calls_in_turn_on_one_engine_cross_capacities_and_drafters():
+    """One model, calls in turn: a grammar with an assistant sizes the slot; a long
+    constrained call grows it; prompt lookup with more drafts widens it; a free call; the
+    EAGLE-3 head under the grammar. Each call's tokens equal the same call without drafts
+    on a model of its own (a fresh engine)."""
+    model, draft, tokenizer = pair()
+    path = tiny_pair_path()
+    fresh = flashspec.wrap(AutoModelForCausalLM.from_pretrained(path / "target",
+                                                                dtype=torch.float32).eval())
+    head = flashspec.Eagle3.from_pretrained(path / "eagle3", model)
+    ids, mask = encoded()
+    spec = {"json": SCHEMAS["array"]}
+    calls = [(dict(max_new_tokens=16, structured_output=spec),
+              dict(assistant_model=draft, num_assistant_tokens=3)),
+             (dict(max_new_tokens=300, structured_output={"grammar": ENDLESS_JSON_LINES}), {}),
+             (dict(max_new_tokens=48, structured_output=spec), dict(prompt_lookup_num_tokens=6)),
+             (dict(max_new_tokens=48), dict(prompt_lookup_num_tokens=6)),
+             (dict(max_new_tokens=48, structured_output=spec),
+              dict(drafter=head, num_assistant_tokens=4))]
+    for call, drafts in calls:
+        common = dict(attention_mask=mask, do_sample=True, seed=7, sampler="flash",
+                      pad_token_id=0, tokenizer=tokenizer, **call)
+        want = fresh.generate(ids, **common)
+        assert torch.equal(model.generate(ids, **common, **drafts), want), (call, drafts)
