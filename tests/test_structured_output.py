@@ -360,8 +360,8 @@ def test_tokenizers_and_calls_that_cannot_hold_a_grammar_are_refused():
                        **{**common, "pad_token_id": 0})
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=9000)
     compiled = xgr.GrammarCompiler(info).compile_regex(REGEX)
-    with pytest.raises(ValueError, match="CompiledGrammar for a vocabulary of 9000 tokens; the "
-                                         "model's LM head has 8192"):
+    with pytest.raises(ValueError, match="CompiledGrammar for a vocabulary of 9000 tokens and "
+                                         "the model's LM head 8192 rows"):
         model.generate(ids, structured_output=compiled, **common)
     with pytest.raises(ValueError, match="`structured_output` is a flashspec option"):
         model.generate(ids, attention_mask=mask, max_new_tokens=4, structured_output=spec)

@@ -269,15 +269,8 @@ def _compiled(entry, tokenizer, vocab_size: int, row: int, eos_token_ids: list[i
     xgr = _xgrammar()
     where = f"`{PARAMETER}` (row {row})"
     if isinstance(entry, xgr.CompiledGrammar):
-        size = entry.tokenizer_info.vocab_size
-        if size > vocab_size:
-            raise ValueError(f"{where} is an xgrammar CompiledGrammar for a vocabulary of "
-                             f"{size} tokens; the model's LM head has {vocab_size}: it is not "
-                             "this model's tokenizer")
-        unknown = [token for token in eos_token_ids if token >= size]
-        if unknown:
-            raise ValueError(f"{where} is an xgrammar CompiledGrammar for a vocabulary of "
-                             f"{size} tokens, without the call's `eos_token_id` {unknown}")
+        _check_vocabulary(f"{where} is an xgrammar CompiledGrammar for a vocabulary of",
+                          entry.tokenizer_info.vocab_size, vocab_size, eos_token_ids)
         return entry
     kind, source, any_whitespace = _kind(entry, where)
     compiler = _compiler(_checked_tokenizer(tokenizer, vocab_size, eos_token_ids))
@@ -364,16 +357,20 @@ def _checked_tokenizer(tokenizer, vocab_size: int, eos_token_ids: list[int]):
     if tokenizer is None:
         raise ValueError(f"`{PARAMETER}` needs the model's tokenizer: pass `tokenizer=` to "
                          "generate() (as for stop strings), or an xgrammar CompiledGrammar")
-    size = len(tokenizer)
+    _check_vocabulary("`tokenizer` has", len(tokenizer), vocab_size, eos_token_ids)
+    return tokenizer
+
+
+def _check_vocabulary(what: str, size: int, vocab_size: int, eos_token_ids: list[int]) -> None:
+    """Refuse a grammar's vocabulary of `size` ids (`what` names it) that cannot be the
+    model's: more ids than the LM head's rows, or without an EOS id of the call."""
     if size > vocab_size:
-        raise ValueError(f"`tokenizer` has {size} tokens and the model's LM head {vocab_size} "
-                         f"rows: it is not this model's tokenizer (`{PARAMETER}` masks tokens "
-                         "by the tokenizer's ids)")
+        raise ValueError(f"{what} {size} tokens and the model's LM head {vocab_size} rows: it "
+                         f"is not this model's tokenizer (`{PARAMETER}` masks tokens by its ids)")
     unknown = [token for token in eos_token_ids if token >= size]
     if unknown:
-        raise ValueError(f"`tokenizer` has {size} tokens but the call's `eos_token_id` "
-                         f"includes {unknown}: it is not this model's tokenizer")
-    return tokenizer
+        raise ValueError(f"{what} {size} tokens but the call's `eos_token_id` includes "
+                         f"{unknown}: it is not this model's tokenizer")
 
 
 def _shown(value, limit: int = 80) -> str:
