@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from ..params import BAN, KEEP, LogitEdits
+from ..params import BAN, LogitEdits
 from .processing import position_contexts
 
 
@@ -57,7 +57,7 @@ def pack(allowed: torch.Tensor) -> torch.Tensor:
 def mask_edits(allowed: torch.Tensor) -> LogitEdits:
     """The `LogitEdits` that ban the tokens bool `allowed` ``[B, V]`` leaves out, and
     nothing else: a drafter's argmax among a grammar's tokens."""
-    codes = torch.where(allowed, KEEP, BAN).to(torch.uint8)
+    codes = (~allowed).to(torch.uint8).mul_(BAN)      # KEEP is 0; uint8 throughout
     return LogitEdits(codes, torch.ones(len(allowed), dtype=torch.float64, device=allowed.device))
 
 

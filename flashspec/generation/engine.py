@@ -446,7 +446,7 @@ class Engine:
             slot.drafts[:, width:step] = -1
             slot.draft_failed[:, width:step] = False
         if slot.allowed is not None:
-            slot.fill_allowed(step, resume=masked)
+            slot.fill_allowed(step, filled=width if masked else 0)
         return self._run_step(slot, ("verify", step), lambda: slot.verify(step))
 
     def _verification_width(self, slot: Slot, width: int, step: int) -> int:

@@ -456,20 +456,23 @@ class Slot:
         the call's masks come from the host's reports alone (`AllowedTokens.from_host`)."""
         return self.allowed is not None and self.allowed.from_host
 
-    def fill_allowed(self, width: int, resume: bool = False) -> None:
+    def fill_allowed(self, width: int, filled: int = 0) -> None:
         """On the host, before a step: the call's allowed tokens (`AllowedTokens.bitmask`)
         at the positions of the step verifying `width` drafts (0: sampling one token), into
         `allowed_masks`, which the step reads. Reads the slot's state and drafts (a host
-        sync; only the drafts where the masks come from the host's reports). `resume`: the
-        drafter's steps had their positions' masks (`fill_draft_masks`), which stay."""
+        sync; only the drafts where the masks come from the host's reports). `filled`: the
+        first positions, whose masks the drafter's steps had (`fill_draft_masks`): they
+        stay, and are not copied again."""
         drafts = self.verified_drafts(width) if width else None
         if self.allowed.from_host:
-            masks = self.host_masks[:, : width + 1]
             self.allowed.host_masks(None if drafts is None else drafts.tolist(), width + 1,
-                                    self.host_masks, resume)
+                                    self.host_masks, resume=filled > 0)
+            masks = self.host_masks
         else:
             masks = self.allowed.bitmask(self, drafts, width + 1)
-        self.allowed_masks[:, : width + 1].copy_(masks, non_blocking=True)
+        first = min(filled, width + 1)
+        self.allowed_masks[:, first: width + 1].copy_(masks[:, first: width + 1],
+                                                      non_blocking=True)
 
     def draft_allowed(self, column: torch.Tensor) -> torch.Tensor | None:
         """Inside a drafter's step: bool ``[B, V]``, the tokens allowed at draft `column`
