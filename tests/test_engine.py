@@ -113,14 +113,14 @@ class _FlaggingSampler(samplers.MaterializedSampler):
         return torch.where(rows.view(-1, *[1] * (tokens.dim() - 1)), 7, tokens), \
             torch.where(rows, samplers.NEEDS_COMPLETION, status).to(torch.int32)
 
-    def sample(self, hidden, positions):
-        tokens, logprobs, status = super().sample(hidden, positions)
+    def sample(self, hidden, positions, **edits):
+        tokens, logprobs, status = super().sample(hidden, positions, **edits)
         tokens, status = self._flag(tokens, status)
         return tokens, logprobs, status
 
-    def verify(self, hidden, drafts, positions):
-        num_accepted, tokens, logprobs, accept_probs, status = super().verify(hidden, drafts,
-                                                                              positions)
+    def verify(self, hidden, drafts, positions, **edits):
+        num_accepted, tokens, logprobs, accept_probs, status = super().verify(
+            hidden, drafts, positions, **edits)
         tokens, status = self._flag(tokens, status)
         return num_accepted, tokens, logprobs, accept_probs, status
 

@@ -24,6 +24,7 @@ import flashspec
 from flashspec.assets import tiny_pair_path
 from flashspec.bench.structured import GRAMMAR as ENDLESS_JSON_LINES
 from flashspec.generation import grammar
+from test_engine import emulated_graphs  # noqa: F401  (a fixture)
 
 SCHEMAS = {
     "nested": {"type": "object", "properties": {
@@ -466,3 +467,98 @@ def test_calls_in_turn_on_one_engine_cross_capacities_and_drafters():
                       pad_token_id=0, tokenizer=tokenizer, **call)
         want = fresh.generate(ids, **common)
         assert torch.equal(model.generate(ids, **common, **drafts), want), (call, drafts)
+
+
+class _Order(list):
+    split = True
+
+
+@pytest.fixture
+def split_steps(emulated_graphs, monkeypatch):
+    """Under emulated graphs (tests/test_engine.py), the order of a grammar call's split
+    steps (`Engine._decode_masked`): forwards and heads launched ("forward", "head"), reports
+    read ("read");
+    `order.split = False` runs the call one whole step at a time (`Engine._decode`)."""
+    from flashspec.generation import engine as engine_module
+    from flashspec.generation import slot as slot_module
+
+    order = _Order()
+    splits, run_step = engine_module.Engine._splits_masked_steps, engine_module.Engine._run_step
+    read = slot_module.PendingReport.read
+
+    def recorded(self, slot, key, fn, drafter=None):
+        part = str(key if isinstance(key, str) else key[0]).rsplit(" ", 1)[-1]
+        if part in ("forward", "head"):
+            order.append(part)
+        return run_step(self, slot, key, fn, drafter)
+
+    monkeypatch.setattr(engine_module.Engine, "_splits_masked_steps",
+                        lambda self, *args: order.split and splits(self, *args))
+    monkeypatch.setattr(engine_module.Engine, "_run_step", recorded)
+    monkeypatch.setattr(slot_module.PendingReport, "read",
+                        lambda self: order.append("read") or read(self))
+    return order
+
+
+def _split_and_whole(order, mode: str, **extra):
+    """The same seeded grammar call with split steps and with whole ones (fresh engines), on
+    a batch whose rows complete their grammars (and end) at different steps, one never;
+    returns both and the split call's launches and reads."""
+    from flashspec.generation.engine import drop_engine
+
+    model, draft, tokenizer = pair()
+    ids, mask = encoded()
+    drafts = {"plain": {}, "lookup": dict(prompt_lookup_num_tokens=4),
+              "assistant": dict(assistant_model=draft, num_assistant_tokens=3)}[mode]
+    common = dict(attention_mask=mask, max_new_tokens=40, sampler="flash", do_sample=True,
+                  top_k=20, temperature=1.3, seed=4, pad_token_id=0, tokenizer=tokenizer,
+                  structured_output=[{"json": SCHEMAS["enums"], "disable_any_whitespace": True},
+                                     {"json": SCHEMAS["array"], "disable_any_whitespace": True},
+                                     {"grammar": ENDLESS_JSON_LINES}], output_logprobs=True,
+                  return_dict_in_generate=True, **drafts, **extra)
+    drop_engine(model.model)
+    split = model.generate(ids, **common)
+    launches = ",".join(order)
+    order.split = False
+    drop_engine(model.model)
+    whole = model.generate(ids, **common)
+    drop_engine(model.model)
+    lengths = (split.sequences[:, ids.shape[1]:] != 0).sum(dim=1).tolist()
+    assert len(set(lengths)) == 3 and max(lengths) == 40, lengths
+    return split, whole, launches
+
+
+@pytest.mark.parametrize("mode", ["plain", "lookup", "assistant"])
+def test_split_steps_fill_masks_while_the_forward_runs(split_steps, mode):
+    """A grammar call's steps run split: the decoder's forward of step t + 1, then step t's
+    report is read and the masks filled, then the LM head's step (an assistant, which drafts
+    among the masks, drafts after the report). The output is the one of whole steps, one at
+    a time: sampled tokens, logprobs, tokens per row and step."""
+    split, whole, launches = _split_and_whole(split_steps, mode)
+    # A forward in flight while the host reads the report of the step before.
+    assert ("forward,read" in launches) == (mode != "assistant"), launches
+    assert torch.equal(split.sequences, whole.sequences)
+    torch.testing.assert_close(split.logprobs, whole.logprobs)
+    for name in ("emitted", "drafted", "accepted"):
+        assert torch.equal(getattr(split.flash_stats, name).sum(dim=0),
+                           getattr(whole.flash_stats, name).sum(dim=0)), name
+
+
+@pytest.mark.parametrize("mode", ["plain", "lookup"])
+def test_split_steps_complete_flagged_rows_exactly(split_steps, monkeypatch, mode):
+    """Rows flagged for exact completion at every step (tests/test_engine.py's
+    `_FlaggingSampler`) while the next forward is in flight: that step's head redoes them,
+    and flagging them again has them completed before any other forward. The output is the
+    unflagged call's."""
+    from flashspec.generation import samplers
+    from test_engine import _FlaggingSampler
+
+    unflagged = _split_and_whole(split_steps, mode)[0]
+    split_steps.split = True
+    del split_steps[:]
+    monkeypatch.setattr(samplers, "MaterializedSampler", _FlaggingSampler)
+    _FlaggingSampler.flagged = 0
+    flagged, _, launches = _split_and_whole(split_steps, mode)
+    assert _FlaggingSampler.flagged > 0 and "forward,read" in launches
+    assert torch.equal(flagged.sequences, unflagged.sequences)
+    torch.testing.assert_close(flagged.logprobs, unflagged.logprobs)

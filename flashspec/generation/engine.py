@@ -340,8 +340,11 @@ class Engine:
                 with decode_steps(self.device, decoders, self.head.weight,
                                   eager=not slot.target.runner.compile,
                                   invariant=self.invariant):
-                    self._decode(slot, plan, drafter, report, steps, num_rows, stops,
-                                 deadline, warm_widths)
+                    if self._splits_masked_steps(slot, plan, stops, warm_widths):
+                        self._decode_masked(slot, plan, drafter, report, steps, num_rows)
+                    else:
+                        self._decode(slot, plan, drafter, report, steps, num_rows, stops,
+                                     deadline, warm_widths)
         if plan.persist_schedule is not None:
             plan.persist_schedule(slot.num_drafts[:num_rows].clone())
         if plan.streamer is not None:
@@ -409,34 +412,112 @@ class Engine:
                                        ahead=len(in_flight))
                 in_flight.append((outputs, slot.copy_report(_verified(outputs[1]))))
                 continue
-            (hidden, drafts), pending = in_flight.popleft()
-            report = pending.read()
-            flagged = [b for b, s in enumerate(report.status) if s == samplers.NEEDS_COMPLETION]
-            hold = bool(flagged and in_flight)
-            for b in flagged if hold else ():
-                report.status[b] = OK          # the step in flight redoes the row
-            report = self._finish(slot, hidden, drafts, report)
-            self._after_step(plan, slot, report, None)
-            steps.append(report)
+            outputs, pending = in_flight.popleft()
+            report, hold = self._read_pending(slot, plan, pending, outputs, bool(in_flight),
+                                              steps)
             if all(report.finished[:num_rows]):
                 return
+
+    def _splits_masked_steps(self, slot: Slot, plan, stops, warm_widths: list[int]) -> bool:
+        """Whether the call's steps run split (`_decode_masked`): its masks come from the
+        host's reports alone (`Slot.masks_drafts`: grammars), and no other host work comes
+        between steps (as `_decodes_ahead`)."""
+        return (slot.masks_drafts and not slot.eager and not self.uncompiled and not self.timed
+                and not warm_widths and stops is None and plan.streamer is None)
+
+    def _decode_masked(self, slot: Slot, plan, drafter, report: Report, steps: list,
+                       num_rows: int) -> None:
+        """The decode loop of a call whose masks come from the host's reports (grammars).
+        A step's masks need the last step's tokens, so the step runs as two, the target's
+        forward (after the drafter's steps) and its LM head's step, and the host fills the
+        masks in between, while the forward runs: it launches step t + 1's forward, then
+        reads step t's report, advances the grammars by it, fills the masks of step t + 1's
+        positions (along its drafts, copied to the host ahead of the forward), and launches
+        the head. A drafter that reads masks drafts only after the report is read, and the
+        forward then runs while the host fills the positions after the drafts.
+
+        A row that step t flags for exact completion did not advance: the forward in flight
+        computed its position again, so step t + 1's head completes it, or flags it again
+        and has it completed exactly before another forward runs (as `_decode_ahead`)."""
+        self._after_step(plan, slot, report, None)
+        steps.append(report)
+        if all(report.finished[:num_rows]):
+            return
+        early = not getattr(drafter, "reads_masks", False)    # drafts before the report
+        pending = outputs = None          # the last head's report on its way, its outputs
+        hold = False
+        while True:
+            ahead = (pending is not None and early and not hold
+                     and _may_run(report, slot.end_list, num_rows, 1))
+            if pending is not None and not ahead:
+                report, hold = self._read_pending(slot, plan, pending, outputs, False, steps)
+                pending = None
+                if all(report.finished[:num_rows]):
+                    return
+            width = self._width(slot, report) if drafter is not None else 0
+            step = self._draft(slot, plan, drafter, report, width, False, int(ahead))
+            if step is None:
+                self._run_step(slot, "plain forward", slot.plain_forward)
+            else:
+                drafts = slot.copy_drafts(step)
+                self._run_step(slot, ("verify forward", step),
+                               lambda: slot.verify_forward(step))
+            if ahead:
+                report, hold = self._read_pending(slot, plan, pending, outputs, True, steps)
+                if all(report.finished[:num_rows]):
+                    return
+            verified = None if step is None else slot.host_verified_drafts(drafts.read(), report)
+            slot.fill_allowed(step or 0, self._drafts_masked(slot, drafter, width, step), verified)
+            if step is None:
+                outputs = self._run_step(slot, "plain head", slot.plain_head), None
+            else:
+                outputs = self._run_step(slot, ("verify head", step),
+                                         lambda: slot.verify_head(step))
+            pending = slot.copy_report(step or 0)
+
+    def _read_pending(self, slot: Slot, plan, pending, outputs, in_flight: bool,
+                      steps: list) -> tuple[Report, bool]:
+        """Read the report of a step launched ahead (`outputs`: its hidden states and drafts)
+        and act on it; `in_flight`: a later step's forward was launched since, which redoes
+        the rows this one flagged. Returns the report and whether it left flagged rows to
+        that step."""
+        report = pending.read()
+        flagged = [b for b, s in enumerate(report.status) if s == samplers.NEEDS_COMPLETION]
+        hold = bool(flagged and in_flight)
+        for b in flagged if hold else ():
+            report.status[b] = OK          # the step in flight redoes the row
+        report = self._finish(slot, *outputs, report)
+        self._after_step(plan, slot, report, None)
+        steps.append(report)
+        return report, hold
 
     def _launch(self, slot: Slot, plan, drafter, report: Report, width: int,
                 timed: bool = False, ahead: int = 0):
         """Make room and run one step: plain (`width` 0) or `width` drafts and their
         verification; `ahead`: steps launched before it whose reports are not read yet (its
         room counts theirs). Returns the step's hidden states and drafts (None if plain)."""
+        step = self._draft(slot, plan, drafter, report, width, timed, ahead)
+        if slot.allowed is not None:
+            slot.fill_allowed(step or 0, filled=self._drafts_masked(slot, drafter, width, step))
+        if step is None:
+            return self._run_step(slot, "plain", slot.plain), None
+        return self._run_step(slot, ("verify", step), lambda: slot.verify(step))
+
+    def _draft(self, slot: Slot, plan, drafter, report: Report, width: int, timed: bool,
+               ahead: int) -> int | None:
+        """Make room for a step of `width` drafts (and the `ahead` steps before it) and run
+        the drafter's steps, the masks of their positions filled before each where the
+        drafter reads them. Returns the positions the verification checks (None: a plain
+        step)."""
         if width == 0:
             # A one-token forward writes a dead column too.
             slot.ensure_room(report, 2 * (ahead + 1))
-            if slot.allowed is not None:
-                slot.fill_allowed(0)
-            return self._run_step(slot, "plain", slot.plain), None
+            return None
         step = self._step_width(slot, width, timed)
         # A drafter's steps may write more columns of its cache than the verification's.
         columns = max(step + 2, getattr(drafter, "columns", lambda width: 0)(step))
         slot.ensure_room(report, columns * (ahead + 1))
-        masked = slot.masks_drafts and getattr(drafter, "reads_masks", False)   # a caller's
+        masked = self._drafts_masked(slot, drafter, width, step) > 0
         for column, (key, fn) in enumerate(drafter.steps(width)):
             if masked:
                 slot.fill_draft_masks(column)
@@ -445,9 +526,15 @@ class Engine:
         if step > width:  # fewer drafts than columns: those past them are an old step's
             slot.drafts[:, width:step] = -1
             slot.draft_failed[:, width:step] = False
-        if slot.allowed is not None:
-            slot.fill_allowed(step, filled=width if masked else 0)
-        return self._run_step(slot, ("verify", step), lambda: slot.verify(step))
+        return step
+
+    @staticmethod
+    def _drafts_masked(slot: Slot, drafter, width: int, step: int | None) -> int:
+        """The positions whose masks the drafter's steps of a step verifying `width` drafts
+        had (`Slot.fill_draft_masks`): `width` where the drafter reads masks and the call
+        gives them to it (`Slot.masks_drafts`), else 0."""
+        reads = getattr(drafter, "reads_masks", False)    # a caller's may not subclass ours
+        return width if step is not None and slot.masks_drafts and reads else 0
 
     def _verification_width(self, slot: Slot, width: int, step: int) -> int:
         """Positions the verification of `width` drafts checks: `step` (`_step_width`)

@@ -108,6 +108,18 @@ class PendingReport:
         return Report.read(self.host, self.num_caches, self.max_drafts, self.width)
 
 
+class PendingDrafts:
+    """A step's drafts on their way to host memory (`Slot.copy_drafts`)."""
+
+    def __init__(self, host: torch.Tensor, done, width: int):
+        self.host, self.done, self.width = host, done, width
+
+    def read(self) -> list[list[int]]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host[:, : self.width].tolist()
+
+
 class _Cache:
     """A decoder's runner and its cache in the slot; `refeed`: how many of a row's last
     tokens the decoder's next step feeds again (so their entries may be dropped)."""
@@ -156,6 +168,8 @@ class Slot:
         self.mask_words = 0
         self.allowed_masks: torch.Tensor | None = None
         self.host_masks: torch.Tensor | None = None
+        self.step_hidden: torch.Tensor | None = None
+        self.host_drafts: torch.Tensor | None = None
         self.edit_state: EditState | None = None  # fused edits' buffers, once a call had edits
         self.edits: EditState | None = None       # the call's fused edits, if any
         self.heuristic = False
@@ -194,6 +208,14 @@ class Slot:
             # Where the host writes them; pinned, so that the copy is asynchronous.
             self.host_masks = torch.empty(shape, dtype=torch.int32,
                                           pin_memory=self.device.type == "cuda")
+            # A split step's hidden states (`plain_forward`, `verify_forward`) and its drafts'
+            # host copy (`copy_drafts`): masked calls' steps are split.
+            # In the LM head's dtype: the rounding the head's step applies anyway.
+            weight = self.engine.head.weight
+            self.step_hidden = torch.zeros(batch, self.max_drafts + 1, weight.shape[1],
+                                           dtype=weight.dtype, device=self.device)
+            self.host_drafts = torch.empty(batch, self.max_drafts, dtype=torch.long,
+                                           pin_memory=self.device.type == "cuda")
         if self.tap_layers:
             old_taps, width = self.taps, self._tap_width(self.tap_layers)
             self.taps = torch.zeros(batch, self.max_drafts + 1, width,
@@ -272,14 +294,16 @@ class Slot:
         taps = [self.taps, self.tap_position] if self.taps is not None else []
         return [self.seq, self.logprobs, self.length, self.finished, self.num_drafts, self.drafts,
                 self.draft_failed, self.report, *drafter_state, *edit_state, *taps,
-                *([self.allowed_masks] if self.allowed_masks is not None else []),
+                *([self.allowed_masks, self.step_hidden] if self.allowed_masks is not None
+                  else []),
                 *(t for entry in self.caches
                   for t in (entry.cache.live, entry.cache.position, entry.cache.key_index))]
 
     def nbytes(self) -> int:
         tensors = [self.seq, self.logprobs, self.drafts, self.draft_failed, self.report,
                    *([self.taps] if self.taps is not None else []),
-                   *([self.allowed_masks] if self.allowed_masks is not None else [])]
+                   *([self.allowed_masks, self.step_hidden] if self.allowed_masks is not None
+                     else [])]
         edit_bytes = self.edit_state.nbytes() if self.edit_state is not None else 0
         return (sum(t.numel() * t.element_size() for t in tensors) + edit_bytes
                 + sum(entry.cache.nbytes() for entry in self.caches))
@@ -456,23 +480,48 @@ class Slot:
         the call's masks come from the host's reports alone (`AllowedTokens.from_host`)."""
         return self.allowed is not None and self.allowed.from_host
 
-    def fill_allowed(self, width: int, filled: int = 0) -> None:
+    def fill_allowed(self, width: int, filled: int = 0,
+                     drafts: list[list[int]] | None = None) -> None:
         """On the host, before a step: the call's allowed tokens (`AllowedTokens.bitmask`)
         at the positions of the step verifying `width` drafts (0: sampling one token), into
         `allowed_masks`, which the step reads. Reads the slot's state and drafts (a host
-        sync; only the drafts where the masks come from the host's reports). `filled`: the
-        first positions, whose masks the drafter's steps had (`fill_draft_masks`): they
-        stay, and are not copied again."""
-        drafts = self.verified_drafts(width) if width else None
+        sync; only the drafts where the masks come from the host's reports, and not those
+        given as `drafts`: `host_verified_drafts`'s). `filled`: the first positions, whose
+        masks the drafter's steps had (`fill_draft_masks`): they stay, and are not copied
+        again."""
         if self.allowed.from_host:
-            self.allowed.host_masks(None if drafts is None else drafts.tolist(), width + 1,
-                                    self.host_masks, resume=filled > 0)
+            if drafts is None and width:
+                drafts = self.verified_drafts(width).tolist()
+            self.allowed.host_masks(drafts, width + 1, self.host_masks, resume=filled > 0)
             masks = self.host_masks
         else:
-            masks = self.allowed.bitmask(self, drafts, width + 1)
+            masks = self.allowed.bitmask(self, self.verified_drafts(width) if width else None,
+                                         width + 1)
         first = min(filled, width + 1)
         self.allowed_masks[:, first: width + 1].copy_(masks[:, first: width + 1],
                                                       non_blocking=True)
+
+    def copy_drafts(self, width: int) -> "PendingDrafts":
+        """Start copying the drafters' first `width` drafts per row to host memory (after
+        the drafter's steps, in stream order), for a split step's masks: the host reads
+        them (`PendingDrafts.read`) while the target's forward runs."""
+        self.host_drafts[:, :width].copy_(self.drafts[:, :width], non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return PendingDrafts(self.host_drafts, done, width)
+
+    def host_verified_drafts(self, drafts: list[list[int]], report: Report) -> list[list[int]]:
+        """`verified_drafts` on the host: each row's `drafts` (`copy_drafts`'s), -1 past its
+        draft count and budget and on finished rows, as `report` (the last step's, the state
+        the verification reads) gives them."""
+        verified = []
+        for b, row in enumerate(drafts):
+            count = 0 if report.finished[b] else min(report.num_drafts[b],
+                                                     self.end_list[b] - report.length[b] - 1)
+            verified.append([draft if j < count else -1 for j, draft in enumerate(row)])
+        return verified
 
     def draft_allowed(self, column: torch.Tensor) -> torch.Tensor | None:
         """Inside a drafter's step: bool ``[B, V]``, the tokens allowed at draft `column`
@@ -606,6 +655,10 @@ class Slot:
     # ---- steps (fixed shapes, no host reads: captured on CUDA) ---------------------------
 
     def plain(self) -> torch.Tensor:
+        return self.sample(self._plain_forward())
+
+    def _plain_forward(self) -> torch.Tensor:
+        """The target's hidden states ``[B, D]`` after each row's last token."""
         target = self.target
         # A compiled forward takes two tokens or more: the token and a dead copy. An eager one
         # takes the token alone (on CPU a second row of every matmul costs 1.7x the first).
@@ -616,7 +669,19 @@ class Slot:
                                         self.one_live[:, :fed])
         if self.call_taps:
             self.tap_position.copy_(positions[:, 0])
-        return self.sample(hidden[:, 0])
+        return hidden[:, 0]
+
+    # A split step (`Engine._decode_masked`): the decoder's forward, then the LM head's step,
+    # two graphs, between which the host fills the step's masks; `step_hidden` carries the
+    # forward's hidden states from one to the other.
+
+    def plain_forward(self) -> None:
+        """`plain`'s forward, its hidden states into `step_hidden`."""
+        self.step_hidden[:, 0].copy_(self._plain_forward())
+
+    def plain_head(self) -> torch.Tensor:
+        """`plain`'s sampling, from `step_hidden`."""
+        return self.sample(self.step_hidden[:, 0])
 
     def sample(self, hidden: torch.Tensor) -> torch.Tensor:
         """Sample one token per row from the target's last hidden states and commit it."""
@@ -635,7 +700,7 @@ class Slot:
     def verified_drafts(self, width: int) -> torch.Tensor:
         """``[B, width]``: the drafts a verification of `width` checks, -1 past each row's
         draft count and budget (none on finished rows)."""
-        return torch.where(self._within(width), self.drafts[:, :width], -1)
+        return self._verify_drafts(width)[0]
 
     def _within(self, width: int) -> torch.Tensor:
         columns = torch.arange(width, device=self.device)
@@ -645,10 +710,27 @@ class Slot:
 
     def verify(self, width: int):
         """Verify `width` drafts per row (``drafts[:, :width]``) after the row's last token."""
-        columns = torch.arange(width, device=self.device)
+        return self._verify_head(width, self._verify_forward(width))
+
+    def verify_forward(self, width: int) -> None:
+        """`verify`'s forward, its hidden states into `step_hidden`."""
+        self.step_hidden[:, : width + 1].copy_(self._verify_forward(width))
+
+    def verify_head(self, width: int):
+        """`verify`'s verification, from `step_hidden`."""
+        return self._verify_head(width, self.step_hidden[:, : width + 1])
+
+    def _verify_drafts(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafts the verification checks (`verified_drafts`) and which columns a row
+        drafts."""
         within = self._within(width)
-        broken = (self.draft_failed[:, :width] & within).any(dim=1)
-        drafts = torch.where(within, self.drafts[:, :width], -1)
+        return torch.where(within, self.drafts[:, :width], -1), within
+
+    def _verify_forward(self, width: int) -> torch.Tensor:
+        """The target's hidden states ``[B, width + 1, D]`` at each row's last token and its
+        drafts."""
+        columns = torch.arange(width, device=self.device)
+        drafts, within = self._verify_drafts(width)
         # Padding (columns a row does not draft) stays out of the cache, at positions within
         # the row's budget: past it, a learned position table could end.
         draft_positions = torch.minimum(self.length[:, None] + columns, (self.end - 1)[:, None])
@@ -661,8 +743,13 @@ class Slot:
                 torch.cat([torch.ones_like(last, dtype=torch.bool), within], dim=1))
         if self.call_taps:
             self.tap_position.copy_(last[:, 0])
+        return hidden[:, -(width + 1):]
+
+    def _verify_head(self, width: int, hidden: torch.Tensor):
+        drafts, within = self._verify_drafts(width)
+        broken = (self.draft_failed[:, :width] & within).any(dim=1)
         sampler = self.engine.target_sampler(self)
-        hidden = hidden[:, -(width + 1):].to(sampler.weight.dtype)
+        hidden = hidden.to(sampler.weight.dtype)
         if self.edits is None:
             num_accepted, tokens, logprobs, accept_probs, status = sampler.verify(
                 hidden, drafts, self.length)
