@@ -55,8 +55,9 @@ def test_greedy_tokens_are_stocks_on_cuda(kind, source):
 
 @pytest.mark.parametrize("dtype, invariant", [(torch.float32, False), (torch.bfloat16, True)])
 def test_tokens_with_drafts_are_the_tokens_without_on_cuda(dtype, invariant):
-    """Prompt lookup and an assistant, greedy and seeded sampling: the same tokens as the
-    call without drafts; the verifications of masked drafts captured."""
+    """Prompt lookup, an assistant and an EAGLE-3 head (the last two drafting among the
+    grammar's tokens), greedy and seeded sampling: the same tokens as the call without
+    drafts; the verifications of masked drafts captured."""
     model, draft, tokenizer = _cuda_pair(dtype)
     ids, mask = (t.cuda() for t in encoded())
     for sampling in (dict(do_sample=False), dict(do_sample=True, top_p=0.9, seed=3)):
@@ -64,8 +65,10 @@ def test_tokens_with_drafts_are_the_tokens_without_on_cuda(dtype, invariant):
                       structured_output={"json": SCHEMAS["nested"]}, tokenizer=tokenizer,
                       invariant=invariant, **sampling)
         plain = model.generate(ids, **common)
+        head = flashspec.Eagle3.from_pretrained(tiny_pair_path() / "eagle3", model)
         for drafts in (dict(prompt_lookup_num_tokens=4),
-                       dict(assistant_model=draft, num_assistant_tokens=4)):
+                       dict(assistant_model=draft, num_assistant_tokens=4),
+                       dict(drafter=head, num_assistant_tokens=4)):
             assert torch.equal(model.generate(ids, **common, **drafts), plain), (sampling, drafts)
             assert {("verify forward", 4), ("verify head", 4)} <= _captured(model)
 
