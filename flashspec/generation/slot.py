@@ -710,15 +710,16 @@ class Slot:
 
     def verify(self, width: int):
         """Verify `width` drafts per row (``drafts[:, :width]``) after the row's last token."""
-        return self._verify_head(width, self._verify_forward(width))
+        drafts, within = self._verify_drafts(width)
+        return self._verify_head(self._verify_forward(drafts, within), drafts, within)
 
     def verify_forward(self, width: int) -> None:
         """`verify`'s forward, its hidden states into `step_hidden`."""
-        self.step_hidden[:, : width + 1].copy_(self._verify_forward(width))
+        self.step_hidden[:, : width + 1].copy_(self._verify_forward(*self._verify_drafts(width)))
 
     def verify_head(self, width: int):
         """`verify`'s verification, from `step_hidden`."""
-        return self._verify_head(width, self.step_hidden[:, : width + 1])
+        return self._verify_head(self.step_hidden[:, : width + 1], *self._verify_drafts(width))
 
     def _verify_drafts(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafts the verification checks (`verified_drafts`) and which columns a row
@@ -726,11 +727,11 @@ class Slot:
         within = self._within(width)
         return torch.where(within, self.drafts[:, :width], -1), within
 
-    def _verify_forward(self, width: int) -> torch.Tensor:
-        """The target's hidden states ``[B, width + 1, D]`` at each row's last token and its
-        drafts."""
+    def _verify_forward(self, drafts: torch.Tensor, within: torch.Tensor) -> torch.Tensor:
+        """The target's hidden states ``[B, G + 1, D]`` at each row's last token and its
+        `drafts` ``[B, G]`` (`_verify_drafts`)."""
+        width = drafts.shape[1]
         columns = torch.arange(width, device=self.device)
-        drafts, within = self._verify_drafts(width)
         # Padding (columns a row does not draft) stays out of the cache, at positions within
         # the row's budget: past it, a learned position table could end.
         draft_positions = torch.minimum(self.length[:, None] + columns, (self.end - 1)[:, None])
@@ -745,9 +746,8 @@ class Slot:
             self.tap_position.copy_(last[:, 0])
         return hidden[:, -(width + 1):]
 
-    def _verify_head(self, width: int, hidden: torch.Tensor):
-        drafts, within = self._verify_drafts(width)
-        broken = (self.draft_failed[:, :width] & within).any(dim=1)
+    def _verify_head(self, hidden: torch.Tensor, drafts: torch.Tensor, within: torch.Tensor):
+        broken = (self.draft_failed[:, : drafts.shape[1]] & within).any(dim=1)
         sampler = self.engine.target_sampler(self)
         hidden = hidden.to(sampler.weight.dtype)
         if self.edits is None:
