@@ -257,7 +257,7 @@ def test_mtp_drafts_among_a_grammars_tokens(model, monkeypatch):
     info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, stop_token_ids=[127])
     grammar = xgr.GrammarCompiler(info).compile_regex("[ab]+e")
     drafts = []
-    verify = slot_module.Slot.verify
+    verify = slot_module.Slot.verify_head      # a grammar's steps run split
 
     def verifying(slot, width):
         for row in slot.verified_drafts(width).tolist():     # up to an EOS: nothing after
@@ -265,7 +265,7 @@ def test_mtp_drafts_among_a_grammars_tokens(model, monkeypatch):
             drafts.extend(row[: row.index(127) + 1] if 127 in row else row)
         return verify(slot, width)
 
-    monkeypatch.setattr(slot_module.Slot, "verify", verifying)
+    monkeypatch.setattr(slot_module.Slot, "verify_head", verifying)
     ids, mask = prompts()
     common = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, sampler="flash",
                   structured_output=grammar, eos_token_id=127)
