@@ -187,7 +187,9 @@ def folder(tmp_path_factory):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_tensor_parallel_generate_equals_one_process(world_size, folder, tmp_path):
     """On CPU (gloo); on a machine with GPUs, the same on one GPU per rank (NCCL): there the
-    engine's steps run eagerly and the LM head by torch ops on each rank's rows."""
+    engine's steps are compiled and captured with their collectives, the LM head's by the
+    fused kernels per shard, and each rank destroys its process group with its engines
+    alive (their graphs released first: `teardown`)."""
     if torch.cuda.is_available() and torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs")
     report = run_ranks(_worker, world_size, (str(tmp_path / "init"), folder),
@@ -195,3 +197,29 @@ def test_tensor_parallel_generate_equals_one_process(world_size, folder, tmp_pat
     # The cases decide different tokens (each compares something the option decides).
     assert report["greedy"] != report["sampled"] != report["truncated"]
     assert report["edits"] != report["sampled"]
+
+
+def test_destroying_a_process_group_releases_graphs_that_hold_collectives(tmp_path, monkeypatch):
+    """A CUDA graph that captured an NCCL collective keeps its communicator from being
+    destroyed: `destroy_process_group` then waits forever on every rank (issue 50's 2-rank
+    hang; probes/tp_capture.py). An engine that may hold such graphs (`teardown.hold`: a
+    tensor-parallel model's, on GPUs) has them released when a process group is destroyed,
+    while the group still exists. gloo, one rank; GPU twin: the test above on 2 GPUs."""
+    from flashspec.generation import teardown
+
+    monkeypatch.setattr(dist, "destroy_process_group", dist.destroy_process_group)  # restored
+    released = []
+
+    class Engine:
+        def release(self):
+            released.append(dist.is_initialized())
+
+    engine = Engine()
+    teardown.hold(engine)
+    wrapped = dist.destroy_process_group
+    teardown.hold(engine)
+    assert dist.destroy_process_group is wrapped                  # wrapped once
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
+                            world_size=1)
+    dist.destroy_process_group()
+    assert released == [True] and not dist.is_initialized()

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ..checks import NonFiniteLogitsError
 from ..outputs import OK
-from . import samplers
+from . import samplers, teardown
 from .compiled import LOG, DecoderRunner, Event
 from .cpu import decode_steps
 from .inputs import TokenTypes, decoder_inputs
@@ -125,13 +125,18 @@ class Engine:
         self.timed = False                        # this call has a max_time: it captures nothing
         self.uncompiled = False                   # this call runs uncompiled (`needs_compiling`)
         self.device = head.weight.device
-        # A tensor-parallel model's steps run eagerly: compiled and captured with their
-        # collectives, its test did not finish in 7 minutes on 2 H100s (2026-11-26); a
-        # model spread over devices runs its steps eagerly too.
-        self.graphs_enabled = (self.device.type == "cuda" and head.shards is None
-                               and not head.spread)
+        # A tensor-parallel model's steps are captured with their collectives (its layers'
+        # all-reduces, the LM head's exchange), its graphs released before the process group
+        # is destroyed (`teardown`); a model spread over devices runs its steps eagerly.
+        self.graphs_enabled = self.device.type == "cuda" and not head.spread
+        # NCCL's watchdog thread queries the events of earlier collectives, which a capture
+        # in the default ("global") mode forbids to other threads.
+        self.capture_mode = "global" if head.shards is None else "thread_local"
         self.pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
-        self._pool_anchor = _anchor(self.pool, self.device) if self.graphs_enabled else None
+        self._pool_anchor = (_anchor(self.pool, self.device, self.capture_mode)
+                             if self.graphs_enabled else None)
+        if self.graphs_enabled and head.shards is not None:
+            teardown.hold(self)
         self.weight_storage = _weight_storage(head)
         self.events: list[Event] = []            # compilations and captures, in order
         # decoder -> {invariant: runner}
@@ -747,18 +752,26 @@ class Engine:
             tensor.copy_(value)
         reserved = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
+        error = None
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=self.capture_mode):
                 outputs = fn()
-        except BaseException as error:
+        except BaseException as caught:
+            error = caught
+        grown = torch.cuda.memory_reserved(self.device) - reserved
+        failed, pool_bytes = self._agreed_capture(error is not None, grown)
+        if failed:
             # A capture that fails midway can leave its pool taking allocations for it, and
             # every later capture into that pool fails: the next ones use a new pool.
-            LOG.warning("capturing %s failed (%s: %s); graphs continue in a new memory pool",
-                        key, type(error).__name__, error)
+            reason = (f"{type(error).__name__}: {error}" if error is not None
+                      else "on another rank of the tensor-parallel group")
+            LOG.warning("capturing %s failed (%s); graphs continue in a new memory pool", key,
+                        reason)
             self.pool = torch.cuda.graph_pool_handle()
-            self._pool_anchor = _anchor(self.pool, self.device)
-            raise
-        pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
+            self._pool_anchor = _anchor(self.pool, self.device, self.capture_mode)
+            raise error if error is not None else RuntimeError(
+                f"capturing the step {key!r} failed on another rank of the tensor-parallel "
+                "group (its error is in that rank's output)")
         self.graph_bytes += pool_bytes
         compiling = sum(e.seconds for e in self.events[events_before:])   # its own events
         event = Event("capture", f"{key} for {slot.batch_size} rows, KV views "
@@ -767,6 +780,17 @@ class Engine:
         self.events.append(event)
         LOG.info("captured %s in %.2f s", event.what, event.seconds)
         return graph, outputs, pool_bytes
+
+    def _agreed_capture(self, failed: bool, pool_bytes: int) -> tuple[bool, int]:
+        """What a tensor-parallel model's ranks decide alike after a capture: whether any
+        rank's failed (then every rank drops it and raises: a rank replaying a graph whose
+        collectives another rank never runs would wait forever), and the most pool bytes a
+        rank's took (which the memory budget's evictions read). Elsewhere, this rank's."""
+        if self.head.shards is None:
+            return failed, pool_bytes
+        agreed = torch.tensor([int(failed), pool_bytes], dtype=torch.int64, device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.head.shards.group)
+        return bool(agreed[0]), int(agreed[1])
 
     def _finish(self, slot: Slot, hidden, drafts, report: Report | None = None) -> Report:
         """Read the step's report (or take it, read from its host copy); raise on
@@ -926,14 +950,14 @@ class _HostStops:
                 report.length[b] = length
 
 
-def _anchor(pool, device: torch.device) -> "torch.cuda.CUDAGraph":
+def _anchor(pool, device: torch.device, mode: str) -> "torch.cuda.CUDAGraph":
     """A one-kernel graph in `pool` that lives as long as the engine. The caching allocator
     counts a private pool's live graphs; once the engine has dropped them all (a slot grown,
     evicted) while tensors allocated in the pool still live, capturing into the same pool
     again fails an internal assert (``use_count > 0``). The anchor keeps the count above
     zero, so graphs can be dropped and captured again for as long as the engine lives."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
         torch.zeros(1, device=device)
     return graph
 

@@ -91,17 +91,17 @@ def fused_argmax(hidden: torch.Tensor, weight: torch.Tensor, *, edits: LogitEdit
     if edits is None:
         out = _launch(hidden, weight, None, None, 1, config, **head)
     else:  # one greedy parameter row per row: each reads its own penalties
-        greedy, positions = _greedy_params(hidden.shape[0], hidden.device)
+        greedy, positions = greedy_params(hidden.shape[0], hidden.device)
         out = _launch(hidden, weight, greedy, positions, 1, config, edits=edits, **head)
     return ArgmaxOutput(out.tokens, out.status)
 
 
 @functools.lru_cache(maxsize=None)
-def _greedy_params(num_rows: int, device: torch.device) -> tuple[SamplingParams, torch.Tensor]:
+def greedy_params(num_rows: int, device: torch.device) -> tuple[SamplingParams, torch.Tensor]:
     """Greedy parameters and positions (zeros) for `num_rows` rows, which the kernels only
     read: made once per row count and device, so that a CUDA graph's capture of an argmax
-    with edits (a drafter's among a grammar's tokens), which a warm-up run of the same step
-    precedes, copies nothing from the host."""
+    with edits (a drafter's among a grammar's tokens; on a vocabulary shard too), which a
+    warm-up run of the same step precedes, copies nothing from the host."""
     positions = torch.zeros(num_rows, dtype=torch.int64, device=device)
     return SamplingParams.create(num_rows, do_sample=False, seed=0, device=device), positions
 

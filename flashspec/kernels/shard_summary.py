@@ -26,7 +26,7 @@ from triton.language.extra.cuda import gdc_wait
 from ..params import LogitEdits, SamplingParams
 from .keys import PAD_KEY
 from .merge import _merged_candidates
-from .ops import (_on_hidden_device, _stage1, check_device, kernel_variant,
+from .ops import (_on_hidden_device, _stage1, check_device, greedy_params, kernel_variant,
                   programmatic_launch_ready)
 from .rows import _row_drafts
 from .tile_config import TileConfig
@@ -179,8 +179,7 @@ def fused_shard_summaries(hidden: torch.Tensor, weight: torch.Tensor, layout,
     num_rows = hidden.shape[0]
     device = hidden.device
     if params is None and edits is not None:  # one greedy parameter row per row: its penalties
-        params = SamplingParams.create(num_rows, do_sample=False, seed=0, device=device)
-        positions = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        params, positions = greedy_params(num_rows, device)
     num_candidates = layout.num_candidates
     variant = kernel_variant(params, vocab_size, verify)._replace(
         truncate=num_candidates > 0, need_lse=layout.fields > _LSE.value)
