@@ -147,6 +147,10 @@ def _cases(rank: int, world_size: int, folder: str) -> dict:
     engine.memory_budget = 10**12 + rank
     _generate(target, sampler="flash", do_sample=False)
     assert engine.memory_budget == 10**12
+    # After a capture (CUDA), a failure on one rank fails it on all, and the graphs' pool
+    # bytes the budget reads are the most any rank's took.
+    assert engine._agreed_capture(rank == world_size - 1, 1000 + rank) == (True, 999 + world_size)
+    assert engine._agreed_capture(False, 5) == (False, 5)
     for kwargs, message in ((dict(max_time=5.0), "`max_time`=5.0"),
                             (dict(invariant=True), "`invariant=True` is not supported"),
                             (dict(sampler="materialized"), "sampler='materialized' is not supported")):
@@ -202,7 +206,7 @@ def test_tensor_parallel_generate_equals_one_process(world_size, folder, tmp_pat
 def test_destroying_a_process_group_releases_graphs_that_hold_collectives(tmp_path, monkeypatch):
     """A CUDA graph that captured an NCCL collective keeps its communicator from being
     destroyed: `destroy_process_group` then waits forever on every rank (issue 50's 2-rank
-    hang; probes/tp_capture.py). An engine that may hold such graphs (`teardown.hold`: a
+    hang; docs/notes/tp_capture.md). An engine that may hold such graphs (`teardown.hold`: a
     tensor-parallel model's, on GPUs) has them released when a process group is destroyed,
     while the group still exists. gloo, one rank; GPU twin: the test above on 2 GPUs."""
     from flashspec.generation import teardown

@@ -3,12 +3,12 @@
 NCCL does not destroy a communicator while a CUDA graph that captured one of its collectives
 is alive: ``torch.distributed.destroy_process_group()`` then waits forever, on every rank,
 with no error (pytorch/pytorch#115388; measured with a tensor-parallel model on 2 H200s,
-2026-11-28: `probes/tp_capture.py`, docs/notes/tp_capture.md). The engine of a
-tensor-parallel model captures its steps with their collectives, and it lives on the model,
-which a script still holds when it ends its process group. So the engines that hold such
-graphs register here (`hold`), and ``torch.distributed.destroy_process_group`` is wrapped, once,
-to release their graphs first (`release_all`): every rank calls it, and each releases its own.
-A later call on such a model (in a new process group) captures its steps again.
+2026-11-28: docs/notes/tp_capture.md). The engine of a tensor-parallel model captures its
+steps with their collectives, and it lives on the model, which a script still holds when it
+ends its process group. So the engines that hold such graphs register here (`hold`), and
+``torch.distributed.destroy_process_group`` is wrapped, once, to release their graphs first
+(`release_all`): every rank calls it, and each releases its own. A later call on such a model
+(in a new process group) captures its steps again.
 """
 
 from __future__ import annotations
