@@ -185,9 +185,10 @@ def test_seeded_tokens_with_drafts_are_the_tokens_without(drafts):
 
 @pytest.mark.parametrize("drafts", [{}, dict(prompt_lookup_num_tokens=4)])
 def test_masks_from_the_reports_equal_masks_from_the_contexts(drafts, monkeypatch):
-    """A grammar alone fills its masks from the host's reports (`StructuredOutput.fill`);
-    beside an `allowed_tokens_fn` that allows every token, from each position's context
-    (`masks_of`): the same tokens, greedy and sampled, with and without drafts."""
+    """A grammar alone fills its masks from the host's reports (`StructuredOutput.fill`),
+    its steps split (forward, then head); beside an `allowed_tokens_fn` that allows every
+    token, from each position's context (`masks_of`), its steps whole: the same tokens,
+    greedy and sampled, with and without drafts."""
     model, _, tokenizer = pair()
     ids, mask = encoded()
 
@@ -470,15 +471,15 @@ def test_calls_in_turn_on_one_engine_cross_capacities_and_drafters():
 
 
 class _Order(list):
-    split = True
+    overlap = True
 
 
 @pytest.fixture
 def split_steps(emulated_graphs, monkeypatch):
-    """Under emulated graphs (tests/test_engine.py), the order of a grammar call's split
-    steps (`Engine._decode_masked`): forwards and heads launched ("forward", "head"), reports
-    read ("read");
-    `order.split = False` runs the call one whole step at a time (`Engine._decode`)."""
+    """Under emulated graphs (tests/test_engine.py), launching work ahead of the reports as
+    on CUDA: the order of a grammar call's split steps (`Engine._decode_masked`), forwards and
+    heads launched ("forward", "head") and reports read ("read"); `order.overlap = False`
+    runs the same steps one at a time, each report read first (`Engine._decode`)."""
     from flashspec.generation import engine as engine_module
     from flashspec.generation import slot as slot_module
 
@@ -493,17 +494,18 @@ def split_steps(emulated_graphs, monkeypatch):
         return run_step(self, slot, key, fn, drafter)
 
     monkeypatch.setattr(engine_module.Engine, "_splits_masked_steps",
-                        lambda self, *args: order.split and splits(self, *args))
+                        lambda self, *args: order.overlap and splits(self, *args))
+    monkeypatch.setattr(engine_module.Engine, "_runs_ahead", lambda self: True)   # as on CUDA
     monkeypatch.setattr(engine_module.Engine, "_run_step", recorded)
     monkeypatch.setattr(slot_module.PendingReport, "read",
                         lambda self: order.append("read") or read(self))
     return order
 
 
-def _split_and_whole(order, mode: str, **extra):
-    """The same seeded grammar call with split steps and with whole ones (fresh engines), on
-    a batch whose rows complete their grammars (and end) at different steps, one never;
-    returns both and the split call's launches and reads."""
+def _overlapped_and_not(order, mode: str, **extra):
+    """The same seeded grammar call with the masks filled while the forward runs and one
+    step at a time (fresh engines), on a batch whose rows complete their grammars (and end)
+    at different steps, one never; returns both and the first call's launches and reads."""
     from flashspec.generation.engine import drop_engine
 
     model, draft, tokenizer = pair()
@@ -517,24 +519,25 @@ def _split_and_whole(order, mode: str, **extra):
                                      {"grammar": ENDLESS_JSON_LINES}], output_logprobs=True,
                   return_dict_in_generate=True, **drafts, **extra)
     drop_engine(model.model)
-    split = model.generate(ids, **common)
+    overlapped = model.generate(ids, **common)
     launches = ",".join(order)
-    order.split = False
+    order.overlap = False
     drop_engine(model.model)
-    whole = model.generate(ids, **common)
+    one_at_a_time = model.generate(ids, **common)
     drop_engine(model.model)
-    lengths = (split.sequences[:, ids.shape[1]:] != 0).sum(dim=1).tolist()
+    lengths = (overlapped.sequences[:, ids.shape[1]:] != 0).sum(dim=1).tolist()
     assert len(set(lengths)) == 3 and max(lengths) == 40, lengths
-    return split, whole, launches
+    return overlapped, one_at_a_time, launches
 
 
 @pytest.mark.parametrize("mode", ["plain", "lookup", "assistant"])
 def test_split_steps_fill_masks_while_the_forward_runs(split_steps, mode):
     """A grammar call's steps run split: the decoder's forward of step t + 1, then step t's
     report is read and the masks filled, then the LM head's step (an assistant, which drafts
-    among the masks, drafts after the report). The output is the one of whole steps, one at
-    a time: sampled tokens, logprobs, tokens per row and step."""
-    split, whole, launches = _split_and_whole(split_steps, mode)
+    among the masks, drafts after the report). The output is the one of the same steps one
+    at a time: sampled tokens, logprobs, tokens per row and step. (Split steps against
+    whole ones: `test_masks_from_the_reports_equal_masks_from_the_contexts`.)"""
+    split, whole, launches = _overlapped_and_not(split_steps, mode)
     # A forward in flight while the host reads the report of the step before.
     assert ("forward,read" in launches) == (mode != "assistant"), launches
     assert torch.equal(split.sequences, whole.sequences)
@@ -553,12 +556,12 @@ def test_split_steps_complete_flagged_rows_exactly(split_steps, monkeypatch, mod
     from flashspec.generation import samplers
     from test_engine import _FlaggingSampler
 
-    unflagged = _split_and_whole(split_steps, mode)[0]
-    split_steps.split = True
+    unflagged = _overlapped_and_not(split_steps, mode)[0]
+    split_steps.overlap = True
     del split_steps[:]
     monkeypatch.setattr(samplers, "MaterializedSampler", _FlaggingSampler)
     _FlaggingSampler.flagged = 0
-    flagged, _, launches = _split_and_whole(split_steps, mode)
+    flagged, _, launches = _overlapped_and_not(split_steps, mode)
     assert _FlaggingSampler.flagged > 0 and "forward,read" in launches
     assert torch.equal(flagged.sequences, unflagged.sequences)
     torch.testing.assert_close(flagged.logprobs, unflagged.logprobs)

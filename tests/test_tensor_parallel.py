@@ -211,7 +211,9 @@ def test_destroying_a_process_group_releases_graphs_that_hold_collectives(tmp_pa
     while the group still exists. gloo, one rank; GPU twin: the test above on 2 GPUs."""
     from flashspec.generation import teardown
 
-    monkeypatch.setattr(dist, "destroy_process_group", dist.destroy_process_group)  # restored
+    for module in (dist, dist.distributed_c10d):          # restored after the test
+        monkeypatch.setattr(module, "destroy_process_group", dist.destroy_process_group)
+    monkeypatch.setattr(teardown.atexit, "register", lambda fn: None)
     released = []
 
     class Engine:
@@ -222,7 +224,8 @@ def test_destroying_a_process_group_releases_graphs_that_hold_collectives(tmp_pa
     teardown.hold(engine)
     wrapped = dist.destroy_process_group
     teardown.hold(engine)
-    assert dist.destroy_process_group is wrapped                  # wrapped once
+    assert dist.destroy_process_group is wrapped is dist.distributed_c10d.destroy_process_group
+    assert not hasattr(wrapped.__wrapped__, "_releases_flashspec_graphs")    # wrapped once
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
                             world_size=1)
     dist.destroy_process_group()

@@ -212,8 +212,8 @@ class _AttachedAssistant(AttachedDrafter):
         threshold (the draft itself is kept, as stock's stopping criterion keeps it)."""
         hidden = hidden.to(self.head.weight.dtype)
         allowed = self.slot.draft_allowed(column)
-        if allowed is not None:
-            allowed = allowed[:, : self.head.weight.shape[0]]
+        if allowed is not None:       # the assistant's vocabulary (on a tensor-parallel one:
+            allowed = allowed[:, : self.head.vocab_size]   # all of it, each rank its shard's)
         if self.stopped is None:
             tokens = self.sampler.argmax(hidden, None if allowed is None else mask_edits(allowed))
             return tokens, tokens < 0

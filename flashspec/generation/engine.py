@@ -131,7 +131,8 @@ class Engine:
         self.graphs_enabled = self.device.type == "cuda" and not head.spread
         # NCCL's watchdog thread queries the events of earlier collectives, which a capture
         # in the default ("global") mode forbids to other threads.
-        self.capture_mode = "global" if head.shards is None else "thread_local"
+        collectives = head.shards is not None or (dist.is_available() and dist.is_initialized())
+        self.capture_mode = "thread_local" if collectives else "global"
         self.pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
         self._pool_anchor = (_anchor(self.pool, self.device, self.capture_mode)
                              if self.graphs_enabled else None)
@@ -386,9 +387,14 @@ class Engine:
         """Whether the call's steps can run one ahead of the host: captured steps, and no
         host work between steps (stop strings or criteria, a streamer, max_time, a warm-up's
         widths, allowed-token masks)."""
-        return (self.graphs_enabled and not slot.eager and not self.uncompiled
+        return (self._runs_ahead() and not slot.eager and not self.uncompiled
                 and not self.timed and not warm_widths and stops is None
                 and plan.streamer is None and slot.allowed is None)
+
+    def _runs_ahead(self) -> bool:
+        """Whether the engine launches work before the host has read the last step's report:
+        where its steps are captured graphs."""
+        return self.graphs_enabled
 
     def _decode_ahead(self, slot: Slot, plan, drafter, report: Report, steps: list,
                       num_rows: int) -> None:
@@ -424,9 +430,10 @@ class Engine:
                 return
 
     def _splits_masked_steps(self, slot: Slot, plan, stops, warm_widths: list[int]) -> bool:
-        """Whether the call's steps run split (`_decode_masked`): its masks come from the
+        """Whether the call decodes in `_decode_masked`'s loop: its masks come from the
         host's reports alone (`Slot.masks_drafts`: grammars), and no other host work comes
-        between steps (as `_decodes_ahead`)."""
+        between steps (as `_decodes_ahead`). Such a call's steps run split wherever they
+        run (`_launch`); this loop overlaps the host's fill with the forward."""
         return (slot.masks_drafts and not slot.eager and not self.uncompiled and not self.timed
                 and not warm_widths and stops is None and plan.streamer is None)
 
@@ -448,7 +455,10 @@ class Engine:
         steps.append(report)
         if all(report.finished[:num_rows]):
             return
-        early = not getattr(drafter, "reads_masks", False)    # drafts before the report
+        # Drafts and forwards launched before the report, where steps are captured (on the
+        # CPU, which runs each step as it is called, that gains nothing) and the drafter does
+        # not read the masks.
+        early = self._runs_ahead() and not getattr(drafter, "reads_masks", False)
         pending = outputs = None          # the last head's report on its way, its outputs
         hold = False
         while True:
@@ -461,23 +471,12 @@ class Engine:
                     return
             width = self._width(slot, report) if drafter is not None else 0
             step = self._draft(slot, plan, drafter, report, width, False, int(ahead))
-            if step is None:
-                self._run_step(slot, "plain forward", slot.plain_forward)
-            else:
-                drafts = slot.copy_drafts(step)
-                self._run_step(slot, ("verify forward", step),
-                               lambda: slot.verify_forward(step))
+            drafts = self._target_forward(slot, step)
             if ahead:
                 report, hold = self._read_pending(slot, plan, pending, outputs, True, steps)
                 if all(report.finished[:num_rows]):
                     return
-            verified = None if step is None else slot.host_verified_drafts(drafts.read(), report)
-            slot.fill_allowed(step or 0, self._drafts_masked(slot, drafter, width, step), verified)
-            if step is None:
-                outputs = self._run_step(slot, "plain head", slot.plain_head), None
-            else:
-                outputs = self._run_step(slot, ("verify head", step),
-                                         lambda: slot.verify_head(step))
+            outputs = self._target_head(slot, drafter, report, width, step, drafts)
             pending = slot.copy_report(step or 0)
 
     def _read_pending(self, slot: Slot, plan, pending, outputs, in_flight: bool,
@@ -500,13 +499,55 @@ class Engine:
                 timed: bool = False, ahead: int = 0):
         """Make room and run one step: plain (`width` 0) or `width` drafts and their
         verification; `ahead`: steps launched before it whose reports are not read yet (its
-        room counts theirs). Returns the step's hidden states and drafts (None if plain)."""
+        room counts theirs). Returns the step's hidden states and drafts (None if plain). A
+        call whose masks come from the host's reports runs the step split, as
+        `_decode_masked` does (the same graphs, without its overlap)."""
         step = self._draft(slot, plan, drafter, report, width, timed, ahead)
+        if slot.masks_drafts:
+            drafts = self._target_forward(slot, step)
+            return self._target_head(slot, drafter, report, width, step, drafts)
         if slot.allowed is not None:
-            slot.fill_allowed(step or 0, filled=self._drafts_masked(slot, drafter, width, step))
+            slot.fill_allowed(step or 0)
+        key, = self._target_steps(slot, step)
         if step is None:
-            return self._run_step(slot, "plain", slot.plain), None
-        return self._run_step(slot, ("verify", step), lambda: slot.verify(step))
+            return self._run_step(slot, key, slot.plain), None
+        return self._run_step(slot, key, lambda: slot.verify(step))
+
+    @staticmethod
+    def _target_steps(slot: Slot, step: int | None) -> list:
+        """The graph keys of the target's step verifying `step` positions (None: plain): one
+        step, or where the call's masks come from the host's reports, its forward and its
+        head (`Slot.plain_forward`, `plain_head`, `verify_forward`, `verify_head`)."""
+        if not slot.masks_drafts:
+            return ["plain" if step is None else ("verify", step)]
+        if step is None:
+            return ["plain forward", "plain head"]
+        return [("verify forward", step), ("verify head", step)]
+
+    def _target_forward(self, slot: Slot, step: int | None):
+        """A split step's first graph, the target's forward over its last tokens and the
+        drafts a verification of `step` positions checks (None: plain), the drafts first
+        copied to host memory (`Slot.copy_drafts`, returned; None if plain)."""
+        key = self._target_steps(slot, step)[0]
+        if step is None:
+            self._run_step(slot, key, slot.plain_forward)
+            return None
+        drafts = slot.copy_drafts(step)
+        self._run_step(slot, key, lambda: slot.verify_forward(step))
+        return drafts
+
+    def _target_head(self, slot: Slot, drafter, report: Report, width: int, step: int | None,
+                     drafts):
+        """A split step's second graph, after its forward (`_target_forward`, whose `drafts`
+        copy it reads): the masks of its positions filled on the host from `report` (the
+        step before's) along the drafts, then the LM head's step. Returns its hidden states
+        and drafts (None if plain)."""
+        verified = None if step is None else slot.host_verified_drafts(drafts.read(), report)
+        slot.fill_allowed(step or 0, self._drafts_masked(slot, drafter, width, step), verified)
+        key = self._target_steps(slot, step)[1]
+        if step is None:
+            return self._run_step(slot, key, slot.plain_head), None
+        return self._run_step(slot, key, lambda: slot.verify_head(step))
 
     def _draft(self, slot: Slot, plan, drafter, report: Report, width: int, timed: bool,
                ahead: int) -> int | None:
@@ -586,12 +627,12 @@ class Engine:
         if not self.graphs_enabled or slot.eager:
             return None
         if plan.drafter is None:
-            steps = [("plain", None)]
+            steps = [(key, None) for key in self._target_steps(slot, None)]
         else:
             steps = list(dict.fromkeys(
                 [(key, plan.drafter.key) for w in timed_widths
                  for key, _ in slot.drafters[plan.drafter.key].steps(w)]
-                + [(("verify", w), None) for w in timed_widths]))
+                + [(key, None) for w in timed_widths for key in self._target_steps(slot, w)]))
         captured = {key[:-1] for key in self.graphs}
         for key, drafter in steps:
             if self._step_kind(slot, key, drafter) not in captured:
@@ -745,20 +786,20 @@ class Engine:
         saved = [tensor.clone() for tensor in state]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):      # warm-up: compiles, loads kernels, sets up cuBLAS
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        for tensor, value in zip(state, saved):
-            tensor.copy_(value)
-        reserved = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
-        error = None
+        error = reserved = None
         try:
+            with torch.cuda.stream(stream):  # warm-up: compiles, loads kernels, sets up cuBLAS
+                fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            for tensor, value in zip(state, saved):
+                tensor.copy_(value)
+            reserved = torch.cuda.memory_reserved(self.device)
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=self.capture_mode):
                 outputs = fn()
         except BaseException as caught:
             error = caught
-        grown = torch.cuda.memory_reserved(self.device) - reserved
+        grown = 0 if reserved is None else torch.cuda.memory_reserved(self.device) - reserved
         failed, pool_bytes = self._agreed_capture(error is not None, grown)
         if failed:
             # A capture that fails midway can leave its pool taking allocations for it, and

@@ -274,7 +274,7 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
     check_decoder(head.decoder, "model")
     if head.shards is not None:
         _check_tensor_parallel(config, source)
-    if head.weight.is_cuda and head.shards is None and not head.spread:
+    if head.weight.is_cuda and not head.spread:          # its steps are captured
         why = (off_current_device(head.weight.device, torch.cuda.current_device())
                or uncapturable_experts(head.decoder, "model"))
         if why is not None:

@@ -111,13 +111,13 @@ class PendingReport:
 class PendingDrafts:
     """A step's drafts on their way to host memory (`Slot.copy_drafts`)."""
 
-    def __init__(self, host: torch.Tensor, done, width: int):
-        self.host, self.done, self.width = host, done, width
+    def __init__(self, host: torch.Tensor, done):
+        self.host, self.done = host, done
 
     def read(self) -> list[list[int]]:
         if self.done is not None:
             self.done.synchronize()
-        return self.host[:, : self.width].tolist()
+        return self.host.tolist()
 
 
 class _Cache:
@@ -505,12 +505,15 @@ class Slot:
         """Start copying the drafters' first `width` drafts per row to host memory (after
         the drafter's steps, in stream order), for a split step's masks: the host reads
         them (`PendingDrafts.read`) while the target's forward runs."""
-        self.host_drafts[:, :width].copy_(self.drafts[:, :width], non_blocking=True)
+        # A contiguous destination: into a strided one the copy would go through an unpinned
+        # buffer, and wait for the device.
+        host = self.host_drafts.view(-1)[: self.batch_size * width].view(self.batch_size, width)
+        host.copy_(self.drafts[:, :width], non_blocking=True)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return PendingDrafts(self.host_drafts, done, width)
+        return PendingDrafts(host, done)
 
     def host_verified_drafts(self, drafts: list[list[int]], report: Report) -> list[list[int]]:
         """`verified_drafts` on the host: each row's `drafts` (`copy_drafts`'s), -1 past its

@@ -7,12 +7,16 @@ with no error (pytorch/pytorch#115388; measured with a tensor-parallel model on 
 steps with their collectives, and it lives on the model, which a script still holds when it
 ends its process group. So the engines that hold such graphs register here (`hold`), and
 ``torch.distributed.destroy_process_group`` is wrapped, once, to release their graphs first
-(`release_all`): every rank calls it, and each releases its own. A later call on such a model
-(in a new process group) captures its steps again.
+(`release_all`): every rank calls it, and each releases its own; the interpreter's exit
+releases them too. A later call on such a model (in a new process group) captures its steps
+again. A script that bound ``destroy_process_group`` by name before its first flashspec call
+(``from torch.distributed import destroy_process_group``) calls the unwrapped function: it
+must release the graphs first, ``flashspec.generation.teardown.release_all()``.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import gc
 import weakref
@@ -52,3 +56,5 @@ def _wrap_destroy() -> None:
 
     destroy_process_group._releases_flashspec_graphs = True
     dist.destroy_process_group = destroy_process_group
+    dist.distributed_c10d.destroy_process_group = destroy_process_group
+    atexit.register(release_all)
