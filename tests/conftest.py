@@ -60,3 +60,34 @@ def index_order_dot(monkeypatch):
         return interpreter.TensorHandle(total + d.data, d.dtype.scalar)
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
+@pytest.fixture
+def emulated_graphs(monkeypatch):
+    """A CPU stand-in for CUDA graphs: batches padded to their bucket and KV views as on
+    CUDA, and each step's function kept under the engine's graph key and run again for later
+    steps of that key, as a captured graph replays what it captured (a key that misses
+    something a step depends on then replays the wrong step). Returns the keys in capture
+    order."""
+    from flashspec.generation import engine as engine_module
+    from flashspec.generation import slot as slot_module
+
+    captured, order = {}, []
+    bucket_on_cuda = engine_module.batch_bucket
+    monkeypatch.setattr(engine_module, "batch_bucket",
+                        lambda rows, graphs: bucket_on_cuda(rows, True))
+    view_on_cuda = slot_module.kv_view
+    monkeypatch.setattr(slot_module, "kv_view",
+                        lambda columns, graphs: view_on_cuda(columns, True))
+
+    def run_step(self, slot, key, fn, drafter=None):
+        full_key = self.graph_key(slot, key, drafter)
+        if full_key not in captured:
+            captured[full_key] = fn
+            order.append(full_key)
+        return captured[full_key]()
+
+    monkeypatch.setattr(engine_module.Engine, "_run_step", run_step)
+    monkeypatch.setattr(engine_module.Engine, "_verification_width",
+                        lambda self, slot, width, step: step)
+    return order

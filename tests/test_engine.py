@@ -634,32 +634,6 @@ def test_layers_whose_forward_is_hooked_compile_whole():
     assert _decoder_layers(decoder) is None
 
 
-@pytest.fixture
-def emulated_graphs(monkeypatch):
-    """A CPU stand-in for CUDA graphs: batches padded to their bucket and KV views as on
-    CUDA, and each step's function kept under the engine's graph key and run again for later
-    steps of that key, as a captured graph replays what it captured (a key that misses
-    something a step depends on then replays the wrong step). Returns the keys in capture
-    order."""
-    captured, order = {}, []
-    bucket_on_cuda = engine_module.batch_bucket
-    monkeypatch.setattr(engine_module, "batch_bucket", lambda rows, graphs: bucket_on_cuda(rows, True))
-    view_on_cuda = slot_module.kv_view
-    monkeypatch.setattr(slot_module, "kv_view", lambda columns, graphs: view_on_cuda(columns, True))
-
-    def run_step(self, slot, key, fn, drafter=None):
-        full_key = self.graph_key(slot, key, drafter)
-        if full_key not in captured:
-            captured[full_key] = fn
-            order.append(full_key)
-        return captured[full_key]()
-
-    monkeypatch.setattr(engine_module.Engine, "_run_step", run_step)
-    monkeypatch.setattr(engine_module.Engine, "_verification_width",
-                        lambda self, slot, width, step: step)
-    return order
-
-
 def _stats_equal(a, b) -> bool:
     return all(torch.equal(getattr(a, name), getattr(b, name)) for name in ("drafted", "accepted"))
 

@@ -24,7 +24,6 @@ import flashspec
 from flashspec.assets import tiny_pair_path
 from flashspec.bench.structured import GRAMMAR as ENDLESS_JSON_LINES
 from flashspec.generation import grammar
-from test_engine import emulated_graphs  # noqa: F401  (a fixture)
 
 SCHEMAS = {
     "nested": {"type": "object", "properties": {
@@ -476,7 +475,7 @@ class _Order(list):
 
 @pytest.fixture
 def split_steps(emulated_graphs, monkeypatch):
-    """Under emulated graphs (tests/test_engine.py), launching work ahead of the reports as
+    """Under emulated graphs (tests/conftest.py), launching work ahead of the reports as
     on CUDA: the order of a grammar call's split steps (`Engine._decode_masked`), forwards and
     heads launched ("forward", "head") and reports read ("read"); `order.overlap = False`
     runs the same steps one at a time, each report read first (`Engine._decode`)."""

@@ -1,6 +1,6 @@
 """Structured output on CUDA: the masked steps captured, split in two graphs (the decoder's
-forward, the LM head's step reading the masks, filled on the host between them). CPU twin: tests/test_structured_output.py (the
-same calls, eager steps)."""
+forward, the LM head's step reading the masks, filled on the host between them). CPU twin:
+tests/test_structured_output.py (the same calls, eager steps)."""
 
 from __future__ import annotations
 

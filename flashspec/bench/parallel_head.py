@@ -15,8 +15,8 @@ states ``[B, D]``. Two ways to one token per row:
 
 Both are timed the same way, eagerly and captured in a CUDA graph (NCCL collectives
 captured with it) and replayed; where capture fails, the eager time stands for both
-(reported as such). ``speedup`` = gathered / flash, captured; ``eager_speedup`` the same
-eagerly (the engine runs tensor-parallel steps eagerly).
+(reported as such). ``speedup`` = gathered / flash, captured (as the engine runs
+tensor-parallel steps); ``eager_speedup`` the same eagerly.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def flash_step(hidden: torch.Tensor, weight: torch.Tensor, params: SamplingParam
 def time_step(step: Callable) -> dict:
     """Microseconds per step: replayed from a CUDA graph (``us``; eager where capture fails,
     said in ``timing``) and run eagerly (``eager_us``: what a step costs where nothing is
-    captured, as in the engine's tensor-parallel steps), eager first (a failed capture can
+    captured), eager first (a failed capture can
     leave the device's state unlike a fresh process's)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

@@ -23,9 +23,9 @@ All are applied where transformers applies its processors: before temperature an
 warpers (a top-k keeps the k most likely allowed tokens). The host asks them before each
 step (`Slot.fill_allowed`: it reads the step's drafts) and copies the masks into a buffer the
 step reads, so that the steps stay captured in CUDA graphs. Such a call does not decode a
-step ahead of the host; where the masks come from the host's reports alone (grammars), its
-steps run split, the host filling a step's masks while the step's forward runs
-(`Engine._decode_masked`).
+whole step ahead of the host; where the masks come from the host's reports alone
+(grammars), its steps run split and only the forward runs ahead: the host fills a step's
+masks while the step's forward runs (`Engine._decode_masked`).
 """
 
 from __future__ import annotations
