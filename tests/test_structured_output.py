@@ -564,3 +564,28 @@ def test_split_steps_complete_flagged_rows_exactly(split_steps, monkeypatch, mod
     assert _FlaggingSampler.flagged > 0 and "forward,read" in launches
     assert torch.equal(flagged.sequences, unflagged.sequences)
     torch.testing.assert_close(flagged.logprobs, unflagged.logprobs)
+
+
+def test_calls_with_max_time_replay_the_grammar_calls_split_steps(emulated_graphs, split_steps):
+    """A grammar call's steps run split in every loop: a call with max_time (one step at a
+    time, each report read first) replays the split graphs of an earlier call without it
+    (without drafts: all of them, capturing none), and captures no whole step (with prompt
+    lookup it meets the shorter widths max_time cuts drafts to: split steps too)."""
+    model, draft, tokenizer = pair()
+    ids, mask = encoded()
+    for drafts in ({}, dict(prompt_lookup_num_tokens=4)):
+        common = dict(attention_mask=mask, max_new_tokens=24, sampler="flash", do_sample=False,
+                      pad_token_id=0, tokenizer=tokenizer,
+                      structured_output={"json": SCHEMAS["nested"]}, **drafts)
+        before = len(emulated_graphs)
+        untimed = model.generate(ids, **common)
+        captured = list(emulated_graphs)
+        split = {key[3] for key in captured[before:] if key[2] is None}   # the target's steps
+        assert split == ({"plain forward", "plain head"} if not drafts
+                         else {("verify forward", 4), ("verify head", 4)}), split
+        assert torch.equal(model.generate(ids, max_time=600.0, **common), untimed)
+        new = [key[3] for key in emulated_graphs[len(captured):] if key[2] is None]
+        names = [key if isinstance(key, str) else key[0] for key in new]
+        assert all(name.endswith((" forward", " head")) for name in names), new
+        if not drafts:
+            assert new == []
