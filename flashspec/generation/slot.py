@@ -208,9 +208,10 @@ class Slot:
             # Where the host writes them; pinned, so that the copy is asynchronous.
             self.host_masks = torch.empty(shape, dtype=torch.int32,
                                           pin_memory=self.device.type == "cuda")
-            # A split step's hidden states (`plain_forward`, `verify_forward`) and its drafts'
-            # host copy (`copy_drafts`): masked calls' steps are split.
-            # In the LM head's dtype: the rounding the head's step applies anyway.
+            # A split step's hidden states (`plain_forward`, `verify_forward`; in the LM
+            # head's dtype, the rounding the head's step applies anyway) and its drafts' host
+            # copy (`copy_drafts`): the steps of calls whose masks come from the host's
+            # reports are split.
             weight = self.engine.head.weight
             self.step_hidden = torch.zeros(batch, self.max_drafts + 1, weight.shape[1],
                                            dtype=weight.dtype, device=self.device)
@@ -674,9 +675,9 @@ class Slot:
             self.tap_position.copy_(positions[:, 0])
         return hidden[:, 0]
 
-    # A split step (`Engine._decode_masked`): the decoder's forward, then the LM head's step,
-    # two graphs, between which the host fills the step's masks; `step_hidden` carries the
-    # forward's hidden states from one to the other.
+    # A split step (`Engine._target_forward`, `_target_head`): the decoder's forward, then
+    # the LM head's step, two graphs, between which the host fills the step's masks;
+    # `step_hidden` carries the forward's hidden states from one to the other.
 
     def plain_forward(self) -> None:
         """`plain`'s forward, its hidden states into `step_hidden`."""
