@@ -207,26 +207,35 @@ def test_destroying_a_process_group_releases_graphs_that_hold_collectives(tmp_pa
     """A CUDA graph that captured an NCCL collective keeps its communicator from being
     destroyed: `destroy_process_group` then waits forever on every rank (issue 50's 2-rank
     hang; docs/notes/tp_capture.md). An engine that may hold such graphs (`teardown.hold`: a
-    tensor-parallel model's, on GPUs) has them released when a process group is destroyed,
-    while the group still exists. gloo, one rank; GPU twin: the test above on 2 GPUs."""
+    tensor-parallel model's, on GPUs) has them released when its group, or the default group,
+    is destroyed, while the group still exists. gloo, one rank; GPU twin: the test above on
+    2 GPUs."""
+    import types
+
     from flashspec.generation import teardown
 
     for module in (dist, dist.distributed_c10d):          # restored after the test
         monkeypatch.setattr(module, "destroy_process_group", dist.destroy_process_group)
-    monkeypatch.setattr(teardown.atexit, "register", lambda fn: None)
+    monkeypatch.setattr(teardown, "atexit", types.SimpleNamespace(register=lambda fn: None))
     released = []
 
     class Engine:
-        def release(self):
-            released.append(dist.is_initialized())
+        def __init__(self, name):
+            self.name = name
 
-    engine = Engine()
-    teardown.hold(engine)
-    wrapped = dist.destroy_process_group
-    teardown.hold(engine)
-    assert dist.destroy_process_group is wrapped is dist.distributed_c10d.destroy_process_group
-    assert not hasattr(wrapped.__wrapped__, "_releases_flashspec_graphs")    # wrapped once
+        def release(self):
+            released.append((self.name, dist.is_initialized()))
+
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
                             world_size=1)
+    subgroup = dist.new_group([0])
+    default, sub = Engine("default"), Engine("sub")
+    teardown.hold(default, None)
+    wrapped = dist.destroy_process_group
+    teardown.hold(sub, subgroup)
+    assert dist.destroy_process_group is wrapped is dist.distributed_c10d.destroy_process_group
+    assert not hasattr(wrapped.__wrapped__, "_releases_flashspec_graphs")    # wrapped once
+    dist.destroy_process_group(subgroup)
+    assert released == [("sub", True)]
     dist.destroy_process_group()
-    assert released == [True] and not dist.is_initialized()
+    assert released[1:] == [("default", True), ("sub", True)] and not dist.is_initialized()

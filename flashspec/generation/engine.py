@@ -129,15 +129,11 @@ class Engine:
         # all-reduces, the LM head's exchange), its graphs released before the process group
         # is destroyed (`teardown`); a model spread over devices runs its steps eagerly.
         self.graphs_enabled = self.device.type == "cuda" and not head.spread
-        # NCCL's watchdog thread queries the events of earlier collectives, which a capture
-        # in the default ("global") mode forbids to other threads.
-        collectives = head.shards is not None or (dist.is_available() and dist.is_initialized())
-        self.capture_mode = "thread_local" if collectives else "global"
         self.pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
         self._pool_anchor = (_anchor(self.pool, self.device, self.capture_mode)
                              if self.graphs_enabled else None)
         if self.graphs_enabled and head.shards is not None:
-            teardown.hold(self)
+            teardown.hold(self, head.shards.group)
         self.weight_storage = _weight_storage(head)
         self.events: list[Event] = []            # compilations and captures, in order
         # decoder -> {invariant: runner}
@@ -157,6 +153,15 @@ class Engine:
         self.memory_budget = getattr(head.decoder, _BUDGET_ATTRIBUTE, None)
         if self.memory_budget is None and self.device.type == "cuda":
             self.memory_budget = int(0.5 * torch.cuda.mem_get_info(self.device)[0])
+
+    @property
+    def capture_mode(self) -> str:
+        """The CUDA graph capture mode: thread-local wherever a process group exists (NCCL's
+        watchdog thread queries the events of earlier collectives, which a capture in the
+        default "global" mode forbids to other threads), else global."""
+        collectives = self.head.shards is not None or (dist.is_available()
+                                                       and dist.is_initialized())
+        return "thread_local" if collectives else "global"
 
     def _same_budget_on_every_rank(self) -> None:
         """A tensor-parallel model's ranks decide alike whether a slot fits (else one rank
@@ -800,16 +805,19 @@ class Engine:
         except BaseException as caught:
             error = caught
         grown = 0 if reserved is None else torch.cuda.memory_reserved(self.device) - reserved
+        # Ranks agree on a failure before any rank's capture began or after all began: one
+        # failing inside the warm-up's collectives leaves the others in them (not covered).
         failed, pool_bytes = self._agreed_capture(error is not None, grown)
-        if failed:
-            # A capture that fails midway can leave its pool taking allocations for it, and
-            # every later capture into that pool fails: the next ones use a new pool.
+        if failed or error is not None:
+            if reserved is not None:
+                # A capture that fails midway can leave its pool taking allocations for it,
+                # and every later capture into that pool fails: the next ones use a new pool.
+                self.pool = torch.cuda.graph_pool_handle()
+                self._pool_anchor = _anchor(self.pool, self.device, self.capture_mode)
             reason = (f"{type(error).__name__}: {error}" if error is not None
                       else "on another rank of the tensor-parallel group")
-            LOG.warning("capturing %s failed (%s); graphs continue in a new memory pool", key,
-                        reason)
-            self.pool = torch.cuda.graph_pool_handle()
-            self._pool_anchor = _anchor(self.pool, self.device, self.capture_mode)
+            LOG.warning("capturing %s failed (%s)%s", key, reason,
+                        "; graphs continue in a new memory pool" if reserved is not None else "")
             raise error if error is not None else RuntimeError(
                 f"capturing the step {key!r} failed on another rank of the tensor-parallel "
                 "group (its error is in that rank's output)")
