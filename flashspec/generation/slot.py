@@ -170,6 +170,7 @@ class Slot:
         self.host_masks: torch.Tensor | None = None
         self.step_hidden: torch.Tensor | None = None
         self.host_drafts: torch.Tensor | None = None
+        self.drafts_copied = None                 # `copy_drafts`' CUDA event, once made
         self.edit_state: EditState | None = None  # fused edits' buffers, once a call had edits
         self.edits: EditState | None = None       # the call's fused edits, if any
         self.heuristic = False
@@ -510,11 +511,13 @@ class Slot:
         # buffer, and wait for the device.
         host = self.host_drafts.view(-1)[: self.batch_size * width].view(self.batch_size, width)
         host.copy_(self.drafts[:, :width], non_blocking=True)
-        done = None
         if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
-        return PendingDrafts(host, done)
+            # One event serves every step: the host reads a step's drafts before the next
+            # step copies its own.
+            if self.drafts_copied is None:
+                self.drafts_copied = torch.cuda.Event()
+            self.drafts_copied.record()
+        return PendingDrafts(host, self.drafts_copied)
 
     def host_verified_drafts(self, drafts: list[list[int]], report: Report) -> list[list[int]]:
         """`verified_drafts` on the host: each row's `drafts` (`copy_drafts`'s), -1 past its
