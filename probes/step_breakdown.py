@@ -1,8 +1,9 @@
 """Where a captured decode step's GPU time goes, by kernel class (issue 46).
 
 For each pair (Qwen3-1.7B + 0.6B, Llama-3.1-8B + 3.2-1B shapes; random peaked bf16 weights),
+or a random-init shape with MTP layers (``mtp:<shape>``, e.g. ``mtp:qwen3.5-9b-mtp``; issue 47),
 B rows, a random 128-token prompt, 128 new tokens: a warm plain call and a warm drafted call
-(G drafts, an assistant). For each captured step of those calls (plain, draft_first,
+(G drafts, an assistant or the model's MTP layer). For each captured step of those calls (plain, draft_first,
 draft_next, verify): its GPU time (CUDA events around each of the call's replays, median),
 and, in one more call with each replay alone on the GPU inside a profiler range, the time
 of every kernel inside it, summed by class (GEMMs, attention, the fused LM head,
@@ -12,6 +13,7 @@ against one plain replay (host work the GPU waits for), and the floor: the step'
 bytes over the copy bandwidth measured in the same run.
 
     PYTHONPATH=. python probes/step_breakdown.py --pairs qwen3,llama --out $OUT
+    PYTHONPATH=. python probes/step_breakdown.py --pairs mtp:qwen3.5-9b-mtp --drafts 4 --out $OUT
 
 Prints one table per pair; writes step_breakdown.json under --out.
 """
@@ -30,6 +32,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from flashspec.bench.pairs import PAIRS, load_pair, weight_bytes
+from flashspec.bench.random_init import random_model, random_mtp
 from flashspec.bench.timing import StepTimer, copy_bandwidth_gbps
 from flashspec.generation.engine import cached_engine
 from flashspec.generation.heads import output_head
@@ -104,19 +107,30 @@ def kernels_by_step(generate) -> dict:
     return result
 
 
-def breakdown(pair: str, batch: int, drafts: int, prompt_length: int, gbps: float) -> dict:
+def load(pair: str, drafts: int) -> tuple:
+    """The target, the drafted call's own arguments, and the bytes one draft step reads."""
+    if pair.startswith("mtp:"):
+        target = random_model(pair[4:], "cuda", torch.bfloat16)
+        mtp = random_mtp(target)
+        head = target.get_output_embeddings().weight
+        draft_bytes = weight_bytes(mtp.layers) + head.numel() * head.element_size()
+        return target, dict(use_mtp=True, num_assistant_tokens=drafts), draft_bytes
     target, draft, _ = load_pair(PAIRS[pair], "cuda", torch.bfloat16, "peaked")
+    return target, dict(assistant_model=draft, num_assistant_tokens=drafts), weight_bytes(draft)
+
+
+def breakdown(pair: str, batch: int, drafts: int, prompt_length: int, gbps: float) -> dict:
+    target, drafted, draft_bytes = load(pair, drafts)
     decoder = output_head(target, "model").decoder
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(1, target.config.vocab_size, (batch, prompt_length),
                         generator=generator).cuda()
     common = dict(attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=None,
                   sampler="flash", max_new_tokens=128)
-    drafted = dict(common, assistant_model=draft, num_assistant_tokens=drafts,
-                   num_assistant_tokens_schedule="constant")
+    drafted = dict(common, **drafted, num_assistant_tokens_schedule="constant")
     result = {"pair": pair, "batch": batch, "drafts": drafts,
               "target_weight_bytes": weight_bytes(target),
-              "draft_weight_bytes": weight_bytes(draft), "steps": {}}
+              "draft_weight_bytes": draft_bytes, "steps": {}}
 
     def call(kwargs, timer=None):
         if timer is not None:
@@ -152,7 +166,7 @@ def breakdown(pair: str, batch: int, drafts: int, prompt_length: int, gbps: floa
     if "plain" in result["steps"]:
         result["plain_host_ms_not_overlapped"] = (result["plain_wall_ms_per_token"]
                                                   - result["steps"]["plain"]["gpu_ms"])
-    del target, draft
+    del target, drafted
     torch.cuda.empty_cache()
     return result
 

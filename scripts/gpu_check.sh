@@ -24,7 +24,9 @@
 # The part mtp does the same for MTP drafts (use_mtp=True, one draft per round) on a random
 # model at Qwen3.5-9B's widths with a random MTP layer (flashspec/assets/configs/
 # qwen3.5-9b-mtp.json says how it is built), computed at 1.8 tokens per round (one draft
-# accepted 80% of the time, as reported for Qwen3.5's MTP layer), into $OUT/mtp:
+# accepted 80% of the time, as reported for Qwen3.5's MTP layer), into $OUT/mtp; then the one
+# layer chained for 3 and 4 drafts, computed at issue 47's 3.5 tokens per round, into
+# $OUT/mtp_chain:
 #   PARTS=mtp bash scripts/gpu_check.sh
 # The part structured runs scripts/bench_structured.py: tok/s with and without a grammar
 # (structured_output), Qwen3-1.7B shape, B = 1, 8, 32, plain and prompt lookup; it and the
@@ -92,7 +94,11 @@ for part in $PARTS; do
         mtp) python scripts/tok_per_s.py --random-init qwen3.5-9b-mtp \
                 --variants hf,flash_plain,flash_mtp --batch-sizes 1 --num-drafts 1 \
                 --assumed-acceptance-length 1.8 --out "$OUT/mtp" 2>&1 \
-                | tee "$OUT/mtp.log" | tail -12 ;;
+                | tee "$OUT/mtp.log" | tail -12
+            python scripts/tok_per_s.py --random-init qwen3.5-9b-mtp \
+                --variants flash_plain,flash_mtp --batch-sizes 1 --num-drafts 3,4 \
+                --assumed-acceptance-length 3.5 --out "$OUT/mtp_chain" 2>&1 \
+                | tee "$OUT/mtp_chain.log" | tail -8 ;;
         structured) python scripts/bench_structured.py --shape qwen3-1.7b --batch-sizes 1,8,32 \
                 --out "$OUT/structured" 2>&1 | tee "$OUT/structured.log" | tail -9 ;;
         multi) timeout "${TEST_TIMEOUT:-0}" python -m pytest -q -p no:cacheprovider \
