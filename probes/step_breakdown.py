@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+import flashspec
 from flashspec.bench.pairs import PAIRS, load_pair, weight_bytes
 from flashspec.bench.random_init import random_model, random_mtp
 from flashspec.bench.timing import StepTimer, copy_bandwidth_gbps
@@ -110,7 +111,7 @@ def kernels_by_step(generate) -> dict:
 def load(pair: str, drafts: int) -> tuple:
     """The target, the drafted call's own arguments, and the bytes one draft step reads."""
     if pair.startswith("mtp:"):
-        target = random_model(pair[4:], "cuda", torch.bfloat16)
+        target = flashspec.wrap(random_model(pair[4:], "cuda", torch.bfloat16))
         mtp = random_mtp(target)
         head = target.get_output_embeddings().weight
         draft_bytes = weight_bytes(mtp.layers) + head.numel() * head.element_size()
@@ -156,12 +157,13 @@ def breakdown(pair: str, batch: int, drafts: int, prompt_length: int, gbps: floa
         if kwargs is common:
             result["plain_wall_ms_per_token"] = wall / common["max_new_tokens"]
     weights = {"plain": result["target_weight_bytes"],
-               f"verify_{drafts}": result["target_weight_bytes"],
-               "draft_first": result["draft_weight_bytes"],
-               "draft_next": result["draft_weight_bytes"]}
+               f"verify_{drafts}": result["target_weight_bytes"]}
     for name, step in result["steps"].items():
-        if name in weights:
-            step["floor_ms"] = weights[name] / (gbps * 1e9) * 1e3
+        # A drafter's steps: "<role>_first" and "<role>_next" (draft, eagle, mtp).
+        read = weights.get(name, result["draft_weight_bytes"]
+                           if name.endswith(("_first", "_next")) else None)
+        if read is not None:
+            step["floor_ms"] = read / (gbps * 1e9) * 1e3
             step["floor_ratio"] = step["gpu_ms"] / step["floor_ms"]
     if "plain" in result["steps"]:
         result["plain_host_ms_not_overlapped"] = (result["plain_wall_ms_per_token"]
