@@ -123,7 +123,8 @@ def tp_step(shape: str, batch: int) -> dict:
                   sampler="flash", max_new_tokens=64)
 
     def call(timer=None):
-        cached_engine(decoder).step_timer = timer
+        if timer is not None:
+            cached_engine(decoder).step_timer = timer
         try:
             torch.cuda.synchronize()
             started = time.perf_counter()
@@ -131,7 +132,8 @@ def tp_step(shape: str, batch: int) -> dict:
             torch.cuda.synchronize()
             return (time.perf_counter() - started) * 1e3
         finally:
-            cached_engine(decoder).step_timer = None
+            if cached_engine(decoder) is not None:
+                cached_engine(decoder).step_timer = None
 
     call()
     wall = call()
@@ -156,7 +158,8 @@ def main() -> None:
         report = {"device": torch.cuda.get_device_name(), "world_size": dist.get_world_size(),
                   "collectives": collectives([int(r) for r in args.rows.split(",")])}
         if rank == 0:
-            print(json.dumps(report["collectives"], indent=1), flush=True)
+            for row in report["collectives"]:
+                print(json.dumps(row), flush=True)
         report["tp_step"] = tp_step(args.shape, args.batch)
         if rank == 0:
             Path(args.out).mkdir(parents=True, exist_ok=True)
