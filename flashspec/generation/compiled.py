@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from . import attention
+from . import attention, fused_projections
 from .invariant import invariant_forward
 from .kv_cache import (WindowCache, engine_causal_mask, engine_layer_masks, first_rows,
                        layer_mask_modules, takes_padding_mask)
@@ -45,6 +45,8 @@ from .kv_cache import (WindowCache, engine_causal_mask, engine_layer_masks, firs
 LOG = logging.getLogger("flashspec")
 CACHE_ENV = "FLASHSPEC_CACHE_DIR"
 LOG_LEVEL_ENV = "FLASHSPEC_LOG_LEVEL"
+# A fused group's members compute one product (`fused_projections`), merged here.
+COMPILE_OPTIONS = {"post_grad_custom_pre_pass": fused_projections.MERGE}
 
 
 def _default_logging() -> None:
@@ -138,6 +140,10 @@ class DecoderRunner:
                                                and attention.unsupported_reason(decoder) is None)
         if compile:
             use_disk_cache()
+            if not invariant:
+                # Before the engine records the weights' addresses (`Engine.matches`): the
+                # members' parameters become views of their group's matrix.
+                fused_projections.fuse(decoder)
 
     @property
     def decoder(self) -> torch.nn.Module:
@@ -158,7 +164,7 @@ class DecoderRunner:
         dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 1024)
         layers = _decoder_layers(self.decoder)
         if layers is None:
-            return torch.compile(self._forward)
+            return torch.compile(self._forward, options=COMPILE_OPTIONS)
         self._layers = _RegionalLayers(layers)
         return self._regional_forward
 
@@ -191,6 +197,8 @@ class DecoderRunner:
         padding mask, its `create_causal_mask` answering with the cache's mask
         (`kv_cache.engine_causal_mask`)."""
         stack = contextlib.ExitStack()
+        if self.compile and not self.invariant:
+            stack.enter_context(fused_projections.active())
         if self.invariant:
             stack.enter_context(invariant_forward(self.decoder))
         elif by_position:
@@ -333,7 +341,7 @@ class _RegionalLayers:
 
     def __init__(self, layers: torch.nn.ModuleList):
         self.layers = list(layers)
-        self.compiled = torch.compile(type(self.layers[0]).forward)
+        self.compiled = torch.compile(type(self.layers[0]).forward, options=COMPILE_OPTIONS)
         self.keyword = cache_keyword(type(self.layers[0]).forward)
 
     def _call(self, layer, index: int, *args, **kwargs):

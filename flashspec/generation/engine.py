@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ..checks import NonFiniteLogitsError
 from ..outputs import OK
-from . import samplers, teardown
+from . import fused_projections, samplers, teardown
 from .compiled import LOG, DecoderRunner, Event
 from .cpu import decode_steps
 from .inputs import TokenTypes, decoder_inputs
@@ -134,6 +134,10 @@ class Engine:
                              if self.graphs_enabled else None)
         if self.graphs_enabled and head.shards is not None:
             teardown.hold(self, head.shards.group)
+        if self.graphs_enabled:
+            # Its runners would (compiled, not invariant); before the weights' addresses are
+            # recorded, since the fused members' parameters become views.
+            fused_projections.fuse(head.decoder)
         self.weight_storage = _weight_storage(head)
         self.events: list[Event] = []            # compilations and captures, in order
         # decoder -> {invariant: runner}
