@@ -31,6 +31,7 @@ import torch
 
 from .. import reference
 from ..params import BANNED_LOGIT
+from . import fused_projections
 from .allowed import mask_edits
 from .heads import OutputHead
 
@@ -115,6 +116,10 @@ class AssistantDrafter(Drafter):
         self.head = head
         self.confidence_threshold = confidence_threshold
         self.decoders = (head.decoder,)
+        if head.weight.is_cuda:
+            # As its compiled runner will (`fused_projections`), before the key reads the
+            # parameters' addresses.
+            fused_projections.fuse(head.decoder)
         # Captured graphs read the assistant's parameters where they are now.
         self.key = ("assistant", id(head.decoder), head.weight.data_ptr(),
                     tuple(p.data_ptr() for p in head.decoder.parameters()))
