@@ -937,3 +937,61 @@ def test_a_step_cut_by_time_verifies_only_its_own_drafts(monkeypatch):
     # so the row's token budget cuts only the last few steps' drafts.
     drafted = out.flash_stats.drafted[1:31, 0].tolist()
     assert drafted == [4, 3] * 15
+
+
+def test_a_failed_capture_leaves_no_cycle_holding_its_graph(monkeypatch):
+    """A capture that raises frees its graph when the caller drops the error, not at some
+    later garbage collection (which may come inside another capture, where freeing a graph
+    can break it). CUDA's capture API is stood in for on the CPU; the garbage collector is
+    off, so only reference counts free anything. GPU twin:
+    test_generate_gpu.py::test_a_capture_that_fails_midway_leaves_later_calls_working."""
+    import contextlib
+    import gc
+    import types
+    import weakref
+
+    graphs = []
+
+    class Graph:
+        def __init__(self):
+            graphs.append(weakref.ref(self))
+
+    capturing = [False]
+
+    @contextlib.contextmanager
+    def graph(graph, pool=None, capture_error_mode=None):
+        capturing[0] = True
+        try:
+            yield
+        finally:
+            capturing[0] = False
+
+    def stream():
+        return types.SimpleNamespace(wait_stream=lambda other: None)
+
+    cuda = torch.cuda
+    for name, value in [("Stream", stream), ("current_stream", stream),
+                        ("stream", lambda s: contextlib.nullcontext()),
+            ("CUDAGraph", Graph), ("graph", graph), ("memory_reserved", lambda device: 0),
+            ("graph_pool_handle", lambda: object())]:
+        monkeypatch.setattr(cuda, name, value)
+    monkeypatch.setattr(engine_module, "_anchor", lambda pool, device, mode: object())
+    engine = object.__new__(engine_module.Engine)
+    engine.events, engine.graph_bytes, engine.pool = [], 0, object()
+    engine.device = torch.device("cpu")
+    engine.head = types.SimpleNamespace(shards=None)
+    slot = types.SimpleNamespace(state_tensors=lambda: [], batch_size=2, caches=[])
+
+    def step():
+        if capturing[0]:
+            raise ValueError("refused inside a capture")
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with pytest.raises(ValueError, match="refused inside a capture"):
+            engine._capture(slot, "plain", step)
+        assert len(graphs) == 1 and graphs[0]() is None
+    finally:
+        if enabled:
+            gc.enable()

@@ -822,9 +822,15 @@ class Engine:
                       else "on another rank of the tensor-parallel group")
             LOG.warning("capturing %s failed (%s)%s", key, reason,
                         "; graphs continue in a new memory pool" if reserved is not None else "")
-            raise error if error is not None else RuntimeError(
-                f"capturing the step {key!r} failed on another rank of the tensor-parallel "
-                "group (its error is in that rank's output)")
+            try:
+                raise error if error is not None else RuntimeError(
+                    f"capturing the step {key!r} failed on another rank of the "
+                    "tensor-parallel group (its error is in that rank's output)")
+            finally:
+                # The error's traceback holds this frame: without this, the two make a cycle
+                # that only the garbage collector frees, at any later moment, which may be
+                # inside another capture, and freeing the failed graph there can break it.
+                error = None
         self.graph_bytes += pool_bytes
         compiling = sum(e.seconds for e in self.events[events_before:])   # its own events
         event = Event("capture", f"{key} for {slot.batch_size} rows, KV views "
