@@ -58,6 +58,16 @@ class FusedMember(nn.Linear):
         return eager(x) if eager is not None else F.linear(x, _local(self.weight),
                                                            _local_or_none(self.bias))
 
+    def _apply(self, fn, recurse=True):
+        # Moved or cast (``.to()``, ``.half()``...), its parameters get tensors of their own:
+        # it leaves the group, which would otherwise keep the old matrix alive (an engine sees
+        # new addresses and fuses the group again).
+        result = nn.Module._apply(self, fn, recurse)
+        weight = _local(self.weight)
+        if weight.untyped_storage().data_ptr() != self.fused_weight.untyped_storage().data_ptr():
+            _unfuse(self)
+        return result
+
 
 def fuse(decoder: nn.Module) -> int:
     """Fuse every group of `decoder` that can be (`_members`); idempotent. Returns how many
@@ -133,6 +143,15 @@ def _fuse(members: list[nn.Linear]) -> None:
         member.fused_weight, member.fused_bias = fused, fused_bias
         member.fused_columns = (start, end)
         start = end
+
+
+def _unfuse(member: FusedMember) -> None:
+    for name in ("fused_weight", "fused_bias", "fused_columns"):
+        vars(member).pop(name, None)
+    eager = vars(member).pop("tensor_parallel_forward", None)
+    if eager is not None:
+        member.forward = eager
+    member.__class__ = nn.Linear
 
 
 def _point(param: torch.Tensor, rows: torch.Tensor) -> None:
