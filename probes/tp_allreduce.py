@@ -83,7 +83,8 @@ def collectives(rows_list: list[int]) -> list[dict]:
         one_out = torch.empty_like(x)
 
         def one_shot():
-            one_out.copy_(torch.ops.symm_mem.one_shot_all_reduce_copy(buffer, x, "sum", name))
+            # The symmetric buffer of the input's size (a view of the rendezvoused one).
+            one_out.copy_(torch.ops.symm_mem.one_shot_all_reduce_copy(shot, x, "sum", name))
 
         def two_shot():
             shot.copy_(x)
