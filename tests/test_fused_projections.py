@@ -73,9 +73,19 @@ def test_a_moved_or_cast_member_leaves_its_group():
     assert all(not hasattr(m, "fused_weight") for m in model.modules())
 
 
-def _compiled_products(layer, hidden, embeddings):
-    """The layer's forward compiled with the engine's options; returns its output and how
-    many matrix products its post-grad graph keeps after the merge."""
+def test_a_compiled_layer_computes_one_product_per_group():
+    """Seven products per layer (q, k, v, o, gate, up, down) become four inside `active`,
+    seven outside it; one compilation of the layer class serves every layer, each with its
+    own weights, and the output is the eager layer's (the engine's regional compilation)."""
+    model = tiny_model("llama", wrap=False)
+    layers = model.model.layers
+    hidden = torch.randn(2, 3, model.config.hidden_size,
+                         generator=torch.Generator().manual_seed(1))
+    embeddings = model.model.rotary_emb(hidden, torch.arange(3)[None].expand(2, 3))
+    with torch.no_grad():
+        eager = [layer(hidden, position_embeddings=embeddings, attention_mask=None)
+                 for layer in layers]
+    fuse(model.model)
     counts = []
 
     class Counting(type(MERGE)):
@@ -84,32 +94,76 @@ def _compiled_products(layer, hidden, embeddings):
             counts.append(sum(node.target is torch.ops.aten.mm.default for node in graph.nodes))
 
     torch._dynamo.reset()
-    compiled = torch.compile(type(layer).forward,
+    compiled = torch.compile(type(layers[0]).forward,
                              options={"post_grad_custom_pre_pass": Counting(),
                                       "fx_graph_cache": False})
     with torch.no_grad():
-        output = compiled(layer, hidden, position_embeddings=embeddings, attention_mask=None)
-    return output, counts
+        torch.testing.assert_close(compiled(layers[0], hidden, position_embeddings=embeddings,
+                                            attention_mask=None), eager[0])
+        assert counts == [7]
+        with fused_projections.active():
+            for layer, want in zip(layers, eager):
+                torch.testing.assert_close(compiled(layer, hidden, position_embeddings=embeddings,
+                                                    attention_mask=None), want)
+    assert counts == [7, 4]
 
 
-def test_a_compiled_layer_computes_one_product_per_group():
-    """Seven products per layer (q, k, v, o, gate, up, down) become four, with the same
-    output as the eager layer; outside `active` the members compute their own products."""
+def test_a_group_whose_parameters_were_replaced_is_fused_again():
+    """A state dict loaded with ``assign=True`` (new tensors, not copies into the views) or a
+    deep copy leaves members whose parameters are not views of their matrix: `fuse` fuses
+    the group again from the parameters, so the compiled products read the new weights."""
+    import copy
+
     model = tiny_model("llama", wrap=False)
-    layer = model.model.layers[0]
-    hidden = torch.randn(2, 3, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
-    positions = torch.arange(3)[None].expand(2, 3)
-    embeddings = model.model.rotary_emb(hidden, positions)
-    with torch.no_grad():
-        eager = layer(hidden, position_embeddings=embeddings, attention_mask=None)
     fuse(model.model)
-    separate, counts = _compiled_products(layer, hidden, embeddings)
-    assert counts == [7]
-    with fused_projections.active():
-        fused, counts = _compiled_products(layer, hidden, embeddings)
-    assert counts == [4]
-    torch.testing.assert_close(fused, eager)
-    torch.testing.assert_close(separate, eager)
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    state["model.layers.0.self_attn.k_proj.weight"] *= 1.5
+    model.load_state_dict(state, assign=True)
+    attention = model.model.layers[0].self_attn
+    stale = attention.q_proj.fused_weight
+    fuse(model.model)
+    assert attention.q_proj.fused_weight is not stale
+    lo, hi = attention.k_proj.fused_columns
+    assert torch.equal(attention.k_proj.fused_weight[lo:hi], state["model.layers.0.self_attn.k_proj.weight"])
+    assert attention.k_proj.weight.data_ptr() == attention.k_proj.fused_weight[lo:].data_ptr()
+    twin = copy.deepcopy(model)
+    fuse(twin.model)
+    member = twin.model.layers[1].mlp.up_proj
+    lo, _ = member.fused_columns
+    assert member.weight.data_ptr() == member.fused_weight[lo:].data_ptr()
+
+
+def test_drafters_fuse_before_their_keys_read_the_parameters(monkeypatch, tmp_path):
+    """Where steps compile (CUDA; here the CPU stands in), a drafter fuses its decoder before
+    its graph key reads the parameters' addresses: after its runner fused the decoder (as a
+    compiled runner does), the next call's drafter has the same key (else it would attach
+    again, and capture every graph again)."""
+    from flashspec.generation.drafters import AssistantDrafter
+    from flashspec.generation.heads import output_head
+    from flashspec.generation.mtp import Mtp
+
+    import test_eagle3
+    import test_mtp
+
+    monkeypatch.setattr(fused_projections, "COMPILED_DEVICES", ("cpu",))
+    draft = tiny_model("llama", "draft", wrap=False)
+    first = AssistantDrafter(output_head(draft, "assistant_model")).key
+    fuse(draft.model)
+    assert AssistantDrafter(output_head(draft, "assistant_model")).key == first
+
+    eagle3 = test_eagle3.head_for(test_eagle3.target())
+    first = eagle3.key
+    fuse(eagle3.model)
+    assert eagle3.key == first
+    assert type(eagle3.model.midlayer.self_attn.q_proj) is FusedMember
+
+    test_mtp.write_checkpoint(tmp_path)
+    glm = test_mtp.Glm4MoeForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    glm._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{test_mtp.LAYERS}\..*"]
+    drafter = Mtp(glm)
+    fuse(drafter.decoder)
+    assert Mtp(glm).key == drafter.key
+    assert type(drafter.mtp.layers[0].mtp_block.self_attn.q_proj) is FusedMember
 
 
 def test_the_merge_keeps_different_products_apart():

@@ -116,10 +116,7 @@ class AssistantDrafter(Drafter):
         self.head = head
         self.confidence_threshold = confidence_threshold
         self.decoders = (head.decoder,)
-        if head.weight.is_cuda:
-            # As its compiled runner will (`fused_projections`), before the key reads the
-            # parameters' addresses.
-            fused_projections.fuse(head.decoder)
+        fused_projections.fuse_where_compiled(head.decoder)
         # Captured graphs read the assistant's parameters where they are now.
         self.key = ("assistant", id(head.decoder), head.weight.data_ptr(),
                     tuple(p.data_ptr() for p in head.decoder.parameters()))

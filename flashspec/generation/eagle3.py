@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
+from . import fused_projections
 from .allowed import mask_edits
 from .chain import ChainHead, ChainSteps
 from .drafters import AttachedDrafter, Drafter
@@ -83,6 +84,7 @@ class Eagle3(Drafter, ChainHead):
         self._target = weakref.ref(decoder)
         self.decoders = (model,)
         self._check_device(head)
+        fused_projections.fuse_where_compiled(model)
 
     @property
     def key(self):

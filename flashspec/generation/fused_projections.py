@@ -70,8 +70,10 @@ class FusedMember(nn.Linear):
 
 
 def fuse(decoder: nn.Module) -> int:
-    """Fuse every group of `decoder` that can be (`_members`); idempotent. Returns how many
-    groups are fused."""
+    """Fuse every group of `decoder` that can be (`_members`); idempotent. A group whose
+    members' parameters are no longer views of its matrix (a parameter replaced, a state
+    dict loaded with ``assign=True``, a deep copy) is fused again from the parameters.
+    Returns how many groups are fused."""
     count = 0
     for parent in decoder.modules():
         for group_name, names in GROUPS.items():
@@ -79,10 +81,24 @@ def fuse(decoder: nn.Module) -> int:
             members = _members(group, names)
             if members is None:
                 continue
-            if not all(type(member) is FusedMember for member in members):
+            if not _fused(members):
+                for member in members:
+                    if type(member) is FusedMember:
+                        _unfuse(member)
                 _fuse(members)
             count += 1
     return count
+
+
+# Where flashspec's engine compiles a decoder's steps (`Engine.graphs_enabled`).
+COMPILED_DEVICES = ("cuda",)
+
+
+def fuse_where_compiled(decoder: nn.Module) -> None:
+    """`fuse` a drafter's decoder if its steps will be compiled, before the drafter's graph
+    key reads its parameters' addresses (which fusing changes)."""
+    if next(decoder.parameters()).device.type in COMPILED_DEVICES:
+        fuse(decoder)
 
 
 def _members(group, names) -> list[nn.Linear] | None:
@@ -97,6 +113,8 @@ def _members(group, names) -> list[nn.Linear] | None:
     if any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in members):
         return None
     weights = [_local(m.weight) for m in members]
+    if any(type(w.data) is not torch.Tensor for w in weights):
+        return None                      # quantized or other tensor subclasses
     if len({(w.shape[1], w.dtype, w.device) for w in weights}) != 1:
         return None
     if len({m.bias is None for m in members}) != 1:
@@ -110,6 +128,30 @@ def _members(group, names) -> list[nn.Linear] | None:
                          and not all(_row_sharded(m.bias) for m in members)):
         return None
     return members
+
+
+def _fused(members: list[nn.Linear]) -> bool:
+    """Whether the members are one group whose parameters are exactly the views of its
+    matrix that `_fuse` made."""
+    if not all(type(m) is FusedMember for m in members):
+        return False
+    fused, fused_bias = members[0].fused_weight, members[0].fused_bias
+    for member in members:
+        if member.fused_weight is not fused or member.fused_bias is not fused_bias:
+            return False
+        start, end = member.fused_columns
+        if not _is_rows(_local(member.weight), fused, start, end):
+            return False
+        if fused_bias is not None and not _is_rows(_local(member.bias), fused_bias, start, end):
+            return False
+    return True
+
+
+def _is_rows(tensor: torch.Tensor, whole: torch.Tensor, start: int, end: int) -> bool:
+    rows = whole[start:end]
+    return (tensor.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+            and tensor.storage_offset() == rows.storage_offset()
+            and tensor.shape == rows.shape and tensor.stride() == rows.stride())
 
 
 def _row_sharded(param) -> bool:

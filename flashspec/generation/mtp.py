@@ -26,6 +26,7 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from . import fused_projections
 from .allowed import mask_edits
 from .chain import ChainHead, ChainSteps
 from .drafters import AttachedDrafter, Drafter
@@ -139,6 +140,7 @@ class Mtp(Drafter, ChainHead):
         self.width = config.hidden_size
         self.weight = head.weight
         self._target = weakref.ref(head.decoder)
+        fused_projections.fuse_where_compiled(self.decoder)
         self.key = ("mtp", id(mtp), tuple(p.data_ptr() for p in self.decoder.parameters()))
 
     def check_target(self, head) -> None:
