@@ -364,8 +364,10 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
     return runs
 
 
+# The calls' seconds too: a run whose JSON does not come back still shows their spread.
 ROW_LINE_KEYS = ("pair", "batch_size", "decoding", "num_drafts", "variant", "status", "tok_s",
-                 "step_ms", "flash_stats", "exchange", "same_tokens_as_hf")
+                 "first_call_seconds", "seconds", "step_ms", "flash_stats", "exchange",
+                 "same_tokens_as_hf")
 
 
 def run_group(pair: str, runs: list[Run], target, draft, prompts: Prompts,
