@@ -39,7 +39,8 @@
 # (scripts/bench_parallel_head.py: the vocab-parallel LM-head step against all-gathering the
 # logits) and tp (scripts/tp_same_tokens.py: a tensor-parallel Llama-3.1-8B's tokens against
 # one GPU's; then scripts/tok_per_s.py under torchrun, against stock's tensor-parallel
-# generate), each under torchrun with 2 ranks; TEST_TIMEOUT=<s> bounds each command.
+# generate, and the same command on one GPU), each under torchrun with 2 ranks;
+# TEST_TIMEOUT=<s> bounds each command.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -113,6 +114,12 @@ for part in $PARTS; do
                 --random-init llama-3.1-8b,llama-3.2-1b --batch-sizes 1,8 --new-tokens 64 \
                 --prompt-length 128 --num-drafts 4 --decoding greedy --reps 2 \
                 --variants hf,flash_plain,flash_lookup,flash_draft --out "$OUT/tp_tok_per_s" \
-                2>&1 | tee "$OUT/tp_tok_per_s.log" | tail -12 ;;
+                2>&1 | tee "$OUT/tp_tok_per_s.log" | tail -12
+            # One GPU, the same command in the same call: issue 50's comparison.
+            CUDA_VISIBLE_DEVICES=0 timeout "${TEST_TIMEOUT:-0}" python scripts/tok_per_s.py \
+                --random-init llama-3.1-8b,llama-3.2-1b --batch-sizes 1,8 --new-tokens 64 \
+                --prompt-length 128 --num-drafts 4 --decoding greedy --reps 2 \
+                --variants hf,flash_plain,flash_lookup,flash_draft --out "$OUT/one_gpu_tok_per_s" \
+                2>&1 | tee "$OUT/one_gpu_tok_per_s.log" | tail -12 ;;
     esac
 done
