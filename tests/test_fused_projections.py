@@ -163,7 +163,9 @@ def test_drafters_fuse_before_their_keys_read_the_parameters(monkeypatch, tmp_pa
     drafter = Mtp(glm)
     fuse(drafter.decoder)
     assert Mtp(glm).key == drafter.key
-    assert type(drafter.mtp.layers[0].mtp_block.self_attn.q_proj) is FusedMember
+    block = drafter.mtp.layers[0].mtp_block
+    assert type(block.self_attn.q_proj) is FusedMember
+    assert type(block.mlp.shared_experts.gate_proj) is FusedMember      # a MoE's shared MLP
 
 
 def test_the_merge_keeps_different_products_apart():

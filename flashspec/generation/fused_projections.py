@@ -27,8 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-# Parent module name -> its members, in the order of their columns in the fused matrix.
-GROUPS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
+# Parent module name -> its members, in the order of their columns in the fused matrix: the
+# attention's projections, and the gated MLPs (dense, and a mixture of experts' shared one:
+# DeepSeek's and GLM's ``shared_experts``, Qwen2-MoE's ``shared_expert``).
+GATE_UP = ("gate_proj", "up_proj")
+GROUPS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": GATE_UP,
+          "shared_experts": GATE_UP, "shared_expert": GATE_UP}
 
 _active = False
 
