@@ -108,6 +108,22 @@ def kernels_by_step(generate) -> dict:
     return result
 
 
+def timed_generate(target, decoder, ids, kwargs: dict, timer=None) -> float:
+    """Milliseconds of ``target.generate(ids, **kwargs)``, its engine's replays through
+    `timer` if given (the engine exists after the first call)."""
+    if timer is not None:
+        cached_engine(decoder).step_timer = timer
+    try:
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        target.generate(ids, **kwargs)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - started) * 1e3
+    finally:
+        if cached_engine(decoder) is not None:
+            cached_engine(decoder).step_timer = None
+
+
 def load(pair: str, drafts: int) -> tuple:
     """The target, the drafted call's own arguments, and the bytes one draft step reads."""
     if pair.startswith("mtp:"):
@@ -134,16 +150,7 @@ def breakdown(pair: str, batch: int, drafts: int, prompt_length: int, gbps: floa
               "draft_weight_bytes": draft_bytes, "steps": {}}
 
     def call(kwargs, timer=None):
-        if timer is not None:
-            cached_engine(decoder).step_timer = timer
-        try:
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            target.generate(ids, **kwargs)
-            torch.cuda.synchronize()
-            return (time.perf_counter() - started) * 1e3
-        finally:
-            cached_engine(decoder).step_timer = None
+        return timed_generate(target, decoder, ids, kwargs, timer)
 
     for kwargs in (common, drafted):
         call(kwargs)                                      # compiles and captures

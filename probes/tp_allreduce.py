@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -28,7 +27,6 @@ import torch.distributed._symmetric_memory as symm_mem
 
 import step_breakdown
 from flashspec.bench.pairs import PairSpec, load_pair, tensor_parallel_run
-from flashspec.generation.engine import cached_engine
 from flashspec.generation.heads import output_head
 
 HIDDEN = 4096
@@ -124,17 +122,7 @@ def tp_step(shape: str, batch: int) -> dict:
                   sampler="flash", max_new_tokens=64)
 
     def call(timer=None):
-        if timer is not None:
-            cached_engine(decoder).step_timer = timer
-        try:
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            target.generate(ids, **kwargs)
-            torch.cuda.synchronize()
-            return (time.perf_counter() - started) * 1e3
-        finally:
-            if cached_engine(decoder) is not None:
-                cached_engine(decoder).step_timer = None
+        return step_breakdown.timed_generate(target, decoder, ids, kwargs, timer)
 
     call()
     wall = call()

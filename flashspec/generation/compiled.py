@@ -140,10 +140,6 @@ class DecoderRunner:
                                                and attention.unsupported_reason(decoder) is None)
         if compile:
             use_disk_cache()
-            if not invariant:
-                # Before the engine records the weights' addresses (`Engine.matches`): the
-                # members' parameters become views of their group's matrix.
-                fused_projections.fuse(decoder)
 
     @property
     def decoder(self) -> torch.nn.Module:

@@ -132,11 +132,11 @@ class Engine:
         self.pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
         self._pool_anchor = (_anchor(self.pool, self.device, self.capture_mode)
                              if self.graphs_enabled else None)
-        if self.graphs_enabled and head.shards is not None:
-            teardown.hold(self, head.shards.group)
         if self.graphs_enabled:
-            # Its runners would (compiled, not invariant); before the weights' addresses are
-            # recorded, since the fused members' parameters become views.
+            if head.shards is not None:
+                teardown.hold(self, head.shards.group)
+            # Before the weights' addresses are recorded: fused members' parameters become
+            # views (`fused_projections`; drafters fuse theirs as they are made).
             fused_projections.fuse(head.decoder)
         self.weight_storage = _weight_storage(head)
         self.events: list[Event] = []            # compilations and captures, in order

@@ -59,8 +59,7 @@ class FusedMember(nn.Linear):
 
     def own_forward(self, x: torch.Tensor) -> torch.Tensor:
         eager = self.__dict__.get("tensor_parallel_forward")
-        return eager(x) if eager is not None else F.linear(x, _local(self.weight),
-                                                           _local_or_none(self.bias))
+        return eager(x) if eager is not None else super().forward(x)
 
     def _apply(self, fn, recurse=True):
         # Moved or cast (``.to()``, ``.half()``...), its parameters get tensors of their own:
@@ -126,8 +125,12 @@ def _members(group, names) -> list[nn.Linear] | None:
     sharded = [_row_sharded(m.weight) for m in members]
     if any(sharded) and not all(sharded):
         return None
-    if not any(sharded) and any("forward" in vars(m) for m in members):
-        return None                      # a forward replaced by someone else
+    # transformers' tensor-parallel forward (kept as `tensor_parallel_forward` once fused)
+    # on sharded members, whose fused product is their local output; no other replaced one.
+    tensor_parallel = ["forward" in vars(m) or "tensor_parallel_forward" in vars(m)
+                       for m in members]
+    if tensor_parallel != sharded:
+        return None
     if all(sharded) and (members[0].bias is not None
                          and not all(_row_sharded(m.bias) for m in members)):
         return None
@@ -166,10 +169,6 @@ def _row_sharded(param) -> bool:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def _local_or_none(tensor):
-    return None if tensor is None else _local(tensor)
 
 
 def _fuse(members: list[nn.Linear]) -> None:
