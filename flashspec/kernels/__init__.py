@@ -30,7 +30,9 @@ Named `flashspec.kernels`, never top-level `kernels`, which is Hugging Face's ow
 
 from .ops import (KernelStats, TileConfig, default_config, fused_argmax, fused_sample,
                   fused_verify, reset_stats, stats)
+from .shard_merge import merge_shard_summaries
 from .shard_summary import fused_shard_summaries
 
 __all__ = ["KernelStats", "TileConfig", "default_config", "fused_argmax", "fused_sample",
-           "fused_shard_summaries", "fused_verify", "reset_stats", "stats"]
+           "fused_shard_summaries", "fused_verify", "merge_shard_summaries", "reset_stats",
+           "stats"]

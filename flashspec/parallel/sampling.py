@@ -85,9 +85,14 @@ def argmax(hidden: torch.Tensor, weight: torch.Tensor, *, shards: VocabShards,
     """
     _check(hidden, weight, shards, 2, edits, bias, softcap, check=check)
     layout = summary.summary_layout("argmax", shards)
-    words = _summaries(_backend(backend, hidden), hidden, weight, layout, None, None, shards,
+    implementation = _backend(backend, hidden)
+    words = _summaries(implementation, hidden, weight, layout, None, None, shards,
                        edits=edits, bias=bias, softcap=softcap)
-    out = merge_argmax(summary.unpack(all_gather_summaries(words, shards), layout))
+    gathered = all_gather_summaries(words, shards)
+    if implementation == "fused":
+        out = kernels.merge_shard_summaries(gathered, layout.fields)
+    else:
+        out = merge_argmax(summary.unpack(gathered, layout))
     if check:
         _raise_non_finite(out.status)
     return out
@@ -216,40 +221,50 @@ def verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tenso
 
 def _sampled(implementation, hidden, weight, params, positions, shards, layout, edits, head):
     """`SampleOutput` of the rows of `hidden` ``[R, D]`` from one exchange of summaries at
-    `layout`, and bool ``[R]``: the rows the candidates left uncertified."""
+    `layout`, and bool ``[R]``: the rows the candidates left uncertified (None: the layout
+    has no candidates, so every row is decided)."""
     words = _summaries(implementation, hidden, weight, layout, params, positions, shards,
                        edits=edits, **head)
-    rows = merge_rows(summary.unpack(all_gather_summaries(words, shards), layout), shards,
-                      params, positions)
+    gathered = all_gather_summaries(words, shards)
+    if implementation == "fused" and not layout.num_candidates:
+        return kernels.merge_shard_summaries(gathered, layout.fields, params, positions), None
+    rows = merge_rows(summary.unpack(gathered, layout), shards, params, positions)
     out = SampleOutput(torch.where(rows.finite, rows.tokens, -1),
                        torch.where(rows.finite, rows.logprobs, float("nan")),
                        torch.where(rows.finite, rows.lse, float("nan")),
                        torch.where(rows.finite, OK, NON_FINITE).to(torch.int32))
-    return out, rows.incomplete
+    return out, rows.incomplete if layout.num_candidates else None
 
 
 def _verified(implementation, hidden, weight, draft_tokens, params, positions, shards, layout,
               acceptance, edits, flat_edits, head):
     """`VerifyOutput` of the batch rows of `hidden` ``[B, G+1, D]`` from one exchange of
     summaries at `layout`, and bool ``[B]``: the rows with an uncertified position among
-    those they emit from. The fused kernels take `edits` (one row per batch row, codes per
-    position); the torch summaries ``flat_edits()`` (one row per position)."""
+    those they emit from (None: the layout has no candidates). The fused kernels take
+    `edits` (one row per batch row, codes per position); the torch summaries
+    ``flat_edits()`` (one row per position)."""
     batch_size, num_positions, dim = hidden.shape
-    flat_params = params.repeat_interleave(num_positions, validate=False)
-    offsets = torch.arange(num_positions, device=positions.device)
-    flat_positions = (positions[:, None] + offsets[None, :]).flatten()
     drafts = flat_drafts(draft_tokens)
     if implementation == "fused":
         # The drafts as the acceptance chain reads them: none after a row's first padding.
         words = kernels.fused_shard_summaries(
             hidden, weight, layout, params, positions, shards.offset, shards.vocab_size,
             drafts=drafts.view(batch_size, num_positions)[:, :-1], edits=edits, **head)
-    else:
+        if not layout.num_candidates:
+            return kernels.merge_shard_summaries(all_gather_summaries(words, shards),
+                                                 layout.fields, params, positions,
+                                                 draft_tokens, acceptance), None
+    flat_params = params.repeat_interleave(num_positions, validate=False)
+    offsets = torch.arange(num_positions, device=positions.device)
+    flat_positions = (positions[:, None] + offsets[None, :]).flatten()
+    if implementation != "fused":
         words = shard.summaries(hidden.reshape(-1, dim), weight, layout, flat_params,
                                 flat_positions, shards, drafts, edits=flat_edits(), **head)
     rows = merge_rows(summary.unpack(all_gather_summaries(words, shards), layout), shards,
                       flat_params, flat_positions, drafts)
     out = accept(rows, draft_tokens, params, positions, acceptance)
+    if not layout.num_candidates:
+        return out, None
     # Positions after a row's drafts end are never emitted: their certificate does not count.
     has_draft = drafts.view(batch_size, num_positions) >= 0
     used = offsets[None, :] <= has_draft.sum(dim=1, keepdim=True)
@@ -287,6 +302,8 @@ def _completed(merged, exact, implementation: str, layout: summary.SummaryLayout
     then ``exact(rows)`` (from the gathered logits) for the rows still uncertified; every
     rank reaches the same rows. Without it, those rows are flagged `NEEDS_COMPLETION`."""
     out, incomplete = merged(None, layout, implementation)
+    if incomplete is None:      # no candidates: every row decided
+        return out
     if not complete:
         return _flag_incomplete(out, incomplete)
     retry = summary.retry_layout(layout, shards)
