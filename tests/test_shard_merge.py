@@ -4,9 +4,10 @@ the same gathered words: every field equal but the log-sum-exps and logprobs (fl
 in another order, to rounding).
 
 The words are what the ranks' torch summaries (`parallel.shard.summarize`) write for random
-logits of small integers over 4, so that scores tie within a shard and across shards, with
-rows that are not finite, tokens banned (-inf) and shards banned whole; the shard sizes,
-ranks, drafts (with padding) and modes are drawn by Hypothesis.
+logits of small integers over 4, so that scores tie within a shard and across shards, and
+rows that are not finite; the shard sizes,
+ranks, drafts (with padding), modes (truncated ones too) and candidates per rank (few: some
+supports stay uncertified and are flagged) are drawn by Hypothesis.
 """
 
 import pytest
@@ -15,22 +16,23 @@ from hypothesis import given, settings, strategies as st
 
 from flashspec import SamplingParams, kernels, rng
 from flashspec.outputs import NON_FINITE, OK, SampleOutput
-from flashspec.parallel import VocabShards, acceptance, merge, shard, summary
+from flashspec.parallel import VocabShards, acceptance, merge, sampling, shard, summary
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MODES = {
     "greedy": dict(do_sample=False),
     "temperature": dict(temperature=[0.5, 1.0, 2.0, 0.7]),
-    "mixed": dict(do_sample=[False, True, True, False], temperature=[1.0, 0.5, 1.0, 0.0]),
+    "top_k": dict(temperature=[0.5, 1.0, 0.75, 1.0], top_k=[1, 3, 6, 40]),
+    "top_p": dict(temperature=[1.0, 0.5, 2.0, 1.0], top_p=[0.5, 0.9, 0.8, 0.99]),
+    "min_p": dict(temperature=[1.0, 2.0, 0.25, 1.0], min_p=[0.05, 0.2, 0.1, 0.5]),
+    "mixed": dict(do_sample=[False, True, True, True], temperature=[1.0, 0.5, 1.0, 0.0],
+                  top_k=[0, 4, 0, 2], top_p=[1.0, 0.9, 0.7, 1.0], min_p=[0.0, 0.0, 0.1, 0.0]),
 }
 
 
 def _logits(g: torch.Generator, rows: int, vocab: int) -> torch.Tensor:
     logits = torch.randint(-12, 13, (rows, vocab), generator=g) / 4
-    logits[torch.rand(rows, vocab, generator=g) < 0.1] = float("-inf")
-    odd = torch.rand(rows, generator=g)
-    logits[odd < 0.1, vocab // 3] = float("nan")
-    logits[odd > 0.9, : vocab // 2] = float("-inf")          # the first shard banned whole
+    logits[torch.rand(rows, generator=g) < 0.05, vocab // 3] = float("nan")
     return logits
 
 
@@ -53,37 +55,57 @@ def _assert_close(kernel, torch_out, name):
             assert torch.equal(a, b.to(a.dtype)), (name, field, a.tolist(), b.tolist())
 
 
-@settings(max_examples=40, deadline=None)
+def _torch_sample(words, layout, shards, params, positions):
+    """What `parallel.sample(check=False, complete=False)` returns on its torch route."""
+    rows = merge.merge_rows(summary.unpack(words, layout), shards, params, positions)
+    out = SampleOutput(torch.where(rows.finite, rows.tokens, -1),
+                       torch.where(rows.finite, rows.logprobs, float("nan")),
+                       torch.where(rows.finite, rows.lse, float("nan")),
+                       torch.where(rows.finite, OK, NON_FINITE).to(torch.int32))
+    return sampling._flag_incomplete(out, rows.incomplete)
+
+
+def _torch_verify(words, layout, shards, params, positions, drafts, how):
+    """What `parallel.verify(check=False, complete=False)` returns on its torch route."""
+    num_positions = drafts.shape[1] + 1
+    flat = acceptance.flat_drafts(drafts)
+    rows = merge.merge_rows(summary.unpack(words, layout), shards,
+                            params.repeat_interleave(num_positions, validate=False),
+                            (positions[:, None] + torch.arange(num_positions,
+                                                               device=DEVICE)).flatten(), flat)
+    out = acceptance.accept(rows, drafts, params, positions, how)
+    used = (torch.arange(num_positions, device=DEVICE)[None, :]
+            <= (flat.view(-1, num_positions) >= 0).sum(dim=1, keepdim=True))
+    return sampling._flag_incomplete(
+        out, (rows.incomplete.view(-1, num_positions) & used).any(dim=1))
+
+
+@settings(max_examples=60, deadline=None)
 @given(sizes=st.lists(st.integers(1, 9), min_size=1, max_size=3),
        batch=st.integers(1, 4), num_drafts=st.integers(0, 3), mode=st.sampled_from(list(MODES)),
-       probabilistic=st.booleans(), data_seed=st.integers(0, 2**16))
-def test_the_kernel_merges_as_torch_does(sizes, batch, num_drafts, mode, probabilistic,
-                                         data_seed):
+       candidates=st.integers(1, 6), probabilistic=st.booleans(),
+       data_seed=st.integers(0, 2**16))
+def test_the_kernel_merges_as_torch_does(sizes, batch, num_drafts, mode, candidates,
+                                         probabilistic, data_seed):
+    """Every op and mode, with candidates few enough that some rows stay uncertified."""
     g = torch.Generator().manual_seed(data_seed)
     shards = VocabShards(tuple(sizes), 0)
     vocab = shards.vocab_size
     modes = {k: (v[:batch] if isinstance(v, list) else v) for k, v in MODES[mode].items()}
     params = SamplingParams.create(batch, **modes, seed=data_seed)
     positions = torch.randint(0, 1000, (batch,), generator=g)
+    on = params.to(DEVICE), positions.to(DEVICE)
 
-    # argmax
     logits = _logits(g, batch, vocab)
     layout = summary.summary_layout("argmax", shards)
     words = _gathered(logits, shards, layout, None, None, None)
-    _assert_close(kernels.merge_shard_summaries(words, layout.fields),
+    _assert_close(kernels.merge_shard_summaries(words, layout, vocab),
                   merge.merge_argmax(summary.unpack(words, layout)), "argmax")
 
-    # sample
-    layout = summary.summary_layout("sample", shards, params)
+    layout = summary.summary_layout("sample", shards, params, candidates)
     words = _gathered(logits, shards, layout, params, positions, None)
-    rows = merge.merge_rows(summary.unpack(words, layout), shards, params.to(DEVICE),
-                            positions.to(DEVICE))
-    expected = SampleOutput(torch.where(rows.finite, rows.tokens, -1),
-                            torch.where(rows.finite, rows.logprobs, float("nan")),
-                            torch.where(rows.finite, rows.lse, float("nan")),
-                            torch.where(rows.finite, OK, NON_FINITE).to(torch.int32))
-    _assert_close(kernels.merge_shard_summaries(words, layout.fields, params.to(DEVICE),
-                                                positions.to(DEVICE)), expected, "sample")
+    _assert_close(kernels.merge_shard_summaries(words, layout, vocab, *on),
+                  _torch_sample(words, layout, shards, *on), "sample")
 
     # verify: drafts mostly the target's likely tokens, some padding, some beyond it
     num_positions = num_drafts + 1
@@ -93,19 +115,16 @@ def test_the_kernel_merges_as_torch_does(sizes, batch, num_drafts, mode, probabi
                          .argmax(dim=-1),
                          torch.randint(0, vocab, (batch, num_drafts), generator=g))
     drafts[torch.rand(batch, num_drafts, generator=g) < 0.2] = -1
-    flat = acceptance.flat_drafts(drafts)
     flat_params = params.repeat_interleave(num_positions, validate=False)
     flat_positions = (positions[:, None] + torch.arange(num_positions)).flatten()
-    layout = summary.summary_layout("verify", shards, params)
-    words = _gathered(logits, shards, layout, flat_params, flat_positions, flat)
+    layout = summary.summary_layout("verify", shards, params, candidates)
+    words = _gathered(logits, shards, layout, flat_params, flat_positions,
+                      acceptance.flat_drafts(drafts))
     how = "probabilistic" if probabilistic else "strict"
-    rows = merge.merge_rows(summary.unpack(words, layout), shards, flat_params.to(DEVICE),
-                            flat_positions.to(DEVICE), flat.to(DEVICE))
-    expected = acceptance.accept(rows, drafts.to(DEVICE), params.to(DEVICE),
-                                 positions.to(DEVICE), how)
-    _assert_close(kernels.merge_shard_summaries(words, layout.fields, params.to(DEVICE),
-                                                positions.to(DEVICE), drafts.to(DEVICE), how),
-                  expected, f"verify {how}")
+    _assert_close(kernels.merge_shard_summaries(words, layout, vocab, *on, drafts.to(DEVICE),
+                                                how),
+                  _torch_verify(words, layout, shards, *on, drafts.to(DEVICE), how),
+                  f"verify {how}")
 
 
 def test_a_draft_tied_with_the_best_other_token_wins_by_the_lower_id():
@@ -136,16 +155,31 @@ def test_a_draft_tied_with_the_best_other_token_wins_by_the_lower_id():
                                 positions + torch.arange(2), flat)
         expected = acceptance.accept(rows, drafts, params, positions, "strict")
         assert int(expected.tokens[0, 0]) == min(draft, other)
-        out = kernels.merge_shard_summaries(words.to(DEVICE), layout.fields, params.to(DEVICE),
+        out = kernels.merge_shard_summaries(words.to(DEVICE), layout, 8, params.to(DEVICE),
                                             positions.to(DEVICE), drafts.to(DEVICE))
         _assert_close(out, expected, f"draft {draft}")
 
 
-def test_words_with_candidates_are_refused():
+def test_a_top_p_boundary_met_exactly_removes_the_token():
+    """Two equal logits under a top-k of 2: the second's mass from it down is exactly
+    1 - top_p of the total, so transformers removes it; every seed samples the first."""
+    shards = VocabShards((1, 2), 0)
+    logits = torch.tensor([[0.0, 0.0, -4.0]]).repeat(8, 1)
+    params = SamplingParams.create(8, temperature=1.0, top_k=2, top_p=0.5, seed=list(range(8)))
+    positions = torch.arange(8)
+    layout = summary.summary_layout("sample", shards, params)
+    words = _gathered(logits, shards, layout, params, positions, None)
+    on = params.to(DEVICE), positions.to(DEVICE)
+    out = kernels.merge_shard_summaries(words, layout, 3, *on)
+    _assert_close(out, _torch_sample(words, layout, shards, *on), "top-p boundary")
+    assert out.tokens.tolist() == [0] * 8 and out.status.tolist() == [OK] * 8
+
+
+def test_words_of_another_layout_are_refused():
     shards = VocabShards((4, 4), 0)
     params = SamplingParams.create(1, temperature=1.0, top_k=3)
     layout = summary.summary_layout("sample", shards, params)
-    words = torch.zeros(2, 1, layout.words, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="without candidates"):
-        kernels.merge_shard_summaries(words, layout.fields, params.to(DEVICE),
+    words = torch.zeros(2, 1, layout.fields, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=f"the layout has {layout.words} words per row"):
+        kernels.merge_shard_summaries(words, layout, 8, params.to(DEVICE),
                                       torch.zeros(1, dtype=torch.int64, device=DEVICE))

@@ -10,8 +10,9 @@ which) and the same hidden states, parameters, positions and drafts. A call:
 2. all-gathers the summaries, one collective of a few bytes per row (`summary.py` lists
    them: 8 per row for `argmax`, 16 for `sample`, 20 per position for `verify`, 8 more per
    candidate and 8 for their floor);
-3. merges them on every rank identically (`merge.py`, `acceptance.py`): the same tokens,
-   logprobs, log-sum-exps and statuses everywhere;
+3. merges them on every rank identically (`merge.py`, `acceptance.py`; where the fused
+   kernels summarised, in one kernel: `flashspec.kernels.merge_shard_summaries`): the same
+   tokens, logprobs, log-sum-exps and statuses everywhere;
 4. for truncated rows whose support the candidates do not certify, and only for them, runs
    steps 1-3 again with `RETRY_FACTOR` times the candidates; the rows still uncertified
    then all-gather their logits and are sampled by `flashspec.reference`
@@ -58,6 +59,8 @@ from .merge import merge_argmax, merge_rows
 from .summary import DEFAULT_CANDIDATES
 
 ACCEPTANCE_MODES = ("strict", "probabilistic")
+# What the fused route's merge returns for the uncertified rows: flagged in the statuses.
+_FLAGGED = object()
 BACKENDS = ("auto", "fused", "reference")
 
 
@@ -90,7 +93,7 @@ def argmax(hidden: torch.Tensor, weight: torch.Tensor, *, shards: VocabShards,
                        edits=edits, bias=bias, softcap=softcap)
     gathered = all_gather_summaries(words, shards)
     if implementation == "fused":
-        out = kernels.merge_shard_summaries(gathered, layout.fields)
+        out = kernels.merge_shard_summaries(gathered, layout, shards.vocab_size)
     else:
         out = merge_argmax(summary.unpack(gathered, layout))
     if check:
@@ -221,13 +224,16 @@ def verify(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tenso
 
 def _sampled(implementation, hidden, weight, params, positions, shards, layout, edits, head):
     """`SampleOutput` of the rows of `hidden` ``[R, D]`` from one exchange of summaries at
-    `layout`, and bool ``[R]``: the rows the candidates left uncertified (None: the layout
-    has no candidates, so every row is decided)."""
+    `layout`, and what says which rows the candidates left uncertified: bool ``[R]``, or
+    `_FLAGGED` (the fused route's merge flagged them in the statuses), or None (the layout
+    has no candidates: every row is decided)."""
     words = _summaries(implementation, hidden, weight, layout, params, positions, shards,
                        edits=edits, **head)
     gathered = all_gather_summaries(words, shards)
-    if implementation == "fused" and not layout.num_candidates:
-        return kernels.merge_shard_summaries(gathered, layout.fields, params, positions), None
+    if implementation == "fused":
+        out = kernels.merge_shard_summaries(gathered, layout, shards.vocab_size, params,
+                                            positions)
+        return out, _FLAGGED if layout.num_candidates else None
     rows = merge_rows(summary.unpack(gathered, layout), shards, params, positions)
     out = SampleOutput(torch.where(rows.finite, rows.tokens, -1),
                        torch.where(rows.finite, rows.logprobs, float("nan")),
@@ -240,7 +246,7 @@ def _verified(implementation, hidden, weight, draft_tokens, params, positions, s
               acceptance, edits, flat_edits, head):
     """`VerifyOutput` of the batch rows of `hidden` ``[B, G+1, D]`` from one exchange of
     summaries at `layout`, and bool ``[B]``: the rows with an uncertified position among
-    those they emit from (None: the layout has no candidates). The fused kernels take
+    those they emit from (or `_FLAGGED`, or None, as `_sampled` says). The fused kernels take
     `edits` (one row per batch row, codes per position); the torch summaries
     ``flat_edits()`` (one row per position)."""
     batch_size, num_positions, dim = hidden.shape
@@ -250,16 +256,15 @@ def _verified(implementation, hidden, weight, draft_tokens, params, positions, s
         words = kernels.fused_shard_summaries(
             hidden, weight, layout, params, positions, shards.offset, shards.vocab_size,
             drafts=drafts.view(batch_size, num_positions)[:, :-1], edits=edits, **head)
-        if not layout.num_candidates:
-            return kernels.merge_shard_summaries(all_gather_summaries(words, shards),
-                                                 layout.fields, params, positions,
-                                                 draft_tokens, acceptance), None
+        out = kernels.merge_shard_summaries(all_gather_summaries(words, shards), layout,
+                                            shards.vocab_size, params, positions,
+                                            draft_tokens, acceptance)
+        return out, _FLAGGED if layout.num_candidates else None
     flat_params = params.repeat_interleave(num_positions, validate=False)
     offsets = torch.arange(num_positions, device=positions.device)
     flat_positions = (positions[:, None] + offsets[None, :]).flatten()
-    if implementation != "fused":
-        words = shard.summaries(hidden.reshape(-1, dim), weight, layout, flat_params,
-                                flat_positions, shards, drafts, edits=flat_edits(), **head)
+    words = shard.summaries(hidden.reshape(-1, dim), weight, layout, flat_params,
+                            flat_positions, shards, drafts, edits=flat_edits(), **head)
     rows = merge_rows(summary.unpack(all_gather_summaries(words, shards), layout), shards,
                       flat_params, flat_positions, drafts)
     out = accept(rows, draft_tokens, params, positions, acceptance)
@@ -304,7 +309,11 @@ def _completed(merged, exact, implementation: str, layout: summary.SummaryLayout
     out, incomplete = merged(None, layout, implementation)
     if incomplete is None:      # no candidates: every row decided
         return out
-    if not complete:
+    if incomplete is _FLAGGED:
+        if not complete:
+            return out
+        incomplete = out.status == NEEDS_COMPLETION
+    elif not complete:
         return _flag_incomplete(out, incomplete)
     retry = summary.retry_layout(layout, shards)
     for finish in ("retry", "exact") if retry is not None else ("exact",):

@@ -133,7 +133,9 @@ def unpack(words: torch.Tensor, layout: SummaryLayout) -> Unpacked:
 
     keys = floor = None
     if layout.num_candidates:
-        listed = words[..., layout.fields:].contiguous().view(torch.int64)
+        # A copy at offset 0 (`contiguous` would keep a one-row slice at an odd offset).
+        listed = words[..., layout.fields:].clone(memory_format=torch.contiguous_format)
+        listed = listed.view(torch.int64)
         keys, floor = listed[..., :-1], listed[..., -1]
     return Unpacked(field(BEST), token, field(SCORE), field(LSE), field(DRAFT), keys, floor)
 
