@@ -44,6 +44,7 @@ def _gathered(logits, shards, layout, params, positions, drafts):
 
 
 def _assert_close(kernel, torch_out, name):
+    kernel, torch_out = (type(out)(*(field.cpu() for field in out)) for out in (kernel, torch_out))
     if hasattr(kernel, "accept_probs"):      # (not defined for rows whose status is not OK)
         kernel, torch_out = (out._replace(accept_probs=torch.where(
             (out.status == OK)[:, None], out.accept_probs, 0.0)) for out in (kernel, torch_out))
