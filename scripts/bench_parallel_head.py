@@ -4,7 +4,9 @@ all-gathering the logits and sampling them, on one GPU per rank:
     torchrun --nproc-per-node 2 scripts/bench_parallel_head.py --out head.json
 
 Defaults: Llama-3.1-8B's head (D 4096, V 128,256) in bf16, B = 1, 4, 16, 64; the modes and
-the timing are flashspec.bench.parallel_head's. Rank 0 prints the table and writes the JSON.
+the timing are flashspec.bench.parallel_head's. Rank 0 prints the table and writes the JSON;
+``read`` is the shard's cuBLAS product alone, ``past`` flash's time past it over the
+gathered step's.
 """
 
 from __future__ import annotations
@@ -39,11 +41,12 @@ def main() -> None:
                       "torch": torch.__version__, "rows": rows}
             print(f"{report['ranks']} x {report['device']}, D {args.dim}, V {args.vocab_size}, "
                   f"{args.dtype}; microseconds per step")
-            print(f"{'mode':>9} {'B':>3} {'flash':>8} {'gathered':>9} {'speedup':>7} "
-                  f"{'eager':>7} {'B/row':>6} {'flagged':>7}  timing")
+            print(f"{'mode':>9} {'B':>3} {'read':>6} {'flash':>8} {'gathered':>9} "
+                  f"{'speedup':>7} {'past':>5} {'eager':>7} {'B/row':>6} {'flagged':>7}  timing")
             for row in rows:
-                print(f"{row['mode']:>9} {row['batch_size']:>3} {row['flash_us']:>8.1f} "
-                      f"{row['gathered_us']:>9.1f} {row['speedup']:>7.2f} "
+                print(f"{row['mode']:>9} {row['batch_size']:>3} {row['read_us']:>6.1f} "
+                      f"{row['flash_us']:>8.1f} {row['gathered_us']:>9.1f} {row['speedup']:>7.2f} "
+                      f"{row['past_read_ratio']:>5.2f} "
                       f"{row['eager_speedup']:>7.2f} {row['summary_bytes_per_row']:>6} "
                       f"{row['flagged_rows']:>7.2f}  "
                       f"{row['flash_timing'][:40]} / {row['gathered_timing'][:40]}")

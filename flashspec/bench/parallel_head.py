@@ -126,6 +126,8 @@ def run(batch_sizes: list[int], dim: int, vocab_size: int, dtype: torch.dtype,
         # The same hidden states on every rank (a tensor-parallel model's final norm output).
         hidden = torch.randn(batch, dim, generator=torch.Generator(device).manual_seed(batch),
                              device=device).to(dtype) * 2
+        # What both steps must at least spend: the shard's logits by cuBLAS, the weight read.
+        read_us = time_step(lambda: hidden @ weight.T)["us"]
         for mode, settings in modes.items():
             params = SamplingParams.create(batch, seed=0, device=device, **settings)
             layout = parallel.summary_layout("argmax" if params.all_greedy else "sample",
@@ -143,7 +145,11 @@ def run(batch_sizes: list[int], dim: int, vocab_size: int, dtype: torch.dtype,
                 row[f"{name}_us"] = result["us"]
                 row[f"{name}_eager_us"] = result["eager_us"]
                 row[f"{name}_timing"] = result["timing"]
+            row["read_us"] = read_us
             row["speedup"] = row["gathered_us"] / row["flash_us"]
+            # What each adds past the read (issue 50's bar at small B: flash's at most half).
+            row["past_read_ratio"] = ((row["flash_us"] - read_us)
+                                      / max(row["gathered_us"] - read_us, 1e-9))
             row["eager_speedup"] = row["gathered_eager_us"] / row["flash_eager_us"]
             rows.append(row)
     return rows
