@@ -72,13 +72,15 @@ def _assert_same(ours, theirs, what: str) -> None:
 
 
 def _drafts(weight, hidden, params, positions, generator):
-    """Drafts that are often the target's own samples (accepted), else random, -1 padded."""
+    """Drafts that are often the target's own samples (accepted), else random, -1 padded
+    (at the end, and first with ids after it)."""
     num_positions = hidden.shape[1]
     own = torch.stack([sampling.sample(hidden[:, j], weight, params, positions + j).tokens
                        for j in range(num_positions - 1)], dim=1)
     random = torch.randint(0, VOCAB, own.shape, generator=generator)
     drafts = torch.where(torch.rand(own.shape, generator=generator) < 0.6, own, random)
     drafts[0, -1] = -1
+    drafts[1, 0] = -1           # drafts end at the first padding: the ids after it are unused
     return drafts
 
 

@@ -250,16 +250,17 @@ def _verified(implementation, hidden, weight, draft_tokens, params, positions, s
     `edits` (one row per batch row, codes per position); the torch summaries
     ``flat_edits()`` (one row per position)."""
     batch_size, num_positions, dim = hidden.shape
-    drafts = flat_drafts(draft_tokens)
     if implementation == "fused":
-        # The drafts as the acceptance chain reads them: none after a row's first padding.
+        # A position after a row's first padding keeps its id here; the merge kernel reads
+        # none there, and the acceptance chain never emits from it.
         words = kernels.fused_shard_summaries(
             hidden, weight, layout, params, positions, shards.offset, shards.vocab_size,
-            drafts=drafts.view(batch_size, num_positions)[:, :-1], edits=edits, **head)
+            drafts=draft_tokens, edits=edits, **head)
         out = kernels.merge_shard_summaries(all_gather_summaries(words, shards), layout,
                                             shards.vocab_size, params, positions,
                                             draft_tokens, acceptance)
         return out, _FLAGGED if layout.num_candidates else None
+    drafts = flat_drafts(draft_tokens)
     flat_params = params.repeat_interleave(num_positions, validate=False)
     offsets = torch.arange(num_positions, device=positions.device)
     flat_positions = (positions[:, None] + offsets[None, :]).flatten()
