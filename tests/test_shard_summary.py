@@ -391,7 +391,8 @@ def test_compile_variants_of_a_shard_runs_every_setting(monkeypatch):
     """The engine's precompilation on a tensor-parallel head (`samplers.compile_variants`
     with `shards`): every kernel setting through the per-shard kernels, sampling and
     verifying, at the shard's offset and with the whole vocabulary's size (a top-k of V is
-    V's, not the shard's), with neutral edits; no exchange."""
+    V's, not the shard's), with neutral edits, then the merge of that many ranks' words
+    (both acceptance modes in verification); no exchange."""
     from flashspec.generation import samplers
 
     seen = []
@@ -401,13 +402,27 @@ def test_compile_variants_of_a_shard_runs_every_setting(monkeypatch):
         seen.append((offset, vocab_size, int(params.top_k.max()), kwargs["edits"]))
         return real(hidden, weight, layout, params, positions, offset, vocab_size, **kwargs)
 
+    merges = []
+    real_merge = kernels.merge_shard_summaries
+
+    def merged(words, layout, vocab_size, params, positions, drafts, acceptance):
+        merges.append((words.shape[0], layout, vocab_size, drafts is not None, acceptance))
+        return real_merge(words, layout, vocab_size, params, positions, drafts, acceptance)
+
     monkeypatch.setattr(kernels, "fused_shard_summaries", recorded)
+    monkeypatch.setattr(kernels, "merge_shard_summaries", merged)
     shards = VocabShards((40, 60), 1)          # this rank holds tokens 40-99
     weight = torch.randn(60, 16, device=DEVICE)
     for width in (0, 2):
         samplers.compile_variants(weight, 2, width, edits=("codes", "counts"), shards=shards)
     settings = samplers.kernel_settings(100)
     assert len(seen) == 2 * len(settings)
+    # The merge of each: two ranks' words; verification in both acceptance modes.
+    assert len(merges) == 3 * len(settings)
+    assert {(ranks, vocab) for ranks, _, vocab, *_ in merges} == {(2, 100)}
+    assert {(verify, acceptance) for *_, verify, acceptance in merges} == {
+        (False, "strict"), (True, "strict"), (True, "probabilistic")}
+    assert any(layout.num_candidates for _, layout, *_ in merges)
     assert {(offset, vocab) for offset, vocab, _, _ in seen} == {(40, 100)}
     assert 100 in {top_k for _, _, top_k, _ in seen}          # the "top-k of V" setting
     assert all(edits.codes.shape[-1] == 60 and not edits.codes.any()

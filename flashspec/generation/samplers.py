@@ -181,7 +181,8 @@ def compile_variants(weight: torch.Tensor, rows: int, width: int, edits: tuple[s
     per row or per position, counts (all of them changing nothing here); with `bias` /
     `softcap`, those that apply the head's transforms. With `shards` (`weight` is this
     rank's rows of a tensor-parallel head), the per-shard kernels of `flashspec.parallel`
-    (`kernels.fused_shard_summaries`), without any exchange. Eager, outside any graph."""
+    (`kernels.fused_shard_summaries`) and the merge (`kernels.merge_shard_summaries`, on
+    this rank's words as every rank's), without any exchange. Eager, outside any graph."""
     if not isinstance(edits, tuple) or not set(edits) <= set(EDIT_INPUTS):
         raise ValueError(f"`edits` must be a tuple of names from {EDIT_INPUTS}, got "
                          f"{type(edits).__name__} {edits!r}")
@@ -208,10 +209,15 @@ def compile_variants(weight: torch.Tensor, rows: int, width: int, edits: tuple[s
         params = SamplingParams.create(rows, device=weight.device, **setting)
         if shards is not None:
             layout = parallel.summary_layout("verify" if width else "sample", shards, params)
-            kernels.fused_shard_summaries(hidden, weight, layout, params, positions,
-                                          shards.offset, vocab_size,
-                                          drafts=drafts if width else None, edits=no_edits,
-                                          bias=bias, softcap=softcap)
+            words = kernels.fused_shard_summaries(hidden, weight, layout, params, positions,
+                                                  shards.offset, vocab_size,
+                                                  drafts=drafts if width else None,
+                                                  edits=no_edits, bias=bias, softcap=softcap)
+            # The merge of every rank's words: this rank's stand in for all of them.
+            gathered = words.expand(shards.world_size, *words.shape)
+            for acceptance in parallel.sampling.ACCEPTANCE_MODES if width else ("strict",):
+                kernels.merge_shard_summaries(gathered, layout, vocab_size, params, positions,
+                                              drafts if width else None, acceptance)
             continue
         sampler = FusedSampler(weight, params, bias=bias, softcap=softcap)
         if width:

@@ -42,7 +42,10 @@ _NO_ID = tl.constexpr(2**31 - 1)   # above every token id (ids < 2**31): loses e
 _PAD = tl.constexpr(PAD_KEY)
 
 
-@triton.jit
+# Sizes that change with the batch, the drafts and the layout are not specialised on (1, or
+# multiples of 16): every (rows, width) of the engine then shares the variants it compiles.
+@triton.jit(do_not_specialize=["NUM_RANKS", "NUM_ROWS", "WORDS", "NUM_DRAFTS", "NUM_CANDIDATES",
+                               "V"])
 def shard_merge_kernel(
     words_ptr, do_sample_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr,
     position_ptr, draft_ptr,

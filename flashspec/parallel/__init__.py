@@ -9,7 +9,8 @@ tokens one process would (`flashspec.sampling`'s results, from its full weight).
 * `summary.py`: the summary's words and bytes per row (`summary_layout`);
 * `exchange.py`: the collectives and their byte counters (`stats`);
 * `merge.py`: summaries merged into each row's result, truncation certified;
-* `acceptance.py`: verification's acceptance chain from the merged positions.
+* `acceptance.py`: verification's acceptance chain from the merged positions (on GPUs,
+  `flashspec.kernels.merge_shard_summaries` does both in one kernel).
 
 Example (each rank of a gloo or NCCL group):
     >>> shards = VocabShards.chunked(lm_head_weight.shape[0])
