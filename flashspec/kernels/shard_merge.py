@@ -16,7 +16,6 @@ rank and writes the call's typed result.
   noise by `noise.gumbel_noise`, the fused kernels' own, where the torch merge recomputes it
   by `flashspec.rng`: the two differ at most in the rounding of `log`), then the acceptance
   chain of the one-GPU finaliser (`verify_finalize.accept_chain`).
-
 * Truncated rows (top-k, top-p, min-p) are decided, position by position, by the ranks'
   candidate keys as `flashspec.parallel.merge._merge_candidates` decides them (`_truncated`):
   sorted, ordered as transformers orders them, certified against each rank's floor, filtered
