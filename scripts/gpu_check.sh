@@ -35,7 +35,8 @@
 # The part multi needs two GPUs or more (the device tool's nvidia-h100-x2): a tensor-parallel
 # model on one GPU per rank, and a model whose layers accelerate split over two GPUs, against
 # the same model on one GPU (tests/test_tensor_parallel.py, tests/test_device_map.py; log in
-# $OUT/multi.log; 98 s on 2 H200s, 2026-11-26, before test_device_map joined). So do head
+# $OUT/multi.log; 98 s on 2 H200s, 2026-11-26, before test_device_map joined; with it
+# 123 s beside tp_same_tokens, and over 170 s alone on a fresh machine, 2026-11-28). So do head
 # (scripts/bench_parallel_head.py: the vocab-parallel LM-head step against all-gathering the
 # logits) and tp (scripts/tp_same_tokens.py: a tensor-parallel Llama-3.1-8B's tokens against
 # one GPU's; then scripts/tok_per_s.py under torchrun, against stock's tensor-parallel
