@@ -1,7 +1,9 @@
 """The ranks' summaries merged in one kernel (`kernels.merge_shard_summaries`, Triton's
 interpreter here) against the torch merge (`flashspec.parallel.merge` and `acceptance`) on
 the same gathered words: every field equal but the log-sum-exps and logprobs (float32 sums
-in another order, to rounding).
+in another order, to rounding). A decision within rounding of its boundary could go either
+way (`kernels/shard_merge.py`), so the examples are fixed (derandomized; 400 random ones
+found none there on 2026-11-28); the ties and the top-p boundary below are written exactly.
 
 The words are what the ranks' torch summaries (`parallel.shard.summarize`) write for random
 logits of small integers over 4, so that scores tie within a shard and across shards, and
@@ -12,7 +14,7 @@ supports stay uncertified and are flagged) are drawn by Hypothesis.
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, seed, settings, strategies as st
 
 from flashspec import SamplingParams, kernels, rng
 from flashspec.outputs import NON_FINITE, OK, SampleOutput
@@ -81,7 +83,8 @@ def _torch_verify(words, layout, shards, params, positions, drafts, how):
         out, (rows.incomplete.view(-1, num_positions) & used).any(dim=1))
 
 
-@settings(max_examples=60, deadline=None)
+@seed(0)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(sizes=st.lists(st.integers(1, 9), min_size=1, max_size=3),
        batch=st.integers(1, 4), num_drafts=st.integers(0, 3), mode=st.sampled_from(list(MODES)),
        candidates=st.integers(1, 6), probabilistic=st.booleans(),

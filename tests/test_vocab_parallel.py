@@ -35,7 +35,8 @@ from flashspec.params import BAN, KEEP, PENALIZE, LogitEdits
 
 VOCAB, DIM, BATCH, DRAFTS = 1001, 32, 4, 3
 # A collective that hangs fails the test instead of CI.
-COLLECTIVE_TIMEOUT_S, SPAWN_TIMEOUT_S = 60, 120
+# The 3 ranks run the fused merge in Triton's interpreter: 116 s on 2 busy cores (2026-11-28).
+COLLECTIVE_TIMEOUT_S, SPAWN_TIMEOUT_S = 60, 300
 
 MODES = {
     "greedy": dict(do_sample=False),

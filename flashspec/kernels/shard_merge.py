@@ -13,13 +13,17 @@ rank and writes the call's typed result.
   some rank's log-sum-exp (argmax: best) is NaN.
 * Verification: each rank left the draft out of its best and sent the draft's logit; the
   target's own sample is the draft iff its perturbed score beats the best other token (the
-  noise by `noise.gumbel_noise`, the fused kernels' own, where the torch merge recomputes it
-  by `flashspec.rng`: the two differ at most in the rounding of `log`), then the acceptance
-  chain of the one-GPU finaliser (`verify_finalize.accept_chain`).
+  noise by `noise.gumbel_noise`, the fused kernels' own), then the acceptance chain of the
+  one-GPU finaliser (`verify_finalize.accept_chain`).
 * Truncated rows (top-k, top-p, min-p) are decided, position by position, by the ranks'
   candidate keys as `flashspec.parallel.merge._merge_candidates` decides them (`_truncated`):
   sorted, ordered as transformers orders them, certified against each rank's floor, filtered
   by transformers' rules (masses in float64), sampled among the survivors with their noise.
+
+The torch merge's results, then, up to rounding: the kernel's `exp`, `log`, division and sums
+(in another order) can differ from torch's in the last bits, so a decision that sits within
+that rounding of its boundary (a Gumbel near-tie, a top-p or min-p threshold, an acceptance
+uniform against p(draft)) can go the other way, as `flashspec.parallel` allows.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ _PAD = tl.constexpr(PAD_KEY)
 
 
 # Sizes that change with the batch, the drafts and the layout are not specialised on (1, or
-# multiples of 16): every (rows, width) of the engine then shares the variants it compiles.
+# multiples of 16): a new batch size compiles nothing; a width compiles once per power of two
+# of its positions, a top-k once per power of two of its candidates.
 @triton.jit(do_not_specialize=["NUM_RANKS", "NUM_ROWS", "WORDS", "NUM_DRAFTS", "NUM_CANDIDATES",
                                "V"])
 def shard_merge_kernel(

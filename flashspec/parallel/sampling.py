@@ -59,7 +59,8 @@ from .merge import merge_argmax, merge_rows
 from .summary import DEFAULT_CANDIDATES
 
 ACCEPTANCE_MODES = ("strict", "probabilistic")
-# What the fused route's merge returns for the uncertified rows: flagged in the statuses.
+# What the fused route's merge returns for the uncertified rows: flagged in the statuses
+# (finite rows only: a row not finite stays NON_FINITE, neither retried nor completed).
 _FLAGGED = object()
 BACKENDS = ("auto", "fused", "reference")
 
