@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
 from flashspec import SamplingParams, kernels
+from flashspec.bench import parallel_head
 from flashspec.outputs import NON_FINITE, OK, SampleOutput
 from flashspec.parallel import VocabShards, acceptance, merge, summary
 
@@ -27,31 +27,9 @@ MODES = {"greedy": dict(do_sample=False), "sample": dict(temperature=1.0, top_k=
          "top-k 50": dict(temperature=0.7, top_k=50)}
 
 
-def median_us(run, reps: int = 50, trials: int = 5) -> float:
-    times = []
-    for _ in range(trials):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            run()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(1e3 * start.elapsed_time(end) / reps)
-    return statistics.median(times)
-
-
 def graphed_us(step) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return median_us(graph.replay)
+    """Microseconds per replay of `step` captured alone (the head benchmark's timing)."""
+    return parallel_head.time_step(step)["us"]
 
 
 def torch_merge(words, layout, shards, params, positions, drafts):

@@ -97,10 +97,11 @@ def time_step(step: Callable) -> dict:
 
 def _median_us(run: Callable, reps: int) -> float:
     """The median over `TRIALS` of the microseconds per call of `reps` calls of `run`, every
-    rank starting together."""
+    rank (in a process group) starting together."""
     trials = []
     for _ in range(TRIALS):
-        dist.barrier()
+        if dist.is_initialized():
+            dist.barrier()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
