@@ -268,6 +268,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="model dtype: " + ", ".join(DTYPES) + "; " + _default_help("dtype"))
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto, cpu or cuda; default auto: cuda if available")
+    parser.add_argument("--gpus", type=positive_int, default=1,
+                        help="spread the target over this many GPUs in one process, as "
+                             "device_map='balanced' places it (accelerate; its layers run one "
+                             "GPU after another), the draft on its LM head's GPU; default 1")
     parser.add_argument("--weights", choices=WEIGHTS, default="random",
                         help="random-init models only: plain random init (random), or peaked "
                              "(residual branches scaled down and the LM head equal to the "
@@ -307,6 +311,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--device cpu under torchrun: transformers puts a tensor-parallel model on "
                      "the GPU of LOCAL_RANK when there is one; leave --device auto")
     args.device = resolve_device(args.device)
+    if args.gpus > 1 and (args.device != "cuda" or torchrun_world_size() > 1):
+        parser.error(f"--gpus {args.gpus} spreads the target over GPUs in one process: it "
+                     "needs CUDA and no torchrun (torchrun runs tensor parallelism)")
+    if args.gpus > torch.cuda.device_count() > 0:
+        parser.error(f"--gpus {args.gpus}: only {torch.cuda.device_count()} CUDA devices here")
     for field, value in DEVICE_DEFAULTS[args.device].items():
         if getattr(args, field) is None:
             setattr(args, field, value)

@@ -978,6 +978,7 @@ def test_a_failed_capture_leaves_no_cycle_holding_its_graph(monkeypatch):
     monkeypatch.setattr(engine_module, "_anchor", lambda pool, device, mode: object())
     engine = object.__new__(engine_module.Engine)
     engine.events, engine.graph_bytes, engine.pool = [], 0, object()
+    engine.other_gpu_pools = None
     engine.device = torch.device("cpu")
     engine.head = types.SimpleNamespace(shards=None)
     slot = types.SimpleNamespace(state_tensors=lambda: [], batch_size=2, caches=[])

@@ -65,6 +65,8 @@ TINY_TARGET = str(pairs.PAIRS["tiny"].target)
     (["--pair", "tiny,qwen3", "--prompts", "chat"], ["--prompts"]),
     (["--weights", "peaked"], ["--weights"]),                      # the default pair: tiny
     (["--target", TINY_TARGET, "--weights", "peaked"], ["--weights"]),
+    (["--device", "cpu", "--gpus", "2"], ["--gpus"]),
+    (["--gpus", "0"], ["--gpus"]),
 ])
 def test_bad_arguments_exit_2_naming_the_option(args, options, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -97,7 +99,7 @@ def test_help_states_every_default(capsys):
     assert exit_info.value.code == 0
     options = capsys.readouterr().out.split("options:", 1)[1]
     entries = [entry for entry in options.split("\n  -")[1:] if not entry.startswith("h, --help")]
-    assert len(entries) == 18
+    assert len(entries) == 19
     for entry in entries:
         assert "default" in " ".join(entry.split()), entry
 
@@ -336,7 +338,7 @@ def test_random_init_without_a_draft(tmp_path, capsys):
     assert report["pairs"] == {"small": {
         "target": str(Path(*config.parts[-2:])), "draft": None,
         "weights": "random init, peaked (flashspec.bench.random_init.peak_weights)",
-        "vocab_size": 512,
+        "vocab_size": 512, "gpus": 1, "device_map": None,
         "target_weight_bytes": report["pairs"]["small"]["target_weight_bytes"],
         "draft_weight_bytes": None,
         "target_weight_bytes_per_rank": report["pairs"]["small"]["target_weight_bytes"],

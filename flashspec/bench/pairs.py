@@ -155,11 +155,16 @@ def _names(spec: PairSpec) -> list[str]:
 
 
 def load_pair(spec: PairSpec, device: str, dtype: torch.dtype, weights: str = "random",
-              tensor_parallel: bool = False):
+              tensor_parallel: bool = False, gpus: int = 1):
     """(flashspec-wrapped target, draft or None, description); `weights` "peaked" applies
     `peak_weights` to random-init models. With `tensor_parallel` (under torchrun, after
     `init_tensor_parallel`; a collective), the target is split over the default group's
-    ranks and the draft replicated (see the module docstring)."""
+    ranks and the draft replicated (see the module docstring). With `gpus` > 1 (one
+    process), the target is spread over that many GPUs (`spread_over_gpus`) and the draft
+    sits on its LM head's GPU."""
+    if gpus > 1 and (tensor_parallel or device != "cuda"):
+        raise ValueError(f"`gpus`={gpus} spreads the target over GPUs in one process: it "
+                         "needs device 'cuda' and no tensor parallelism")
     if weights not in WEIGHTS:
         raise ValueError(f"`weights`={weights!r} is not allowed: use one of "
                          f"{', '.join(WEIGHTS)}")
@@ -168,6 +173,10 @@ def load_pair(spec: PairSpec, device: str, dtype: torch.dtype, weights: str = "r
                          "has trained weights")
     load = _load_tensor_parallel if tensor_parallel else _load_one_process
     models = [_prepare(model) for model in load(spec, device, dtype, weights)]
+    if gpus > 1:
+        spread_over_gpus(models[0], gpus)
+        models[1:] = [draft.to(models[0].get_output_embeddings().weight.device)
+                      for draft in models[1:]]
     target, draft = flashspec.wrap(models[0]), models[1] if len(models) > 1 else None
     vocab_size = target.config.vocab_size
     world_size = dist.get_world_size() if tensor_parallel else 1
@@ -175,6 +184,8 @@ def load_pair(spec: PairSpec, device: str, dtype: torch.dtype, weights: str = "r
                    "draft": None if draft is None else model_name(spec.draft),
                    "weights": WEIGHTS[weights] if spec.random_init else "trained",
                    "vocab_size": vocab_size,
+                   "gpus": world_size if tensor_parallel else gpus,
+                   "device_map": getattr(target, "hf_device_map", None) if gpus > 1 else None,
                    "target_weight_bytes": weight_bytes(target),
                    "draft_weight_bytes": None if draft is None else weight_bytes(draft),
                    "target_weight_bytes_per_rank": weight_bytes(target, local=True),
@@ -184,6 +195,23 @@ def load_pair(spec: PairSpec, device: str, dtype: torch.dtype, weights: str = "r
                        -(-vocab_size // world_size) * dtype.itemsize if tensor_parallel
                        else None)}
     return target, draft, description
+
+
+def spread_over_gpus(model, gpus: int):
+    """Spread `model` (on one GPU) over GPUs 0 to `gpus` - 1 with accelerate, in place, as
+    ``from_pretrained(..., device_map="balanced")`` places it: its layers in runs of about
+    equal bytes, one GPU after another (the embedding on the first). Returns `model`."""
+    from accelerate import dispatch_model, infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    if torch.cuda.device_count() < gpus:
+        raise ValueError(f"`gpus`={gpus}: only {torch.cuda.device_count()} CUDA devices here")
+    keep = model._no_split_modules
+    budget = get_balanced_memory(model, max_memory={index: torch.cuda.mem_get_info(index)[1]
+                                                   for index in range(gpus)},
+                                 no_split_module_classes=keep)
+    device_map = infer_auto_device_map(model, max_memory=budget, no_split_module_classes=keep)
+    return dispatch_model(model, device_map)
 
 
 def weight_bytes(model, local: bool = False) -> int:

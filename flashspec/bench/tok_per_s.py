@@ -406,7 +406,8 @@ def run_pair(spec: PairSpec, args: argparse.Namespace, device: str, copy_gbps: f
     calls it), the target split over its ranks (`flashspec.bench.pairs.load_pair`)."""
     progress.write(f"loading pair {spec.label} ...")
     target, draft, description = load_pair(spec, device, DTYPES[args.dtype], args.weights,
-                                           tensor_parallel=tensor_parallel is not None)
+                                           tensor_parallel=tensor_parallel is not None,
+                                           gpus=args.gpus)
     tokenizer = (None if args.prompts == RANDOM_PROMPTS
                  else AutoTokenizer.from_pretrained(spec.target))
     if spec.random_init and mtp_layers(target) is not None and "flash_mtp" in args.variants:

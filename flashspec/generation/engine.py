@@ -45,9 +45,11 @@ from ..outputs import OK
 from . import fused_projections, samplers, teardown
 from .compiled import LOG, DecoderRunner, Event
 from .cpu import decode_steps
+from .heads import uncapturable_experts
 from .inputs import TokenTypes, decoder_inputs
 from .outputs import Generated, SpeculationStats
 from .slot import Report, Slot, bucket
+from .spread_capture import OtherGpuPools
 
 SAMPLER_KINDS = ("fused", "materialized")
 MAX_HEURISTIC_DRAFTS = 64        # the heuristic schedule's drafts per step, at most
@@ -125,16 +127,27 @@ class Engine:
         self.timed = False                        # this call has a max_time: it captures nothing
         self.uncompiled = False                   # this call runs uncompiled (`needs_compiling`)
         self.device = head.weight.device
-        # A tensor-parallel model's steps are captured with their collectives (its layers'
-        # all-reduces, the LM head's exchange), its graphs released before the process group
-        # is destroyed (`teardown`); a model spread over devices runs its steps eagerly.
-        self.graphs_enabled = self.device.type == "cuda" and not head.spread
+        cuda = self.device.type == "cuda"
+        # Steps are captured wherever the whole model is on GPUs. A tensor-parallel model's
+        # are captured with their collectives (its layers' all-reduces, the LM head's
+        # exchange), its graphs released before the process group is destroyed (`teardown`);
+        # those of a model that accelerate spread over GPUs are captured across them
+        # (`spread_capture`), unless its experts read the host (`uncapturable_experts`, which
+        # a model on one GPU is refused for). A model with a part offloaded to the CPU or disk
+        # runs eagerly.
+        self.graphs_enabled = cuda and (not head.spread or (
+            bool(head.gpus) and uncapturable_experts(head.decoder, "model") is None))
+        # Decoders are compiled only on one GPU: a spread model's layers move their inputs in
+        # accelerate's patched forwards, which its captured steps run as they are.
+        self.compiles = cuda and not head.spread
         self.pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
         self._pool_anchor = (_anchor(self.pool, self.device, self.capture_mode)
                              if self.graphs_enabled else None)
-        if self.graphs_enabled:
-            if head.shards is not None:
-                teardown.hold(self, head.shards.group)
+        self.other_gpu_pools = (OtherGpuPools(head.gpus[1:])
+                                if self.graphs_enabled and head.spread else None)
+        if self.graphs_enabled and head.shards is not None:
+            teardown.hold(self, head.shards.group)
+        if self.compiles:
             # Before the weights' addresses are recorded: fused members' parameters become
             # views (`fused_projections`; drafters fuse theirs as they are made).
             fused_projections.fuse(head.decoder)
@@ -194,7 +207,7 @@ class Engine:
         """`decoder`'s runner with the call's decoder kernels."""
         runners = self.runners.setdefault(decoder, {})
         if self.invariant not in runners:
-            runners[self.invariant] = DecoderRunner(decoder, role, self.graphs_enabled,
+            runners[self.invariant] = DecoderRunner(decoder, role, self.compiles,
                                                     self.events, self.invariant)
         return runners[self.invariant]
 
@@ -803,12 +816,16 @@ class Engine:
             torch.cuda.current_stream().wait_stream(stream)
             for tensor, value in zip(state, saved):
                 tensor.copy_(value)
-            reserved = torch.cuda.memory_reserved(self.device)
+            others = self.other_gpu_pools
+            if others is not None:
+                others.synchronize()
+            reserved = self._reserved()
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=self.capture_mode):
-                outputs = fn()
+                with others.joined() if others is not None else contextlib.nullcontext():
+                    outputs = fn()
         except BaseException as caught:
             error = caught
-        grown = 0 if reserved is None else torch.cuda.memory_reserved(self.device) - reserved
+        grown = 0 if reserved is None else self._reserved() - reserved
         # Ranks agree on a failure before any rank's capture began or after all began: one
         # failing inside the warm-up's collectives leaves the others in them (not covered).
         failed, pool_bytes = self._agreed_capture(error is not None, grown)
@@ -818,6 +835,8 @@ class Engine:
                 # and every later capture into that pool fails: the next ones use a new pool.
                 self.pool = torch.cuda.graph_pool_handle()
                 self._pool_anchor = _anchor(self.pool, self.device, self.capture_mode)
+                if self.other_gpu_pools is not None:
+                    self.other_gpu_pools = OtherGpuPools(self.head.gpus[1:])
             reason = (f"{type(error).__name__}: {error}" if error is not None
                       else "on another rank of the tensor-parallel group")
             LOG.warning("capturing %s failed (%s)%s", key, reason,
@@ -839,6 +858,12 @@ class Engine:
         self.events.append(event)
         LOG.info("captured %s in %.2f s", event.what, event.seconds)
         return graph, outputs, pool_bytes
+
+    def _reserved(self) -> int:
+        """Bytes the caching allocator reserves on the GPUs the steps run on."""
+        others = self.other_gpu_pools
+        return (torch.cuda.memory_reserved(self.device)
+                + (others.reserved() if others is not None else 0))
 
     def _agreed_capture(self, failed: bool, pool_bytes: int) -> tuple[bool, int]:
         """What a tensor-parallel model's ranks decide alike after a capture: whether any

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationMixin
 
 from .engine import engine_for
-from .heads import tensor_parallel_head
+from .heads import device_map_places, tensor_parallel_head
 from .invariant import check_device, check_supported
 from .outputs import FlashGenerateOutput
 from .past import returned_cache
@@ -147,6 +147,7 @@ class FlashGenerationMixin(GenerationMixin):
                 f"{'`invariant=True`' if invariant else 'sampler=' + repr(sampler)} is not "
                 "supported with a tensor-parallel model (its LM head split over the ranks): "
                 "use sampler='flash' without invariant")
+        inputs, kwargs, inputs_device = _on_head_device(self, inputs, kwargs)
         with torch.no_grad():
             plan = plan_generation(self, inputs, generation_config, seed=seed,
                                    output_logprobs=output_logprobs, drafter=drafter,
@@ -170,9 +171,12 @@ class FlashGenerationMixin(GenerationMixin):
             return super().generate(inputs, generation_config, **kwargs)
         width = int(generated.count.max())
         sequences = torch.cat([plan.input_ids, generated.tokens[:, :width]], dim=1)
+        sequences = sequences.to(inputs_device or sequences.device)
         if not plan.return_dict_in_generate:
             return sequences
         logprobs = generated.logprobs[:, :width] if generated.logprobs is not None else None
+        if logprobs is not None:
+            logprobs = logprobs.to(sequences.device)
         scores, logits = plan.processing.outputs() if plan.processing is not None else (None, None)
         forwards = plan.processing.forwards if plan.processing is not None else None
         attentions, hidden_states = forwards.outputs() if forwards is not None else (None, None)
@@ -180,6 +184,27 @@ class FlashGenerationMixin(GenerationMixin):
                                    attentions=attentions, hidden_states=hidden_states,
                                    past_key_values=cache if plan.return_cache else None,
                                    logprobs=logprobs, flash_stats=generated.stats)
+
+
+def _on_head_device(model, inputs, kwargs: dict):
+    """``(inputs, kwargs, their device)`` for a model that accelerate spread over GPUs:
+    its callers pass inputs on its first GPU (``model.device``, its embedding's), where
+    stock takes them; the engine runs on its LM head's GPU, so the call's tensors move
+    there, and the sequences and logprobs go back to the inputs' device, as stock returns
+    them. The device is None (nothing moved) for any other model."""
+    if len(device_map_places(model)) < 2:
+        return inputs, kwargs, None
+    head = model.get_output_embeddings()
+    device = getattr(getattr(head, "weight", None), "device", None)
+    given = inputs if torch.is_tensor(inputs) else kwargs.get("input_ids",
+                                                              kwargs.get("inputs_embeds"))
+    if device is None or device.type != "cuda" or not torch.is_tensor(given):
+        return inputs, kwargs, None
+
+    def moved(value):
+        return value.to(device) if torch.is_tensor(value) and value.is_cuda else value
+
+    return moved(inputs), {name: moved(value) for name, value in kwargs.items()}, given.device
 
 
 def _flash_options_given(seed, output_logprobs, drafter, invariant, **others) -> list[str]:
