@@ -622,9 +622,9 @@ def test_layers_compile_once_for_any_depth(monkeypatch):
     assert counters["stats"]["unique_graphs"] - before == 1
 
 
-def test_layers_whose_forward_is_hooked_compile_whole():
-    """A layer whose forward is replaced on the instance (accelerate's hooks) would lose the
-    replacement under regional compilation: such decoders are compiled whole."""
+def test_layers_whose_forward_is_replaced_compile_whole():
+    """A layer whose forward is replaced on the instance (not by accelerate's hooks) would
+    lose the replacement under regional compilation: such decoders are compiled whole."""
     from flashspec.generation.compiled import _decoder_layers
 
     decoder = tiny_model("qwen3", wrap=False).model
@@ -632,6 +632,40 @@ def test_layers_whose_forward_is_hooked_compile_whole():
     layer = decoder.layers[1]
     layer.forward = layer.forward
     assert _decoder_layers(decoder) is None
+
+
+def test_layers_under_accelerate_hooks_compile_regionally(monkeypatch):
+    """accelerate's hooks (a device_map's) replace a layer's forward with one that moves the
+    inputs to the layer's device and calls the layer's own, kept as ``_old_forward``:
+    regional compilation replaces that one, inside the hooks, and puts it back after. One
+    compilation serves the layers; the tokens equal those of the eager engine."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+    from torch._dynamo.utils import counters
+
+    from flashspec.generation.compiled import DecoderRunner, _decoder_layers
+
+    def compiling_runner(self, decoder, role):
+        if decoder not in self.runners:
+            self.runners[decoder] = DecoderRunner(decoder, role, True, self.events)
+        return self.runners[decoder]
+
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    ids = torch.randint(1, 100, (3, 7), generator=torch.Generator().manual_seed(1))
+    stack = dict(num_hidden_layers=3, layer_types=["full_attention"] * 3)
+    eager = flash(tiny_model("qwen3", **stack), ids, max_new_tokens=10, do_sample=False)
+    model = tiny_model("qwen3", **stack)
+    for layer in model.model.layers:
+        add_hook_to_module(layer, AlignDevicesHook(execution_device="cpu", io_same_device=True))
+    hooked = [(layer.forward, layer._old_forward) for layer in model.model.layers]
+    assert _decoder_layers(model.model) is model.model.layers
+    with monkeypatch.context() as patch:
+        patch.setattr(engine_module.Engine, "runner", compiling_runner)
+        compiled = flash(model, ids, max_new_tokens=10, do_sample=False)
+        assert [e.kind for e in engine_module.cached_engine(model.model).events] == ["compile"]
+    assert torch.equal(compiled.sequences, eager.sequences)
+    assert counters["stats"]["unique_graphs"] - before == 1
+    assert [(layer.forward, layer._old_forward) for layer in model.model.layers] == hooked
 
 
 def _stats_equal(a, b) -> bool:

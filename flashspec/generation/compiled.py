@@ -301,15 +301,17 @@ def _parameters(forward) -> list[str]:
 def _decoder_layers(decoder: torch.nn.Module) -> torch.nn.ModuleList | None:
     """The decoder's stack of layers (``decoder.layers``): its longest ModuleList of one class
     whose forward takes a KV cache (`cache_keyword`). None if there is none, or if a layer's
-    forward is replaced on the instance (accelerate's hooks do that): those decoders compile
-    whole."""
+    forward is replaced on the instance by anything but accelerate's hooks (which keep the
+    layer's own forward as ``_old_forward``): those decoders compile whole."""
     stacks = [m for m in decoder.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1
               and len({type(layer) for layer in m}) == 1
               and {"cache", "past_key_values"} & set(_parameters(type(m[0]).forward))]
     if not stacks:
         return None
     layers = max(stacks, key=len)
-    return None if any("forward" in vars(layer) for layer in layers) else layers
+    replaced = [layer for layer in layers
+                if "forward" in vars(layer) and _ACCELERATE_FORWARD not in vars(layer)]
+    return None if replaced else layers
 
 
 def _mark_all_dynamic(value) -> None:
@@ -327,13 +329,20 @@ def _mark_all_dynamic(value) -> None:
             _mark_all_dynamic(item)
 
 
+# Where accelerate's hooks keep a layer's own forward: its patched `forward` moves the
+# inputs to the layer's device, calls this, and moves the outputs on.
+_ACCELERATE_FORWARD = "_old_forward"
+
+
 class _RegionalLayers:
     """One torch.compile of the layer class's forward, called with the layer module as an
     argument and the layer's own `WindowLayer` as its cache. `WindowLayer.update`
     ignores the layer index and the compiled frame reads no Python int that differs between
     layers (an int it reads becomes a guard, and a recompilation per layer), so every layer
-    shares one compilation. Installed only inside ``with``: prefill and any use of the model
-    outside flashspec run the layers' own forward."""
+    shares one compilation (one per GPU where accelerate spread the layers: the code is
+    compiled for a device; the hooks, which move the inputs there, run around it).
+    Installed only inside ``with``: prefill and any use of the model outside flashspec run
+    the layers' own forward."""
 
     def __init__(self, layers: torch.nn.ModuleList):
         self.layers = list(layers)
@@ -350,10 +359,16 @@ class _RegionalLayers:
         return self.compiled(layer, *args, **kwargs)
 
     def __enter__(self) -> "_RegionalLayers":
+        self._saved = []
         for index, layer in enumerate(self.layers):
-            layer.forward = functools.partial(self._call, layer, index)
+            name = _ACCELERATE_FORWARD if _ACCELERATE_FORWARD in vars(layer) else "forward"
+            self._saved.append((layer, name, vars(layer).get(name)))
+            setattr(layer, name, functools.partial(self._call, layer, index))
         return self
 
     def __exit__(self, *exc) -> None:
-        for layer in self.layers:
-            del layer.forward
+        for layer, name, forward in self._saved:
+            if forward is None:
+                delattr(layer, name)
+            else:
+                setattr(layer, name, forward)

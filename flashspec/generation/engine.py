@@ -134,12 +134,10 @@ class Engine:
         # those of a model that accelerate spread over GPUs are captured across them
         # (`spread_capture`), unless its experts read the host (`uncapturable_experts`, which
         # a model on one GPU is refused for). A model with a part offloaded to the CPU or disk
-        # runs eagerly.
+        # runs eagerly. Captured steps are compiled: a spread model's layers inside
+        # accelerate's patched forwards, which move their inputs (`compiled._RegionalLayers`).
         self.graphs_enabled = cuda and (not head.spread or (
             bool(head.gpus) and uncapturable_experts(head.decoder, "model") is None))
-        # Decoders are compiled only on one GPU: a spread model's layers move their inputs in
-        # accelerate's patched forwards, which its captured steps run as they are.
-        self.compiles = cuda and not head.spread
         self.pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
         self._pool_anchor = (_anchor(self.pool, self.device, self.capture_mode)
                              if self.graphs_enabled else None)
@@ -147,7 +145,7 @@ class Engine:
                                 if self.graphs_enabled and head.spread else None)
         if self.graphs_enabled and head.shards is not None:
             teardown.hold(self, head.shards.group)
-        if self.compiles:
+        if self.graphs_enabled:
             # Before the weights' addresses are recorded: fused members' parameters become
             # views (`fused_projections`; drafters fuse theirs as they are made).
             fused_projections.fuse(head.decoder)
@@ -207,7 +205,7 @@ class Engine:
         """`decoder`'s runner with the call's decoder kernels."""
         runners = self.runners.setdefault(decoder, {})
         if self.invariant not in runners:
-            runners[self.invariant] = DecoderRunner(decoder, role, self.compiles,
+            runners[self.invariant] = DecoderRunner(decoder, role, self.graphs_enabled,
                                                     self.events, self.invariant)
         return runners[self.invariant]
 
