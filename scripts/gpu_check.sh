@@ -41,7 +41,10 @@
 # logits) and tp (scripts/tp_same_tokens.py: a tensor-parallel Llama-3.1-8B's tokens against
 # one GPU's; then scripts/tok_per_s.py under torchrun, against stock's tensor-parallel
 # generate, and the same command on one GPU), each under torchrun with 2 ranks;
-# TEST_TIMEOUT=<s> bounds each command.
+# TEST_TIMEOUT=<s> bounds each command. The part spread (two GPUs too) times a Llama-3.1-8B
+# that accelerate spread over both GPUs (scripts/tok_per_s.py --gpus 2: one process, its
+# layers one GPU after the other), against stock on the same model and the same command on
+# one GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -49,8 +52,8 @@ OUT=${OUT:-gpu_out}
 PARTS=${PARTS:-tests fuzz kernels verify}
 for part in $PARTS; do
     case $part in
-        tests|fuzz|kernels|verify|eagle3|mtp|structured|multi|head|tp) ;;
-        *) echo "gpu_check.sh: PARTS has '$part'; allowed: tests, fuzz, kernels, verify, eagle3, mtp, structured, multi, head, tp" >&2
+        tests|fuzz|kernels|verify|eagle3|mtp|structured|multi|head|tp|spread) ;;
+        *) echo "gpu_check.sh: PARTS has '$part'; allowed: tests, fuzz, kernels, verify, eagle3, mtp, structured, multi, head, tp, spread" >&2
            exit 2 ;;
     esac
 done
@@ -122,5 +125,12 @@ for part in $PARTS; do
                 --prompt-length 128 --num-drafts 4 --decoding greedy --reps 2 \
                 --variants hf,flash_plain,flash_lookup,flash_draft --out "$OUT/one_gpu_tok_per_s" \
                 2>&1 | tee "$OUT/one_gpu_tok_per_s.log" | tail -12 ;;
+        spread) for gpus in 2 1; do
+                timeout "${TEST_TIMEOUT:-0}" python scripts/tok_per_s.py --gpus "$gpus" \
+                    --random-init llama-3.1-8b --batch-sizes 1,8 --new-tokens 64 \
+                    --prompt-length 128 --num-drafts 4 --decoding greedy --reps 2 \
+                    --variants hf,flash_plain,flash_lookup --out "$OUT/spread_${gpus}_gpus" \
+                    2>&1 | tee "$OUT/spread_${gpus}_gpus.log" | tail -8
+            done ;;
     esac
 done
