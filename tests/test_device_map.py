@@ -126,6 +126,28 @@ def test_layers_over_two_gpus(folder):
     assert torch.equal(out.cpu(), expected)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (its CPU twin: "
+                    "test_engine.py::test_layers_under_accelerate_hooks_compile_regionally)")
+def test_layers_under_accelerate_hooks_compile_and_capture_on_a_gpu(folder):
+    """accelerate's hooks on every layer (as a device_map puts them), all on one GPU, in
+    bf16: the steps compile the layers inside the hooks and are captured, and the tokens are
+    those of the same model without hooks, in every mode."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    from flashspec.generation.engine import cached_engine
+
+    hooked, plain = (flashspec.from_pretrained(folder, dtype=torch.bfloat16, device_map={"": 0})
+                     for _ in range(2))
+    for layer in hooked.model.layers:
+        add_hook_to_module(layer, AlignDevicesHook(execution_device=0, io_same_device=True))
+    with torch.cuda.device(0):
+        for mode in MODES:
+            assert torch.equal(_generate(hooked, mode), _generate(plain, mode)), mode
+    engine = cached_engine(hooked.model)
+    assert engine.target.compiled and engine.graphs
+    assert all("_old_forward" in vars(layer) for layer in hooked.model.layers)
+
+
 def test_a_model_off_the_current_gpu_is_refused_by_name():
     """The engine captures its CUDA graphs on the current device: a model on another GPU is
     refused with the call that fixes it (checked on CPU through the rule itself)."""
