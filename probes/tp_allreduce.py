@@ -6,7 +6,11 @@
    all-reduce for NCCL (``dist.all_reduce``, what transformers' row-wise layers call), and
    torch's symmetric-memory one-shot and two-shot all-reduces (peer-to-peer loads over NVLink,
    no multicast); whether each gives every rank the same values, and NCCL's.
-2. A tensor-parallel Llama-3.1-8B-shaped model's captured plain step (random bf16 weights,
+2. The LM head's exchange alone: CUDA graphs of 64 all-gathers of each rank's per-row
+   summary words (``all_gather_into_tensor``, as `flashspec.parallel.exchange` sends them) at
+   bytes per row from a plain row's to a truncated row's (top-k 50: 432) and half that (a
+   two-round scheme's first round): what fewer bytes would save against a second round.
+3. A tensor-parallel Llama-3.1-8B-shaped model's captured plain step (random bf16 weights,
    B = 1, flashspec's engine): its GPU time by kernel class, collectives apart
    (`step_breakdown.kernels_by_step` with each replay alone).
 
@@ -111,6 +115,24 @@ def collectives(rows_list: list[int]) -> list[dict]:
     return results
 
 
+def gathers(rows_list: list[int], row_bytes: list[int]) -> list[dict]:
+    """Microseconds per all-gather of `row_bytes` int32 words per row from each rank."""
+    world = dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    results = []
+    for rows in rows_list:
+        for size in row_bytes:
+            words = torch.zeros(rows, size // 4, dtype=torch.int32, device=device)
+            gathered = torch.empty(world * rows, size // 4, dtype=torch.int32, device=device)
+
+            def gather():
+                dist.all_gather_into_tensor(gathered, words)
+
+            results.append({"rows": rows, "bytes_per_row": size,
+                            "us": round(_us_per_reduce(_graph_of(gather)), 2)})
+    return results
+
+
 def tp_step(shape: str, batch: int) -> dict:
     step_breakdown.CLASSES.insert(0, ("collective", r"nccl|all_reduce|allreduce|one_shot|two_shot"))
     target, _, description = load_pair(PairSpec(shape, shape, None, True), "cuda",
@@ -138,6 +160,10 @@ def tp_step(shape: str, batch: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,8,40,1024")
+    parser.add_argument("--gather-rows", default="1,8,64")
+    parser.add_argument("--gather-bytes", default="32,216,432")
+    parser.add_argument("--skip-step", action="store_true",
+                        help="the collectives alone, not the model's step")
     parser.add_argument("--shape", default="llama-3.1-8b")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--out", default=".")
@@ -146,11 +172,16 @@ def main() -> None:
         rank = dist.get_rank()
         report = {"device": torch.cuda.get_device_name(), "world_size": dist.get_world_size(),
                   "collectives": collectives([int(r) for r in args.rows.split(",")])}
+        report["gathers"] = gathers([int(r) for r in args.gather_rows.split(",")],
+                                    [int(b) for b in args.gather_bytes.split(",")])
         if rank == 0:
-            for row in report["collectives"]:
+            for row in report["collectives"] + report["gathers"]:
                 print(json.dumps(row), flush=True)
-        report["tp_step"] = tp_step(args.shape, args.batch)
-        if rank == 0:
+        report["tp_step"] = None if args.skip_step else tp_step(args.shape, args.batch)
+        if rank == 0 and args.skip_step:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "tp_allreduce.json").write_text(json.dumps(report, indent=1))
+        elif rank == 0:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / "tp_allreduce.json").write_text(json.dumps(report, indent=1))
             step = report["tp_step"]
