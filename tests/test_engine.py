@@ -993,7 +993,7 @@ def test_a_failed_capture_leaves_no_cycle_holding_its_graph(monkeypatch):
     capturing = [False]
 
     @contextlib.contextmanager
-    def graph(graph, pool=None, capture_error_mode=None):
+    def graph(graph, pool=None, stream=None, capture_error_mode=None):
         capturing[0] = True
         try:
             yield
@@ -1007,12 +1007,12 @@ def test_a_failed_capture_leaves_no_cycle_holding_its_graph(monkeypatch):
     for name, value in [("Stream", stream), ("current_stream", stream),
                         ("stream", lambda s: contextlib.nullcontext()),
             ("CUDAGraph", Graph), ("graph", graph), ("memory_reserved", lambda device: 0),
-            ("graph_pool_handle", lambda: object())]:
+            ("graph_pool_handle", lambda: object()), ("empty_cache", lambda: None)]:
         monkeypatch.setattr(cuda, name, value)
-    monkeypatch.setattr(engine_module, "_anchor", lambda pool, device, mode: object())
+    monkeypatch.setattr(engine_module, "_anchor", lambda pool, stream, mode: object())
     engine = object.__new__(engine_module.Engine)
     engine.events, engine.graph_bytes, engine.pool = [], 0, object()
-    engine.other_gpu_pools = None
+    engine.other_gpus, engine.capture_stream = None, stream()
     engine.device = torch.device("cpu")
     engine.head = types.SimpleNamespace(shards=None)
     slot = types.SimpleNamespace(state_tensors=lambda: [], batch_size=2, caches=[])

@@ -49,7 +49,7 @@ from .heads import uncapturable_experts
 from .inputs import TokenTypes, decoder_inputs
 from .outputs import Generated, SpeculationStats
 from .slot import Report, Slot, bucket
-from .spread_capture import OtherGpuPools
+from .spread_capture import OtherGpus
 
 SAMPLER_KINDS = ("fused", "materialized")
 MAX_HEURISTIC_DRAFTS = 64        # the heuristic schedule's drafts per step, at most
@@ -69,7 +69,9 @@ def engine_for(plan, sampler: str = "fused", invariant: bool = False) -> "Engine
     if engine is None or not engine.serves(plan.head):
         if engine is not None:
             engine.release()
-        engine = Engine(plan.head)
+        device = plan.head.weight.device
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            engine = Engine(plan.head)      # its pool anchor captured on the head's GPU
         object.__setattr__(decoder, _ENGINE_ATTRIBUTE, engine)
     engine.sampler_kind = sampler
     engine.invariant = invariant
@@ -138,11 +140,13 @@ class Engine:
         # accelerate's patched forwards, which move their inputs (`compiled._RegionalLayers`).
         self.graphs_enabled = cuda and (not head.spread or (
             bool(head.gpus) and uncapturable_experts(head.decoder, "model") is None))
+        # Captures run on a stream of the head's GPU (torch's default capture stream is on
+        # whichever GPU was current at the process's first capture).
+        self.capture_stream = torch.cuda.Stream(self.device) if self.graphs_enabled else None
         self.pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
-        self._pool_anchor = (_anchor(self.pool, self.device, self.capture_mode)
+        self._pool_anchor = (_anchor(self.pool, self.capture_stream, self.capture_mode)
                              if self.graphs_enabled else None)
-        self.other_gpu_pools = (OtherGpuPools(head.gpus[1:])
-                                if self.graphs_enabled and head.spread else None)
+        self.other_gpus = OtherGpus(head.gpus[1:]) if self.graphs_enabled and head.spread else None
         if self.graphs_enabled and head.shards is not None:
             teardown.hold(self, head.shards.group)
         if self.graphs_enabled:
@@ -786,6 +790,8 @@ class Engine:
             self.graphs[full_key] = self._capture(slot, key, fn)
         graph, outputs, _ = self.graphs[full_key]
         self.last_call_steps.add(key)
+        if self.other_gpus is not None:
+            self.other_gpus.wait_for_eager_work()
         if self.step_timer is not None:
             self.step_timer.replay(key, graph)
         else:
@@ -814,11 +820,14 @@ class Engine:
             torch.cuda.current_stream().wait_stream(stream)
             for tensor, value in zip(state, saved):
                 tensor.copy_(value)
-            others = self.other_gpu_pools
+            others = self.other_gpus
             if others is not None:
                 others.synchronize()
+            # Emptied here as the capture empties it, so that the growth measured is the graph's.
+            torch.cuda.empty_cache()
             reserved = self._reserved()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=self.capture_mode):
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream,
+                                  capture_error_mode=self.capture_mode):
                 with others.joined() if others is not None else contextlib.nullcontext():
                     outputs = fn()
         except BaseException as caught:
@@ -832,9 +841,7 @@ class Engine:
                 # A capture that fails midway can leave its pool taking allocations for it,
                 # and every later capture into that pool fails: the next ones use a new pool.
                 self.pool = torch.cuda.graph_pool_handle()
-                self._pool_anchor = _anchor(self.pool, self.device, self.capture_mode)
-                if self.other_gpu_pools is not None:
-                    self.other_gpu_pools = OtherGpuPools(self.head.gpus[1:])
+                self._pool_anchor = _anchor(self.pool, self.capture_stream, self.capture_mode)
             reason = (f"{type(error).__name__}: {error}" if error is not None
                       else "on another rank of the tensor-parallel group")
             LOG.warning("capturing %s failed (%s)%s", key, reason,
@@ -859,7 +866,7 @@ class Engine:
 
     def _reserved(self) -> int:
         """Bytes the caching allocator reserves on the GPUs the steps run on."""
-        others = self.other_gpu_pools
+        others = self.other_gpus
         return (torch.cuda.memory_reserved(self.device)
                 + (others.reserved() if others is not None else 0))
 
@@ -1032,15 +1039,15 @@ class _HostStops:
                 report.length[b] = length
 
 
-def _anchor(pool, device: torch.device, mode: str) -> "torch.cuda.CUDAGraph":
+def _anchor(pool, stream: torch.cuda.Stream, mode: str) -> "torch.cuda.CUDAGraph":
     """A one-kernel graph in `pool` that lives as long as the engine. The caching allocator
     counts a private pool's live graphs; once the engine has dropped them all (a slot grown,
     evicted) while tensors allocated in the pool still live, capturing into the same pool
     again fails an internal assert (``use_count > 0``). The anchor keeps the count above
     zero, so graphs can be dropped and captured again for as long as the engine lives."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
-        torch.zeros(1, device=device)
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=mode):
+        torch.zeros(1, device=stream.device)
     return graph
 
 

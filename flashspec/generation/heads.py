@@ -38,8 +38,9 @@ needs them all. A replicated head is used whole; any other layout is refused.
 
 A model that accelerate placed over several devices, or partly offloaded to the CPU or disk
 (``device_map=...``: its layers move their inputs and load their weights in patched
-forwards), runs as it is, uncompiled: `OutputHead.spread` says so. Over GPUs alone, its steps
-are captured across them (`OutputHead.gpus`); with a part offloaded, they run eagerly.
+forwards), runs through those forwards: `OutputHead.spread` says so. Over GPUs alone, its
+layers are compiled inside them and its steps captured across the GPUs (`OutputHead.gpus`);
+with a part offloaded, its steps run eagerly.
 
 Any other transform (a model-specific multiplier, say) is caught by `check_logits`, which
 runs the model's own forward on one token and compares its logits with `head_logits`, within

@@ -147,13 +147,13 @@ class FlashGenerationMixin(GenerationMixin):
                 f"{'`invariant=True`' if invariant else 'sampler=' + repr(sampler)} is not "
                 "supported with a tensor-parallel model (its LM head split over the ranks): "
                 "use sampler='flash' without invariant")
-        inputs, kwargs, inputs_device = _on_head_device(self, inputs, kwargs)
+        placed, placed_kwargs, inputs_device = _on_head_device(self, inputs, kwargs)
         with torch.no_grad():
-            plan = plan_generation(self, inputs, generation_config, seed=seed,
+            plan = plan_generation(self, placed, generation_config, seed=seed,
                                    output_logprobs=output_logprobs, drafter=drafter,
                                    allowed_tokens_fn=allowed_tokens_fn,
                                    structured_output=structured_output, started=started,
-                                   **additive, **kwargs)
+                                   **additive, **placed_kwargs)
             if isinstance(plan, StockDelegation):
                 _check_stock_call(plan, seed, given)
                 warnings.warn(f"sampler='{sampler}' defers this call to stock transformers "
@@ -171,13 +171,13 @@ class FlashGenerationMixin(GenerationMixin):
             return super().generate(inputs, generation_config, **kwargs)
         width = int(generated.count.max())
         sequences = torch.cat([plan.input_ids, generated.tokens[:, :width]], dim=1)
-        sequences = sequences.to(inputs_device or sequences.device)
+        device = inputs_device or sequences.device
+        sequences = sequences.to(device)
         if not plan.return_dict_in_generate:
             return sequences
         logprobs = generated.logprobs[:, :width] if generated.logprobs is not None else None
-        if logprobs is not None:
-            logprobs = logprobs.to(sequences.device)
         scores, logits = plan.processing.outputs() if plan.processing is not None else (None, None)
+        logprobs, scores, logits = _moved((logprobs, scores, logits), device)
         forwards = plan.processing.forwards if plan.processing is not None else None
         attentions, hidden_states = forwards.outputs() if forwards is not None else (None, None)
         return FlashGenerateOutput(sequences=sequences, scores=scores, logits=logits,
@@ -187,11 +187,12 @@ class FlashGenerationMixin(GenerationMixin):
 
 
 def _on_head_device(model, inputs, kwargs: dict):
-    """``(inputs, kwargs, their device)`` for a model that accelerate spread over GPUs:
-    its callers pass inputs on its first GPU (``model.device``, its embedding's), where
-    stock takes them; the engine runs on its LM head's GPU, so the call's tensors move
-    there, and the sequences and logprobs go back to the inputs' device, as stock returns
-    them. The device is None (nothing moved) for any other model."""
+    """``(inputs, kwargs, their device)`` for a model that accelerate spread over devices
+    with its LM head on a GPU: its callers pass inputs on its first device (``model.device``,
+    its embedding's), where stock takes them; the engine runs on the LM head's GPU, so the
+    call's CUDA tensors move there, and the sequences, logprobs, scores and logits go back to
+    the inputs' device, where stock returns them. The device is None (nothing moved) for
+    any other model."""
     if len(device_map_places(model)) < 2:
         return inputs, kwargs, None
     head = model.get_output_embeddings()
@@ -205,6 +206,15 @@ def _on_head_device(model, inputs, kwargs: dict):
         return value.to(device) if torch.is_tensor(value) and value.is_cuda else value
 
     return moved(inputs), {name: moved(value) for name, value in kwargs.items()}, given.device
+
+
+def _moved(values, device: torch.device):
+    """`values` (tensors, tuples of them, None) on `device`."""
+    if torch.is_tensor(values):
+        return values.to(device)
+    if isinstance(values, tuple):
+        return tuple(_moved(value, device) for value in values)
+    return values
 
 
 def _flash_options_given(seed, output_logprobs, drafter, invariant, **others) -> list[str]:
