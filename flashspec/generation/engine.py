@@ -45,11 +45,9 @@ from ..outputs import OK
 from . import fused_projections, samplers, teardown
 from .compiled import LOG, DecoderRunner, Event
 from .cpu import decode_steps
-from .heads import uncapturable_experts
 from .inputs import TokenTypes, decoder_inputs
 from .outputs import Generated, SpeculationStats
 from .slot import Report, Slot, bucket
-from .spread_capture import OtherGpus
 
 SAMPLER_KINDS = ("fused", "materialized")
 MAX_HEURISTIC_DRAFTS = 64        # the heuristic schedule's drafts per step, at most
@@ -130,23 +128,17 @@ class Engine:
         self.uncompiled = False                   # this call runs uncompiled (`needs_compiling`)
         self.device = head.weight.device
         cuda = self.device.type == "cuda"
-        # Steps are captured wherever the whole model is on GPUs. A tensor-parallel model's
-        # are captured with their collectives (its layers' all-reduces, the LM head's
-        # exchange), its graphs released before the process group is destroyed (`teardown`);
-        # those of a model that accelerate spread over GPUs are captured across them
-        # (`spread_capture`), unless its experts read the host (`uncapturable_experts`, which
-        # a model on one GPU is refused for). A model with a part offloaded to the CPU or disk
-        # runs eagerly. Captured steps are compiled: a spread model's layers inside
-        # accelerate's patched forwards, which move their inputs (`compiled._RegionalLayers`).
-        self.graphs_enabled = cuda and (not head.spread or (
-            bool(head.gpus) and uncapturable_experts(head.decoder, "model") is None))
+        # Steps are compiled and captured on one GPU, and on each rank of a tensor-parallel
+        # model with their collectives (its layers' all-reduces, the LM head's exchange), its
+        # graphs released before the process group is destroyed (`teardown`). A model that
+        # accelerate spread over devices runs its steps eagerly.
+        self.graphs_enabled = cuda and not head.spread
         # Captures run on a stream of the head's GPU (torch's default capture stream is on
         # whichever GPU was current at the process's first capture).
         self.capture_stream = torch.cuda.Stream(self.device) if self.graphs_enabled else None
         self.pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
         self._pool_anchor = (_anchor(self.pool, self.capture_stream, self.capture_mode)
                              if self.graphs_enabled else None)
-        self.other_gpus = OtherGpus(head.gpus[1:]) if self.graphs_enabled and head.spread else None
         if self.graphs_enabled and head.shards is not None:
             teardown.hold(self, head.shards.group)
         if self.graphs_enabled:
@@ -790,8 +782,6 @@ class Engine:
             self.graphs[full_key] = self._capture(slot, key, fn)
         graph, outputs, _ = self.graphs[full_key]
         self.last_call_steps.add(key)
-        if self.other_gpus is not None:
-            self.other_gpus.wait_for_eager_work()
         if self.step_timer is not None:
             self.step_timer.replay(key, graph)
         else:
@@ -820,19 +810,15 @@ class Engine:
             torch.cuda.current_stream().wait_stream(stream)
             for tensor, value in zip(state, saved):
                 tensor.copy_(value)
-            others = self.other_gpus
-            if others is not None:
-                others.synchronize()
             # Emptied here as the capture empties it, so that the growth measured is the graph's.
             torch.cuda.empty_cache()
-            reserved = self._reserved()
+            reserved = torch.cuda.memory_reserved(self.device)
             with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream,
                                   capture_error_mode=self.capture_mode):
-                with others.joined() if others is not None else contextlib.nullcontext():
-                    outputs = fn()
+                outputs = fn()
         except BaseException as caught:
             error = caught
-        grown = 0 if reserved is None else self._reserved() - reserved
+        grown = 0 if reserved is None else torch.cuda.memory_reserved(self.device) - reserved
         # Ranks agree on a failure before any rank's capture began or after all began: one
         # failing inside the warm-up's collectives leaves the others in them (not covered).
         failed, pool_bytes = self._agreed_capture(error is not None, grown)
@@ -863,12 +849,6 @@ class Engine:
         self.events.append(event)
         LOG.info("captured %s in %.2f s", event.what, event.seconds)
         return graph, outputs, pool_bytes
-
-    def _reserved(self) -> int:
-        """Bytes the caching allocator reserves on the GPUs the steps run on."""
-        others = self.other_gpus
-        return (torch.cuda.memory_reserved(self.device)
-                + (others.reserved() if others is not None else 0))
 
     def _agreed_capture(self, failed: bool, pool_bytes: int) -> tuple[bool, int]:
         """What a tensor-parallel model's ranks decide alike after a capture: whether any

@@ -38,9 +38,7 @@ needs them all. A replicated head is used whole; any other layout is refused.
 
 A model that accelerate placed over several devices, or partly offloaded to the CPU or disk
 (``device_map=...``: its layers move their inputs and load their weights in patched
-forwards), runs through those forwards: `OutputHead.spread` says so. Over GPUs alone, its
-layers are compiled inside them and its steps captured across the GPUs (`OutputHead.gpus`);
-with a part offloaded, its steps run eagerly.
+forwards), runs as it is, eagerly: `OutputHead.spread` says so.
 
 Any other transform (a model-specific multiplier, say) is caught by `check_logits`, which
 runs the model's own forward on one token and compares its logits with `head_logits`, within
@@ -74,8 +72,7 @@ class OutputHead:
     LM-head module when hooks on it must run (`hooks` names them; only the materialized
     path runs them). With `shards` (a tensor-parallel head), `weight` and `bias` are this
     rank's rows of the vocabulary. `spread`: accelerate placed the model over several devices
-    (or offloaded part of it); `gpus`: then the CUDA devices it spans, the head's first, if
-    all of it is on GPUs (empty if a part is on the CPU or disk)."""
+    (or offloaded part of it)."""
 
     decoder: torch.nn.Module
     weight: torch.Tensor
@@ -86,7 +83,6 @@ class OutputHead:
     hooks: tuple[str, ...] = ()
     shards: VocabShards | None = None
     spread: bool = False
-    gpus: tuple[torch.device, ...] = ()
 
     @property
     def vocab_size(self) -> int:
@@ -155,12 +151,11 @@ def output_head(model, role: str, greedy_only: bool = False) -> OutputHead:
                          "accelerate offloads); sampler='flash' reads the LM head's weight "
                          "itself: map lm_head to a device")
     weight, bias, shards = _local_head(head.weight, bias, role, name)
-    places = device_map_places(model)
     return OutputHead(decoder=decoder, weight=weight.contiguous(), logit_scale=scale,
                       bias=None if bias is None else bias.detach(),
                       softcap=None if softcap is None else float(softcap),
                       module=head if hooks else None, hooks=hooks, shards=shards,
-                      spread=len(places) > 1, gpus=_spread_gpus(places, weight.device))
+                      spread=len(device_map_places(model)) > 1)
 
 
 def device_map_places(model) -> set[str]:
@@ -168,15 +163,6 @@ def device_map_places(model) -> set[str]:
     devices, "cpu" or "disk"; empty for a model it did not place."""
     return {str(torch.device("cuda", place) if isinstance(place, int) else place)
             for place in (getattr(model, "hf_device_map", None) or {}).values()}
-
-
-def _spread_gpus(places: set[str], head_device: torch.device) -> tuple[torch.device, ...]:
-    """The GPUs of a model spread over `places` (more than one), the head's first, if every
-    place is a GPU; else ()."""
-    devices = [torch.device(place) for place in places if place not in ("cpu", "disk")]
-    if len(places) < 2 or len(devices) < len(places) or any(d.type != "cuda" for d in devices):
-        return ()
-    return (head_device, *sorted((d for d in devices if d != head_device), key=str))
 
 
 def tensor_parallel_head(model) -> bool:
