@@ -339,8 +339,7 @@ class _RegionalLayers:
     argument and the layer's own `WindowLayer` as its cache. `WindowLayer.update`
     ignores the layer index and the compiled frame reads no Python int that differs between
     layers (an int it reads becomes a guard, and a recompilation per layer), so every layer
-    shares one compilation (one per GPU where accelerate spread the layers: the code is
-    compiled for a device; the hooks, which move the inputs there, run around it).
+    shares one compilation (under accelerate's hooks too, which run around it).
     Installed only inside ``with``: prefill and any use of the model outside flashspec run
     the layers' own forward."""
 

@@ -127,21 +127,19 @@ class Engine:
         self.timed = False                        # this call has a max_time: it captures nothing
         self.uncompiled = False                   # this call runs uncompiled (`needs_compiling`)
         self.device = head.weight.device
-        cuda = self.device.type == "cuda"
-        # Steps are compiled and captured on one GPU, and on each rank of a tensor-parallel
-        # model with their collectives (its layers' all-reduces, the LM head's exchange), its
-        # graphs released before the process group is destroyed (`teardown`). A model that
-        # accelerate spread over devices runs its steps eagerly.
-        self.graphs_enabled = cuda and not head.spread
+        # A tensor-parallel model's steps are captured with their collectives (its layers'
+        # all-reduces, the LM head's exchange), its graphs released before the process group
+        # is destroyed (`teardown`); a model spread over devices runs its steps eagerly.
+        self.graphs_enabled = self.device.type == "cuda" and not head.spread
         # Captures run on a stream of the head's GPU (torch's default capture stream is on
         # whichever GPU was current at the process's first capture).
         self.capture_stream = torch.cuda.Stream(self.device) if self.graphs_enabled else None
         self.pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
         self._pool_anchor = (_anchor(self.pool, self.capture_stream, self.capture_mode)
                              if self.graphs_enabled else None)
-        if self.graphs_enabled and head.shards is not None:
-            teardown.hold(self, head.shards.group)
         if self.graphs_enabled:
+            if head.shards is not None:
+                teardown.hold(self, head.shards.group)
             # Before the weights' addresses are recorded: fused members' parameters become
             # views (`fused_projections`; drafters fuse theirs as they are made).
             fused_projections.fuse(head.decoder)
