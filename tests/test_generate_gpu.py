@@ -190,6 +190,19 @@ def test_graphed_steps_report_accept_probabilities(sampling):
         assert_acceptance_matches(stats, what="graphed verification")
 
 
+def test_a_first_call_with_embeddings_alone_checks_the_head_on_the_gpu():
+    """A model's first call (its head's logits checked against the model's own forward,
+    `heads.check_logits`) given `inputs_embeds` and no ids: the check's stand-in token sits
+    on the embedding's GPU (it was made on the CPU: a crash, found by the fuzz), and the
+    tokens are stock's."""
+    model = flashspec.wrap(_llama(7, 2, torch.float32))
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(7)).cuda()
+    embeds = model.get_input_embeddings()(ids)
+    mask = torch.ones_like(ids)
+    kwargs = dict(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(model.generate(sampler="flash", **kwargs), model.generate(**kwargs))
+
+
 def test_slots_grow_and_capture_again_in_the_engine_pool():
     """A prompt longer than the slot's KV view grows the slot, which drops every graph over
     its old buffers; the captures that follow go into the same engine pool (a pool whose

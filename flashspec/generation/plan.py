@@ -305,7 +305,9 @@ def plan_generation(model, inputs, generation_config, *, logits_processor=None,
              else ids.shape[1])
     if has_mask:
         _check_mask(attention_mask, ids.shape[0], width)
-    check_logits(model, head, ids if ids.numel() else torch.zeros(1, 1, dtype=torch.long))
+    # Embeddings alone give no ids: a token on the embedding's device stands in.
+    check_logits(model, head, ids if ids.numel() else torch.zeros(
+        1, 1, dtype=torch.long, device=model.get_input_embeddings().weight.device))
     model._prepare_special_tokens(config, has_mask, device=device, batch_size=ids.shape[0])
     if not has_mask:
         attention_mask = model._prepare_attention_mask_for_generation(inputs_tensor, config,
