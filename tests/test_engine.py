@@ -562,20 +562,20 @@ def test_compilers_cache_in_the_private_directory(tmp_path, monkeypatch):
     assert (tmp_path / "mine" / "triton").stat().st_mode & 0o777 == 0o700
 
 
+def _compiling_runner(self, decoder, role):
+    """`Engine.runner` with compilation on whatever the device (here inductor's CPU backend)."""
+    if decoder not in self.runners:
+        self.runners[decoder] = DecoderRunner(decoder, role, True, self.events)
+    return self.runners[decoder]
+
+
 def test_one_compilation_per_decoder_serves_every_shape(monkeypatch):
     """With compilation on (as on CUDA; here inductor's CPU backend), varied batch sizes,
     prompt lengths, KV views, capacity growth, draft counts and drafters compile each decoder
     once: one graph for the target, one for the assistant, no recompilation."""
     from torch._dynamo.utils import counters
 
-    from flashspec.generation.compiled import DecoderRunner
-
-    def compiling_runner(self, decoder, role):
-        if decoder not in self.runners:
-            self.runners[decoder] = DecoderRunner(decoder, role, True, self.events)
-        return self.runners[decoder]
-
-    monkeypatch.setattr(engine_module.Engine, "runner", compiling_runner)
+    monkeypatch.setattr(engine_module.Engine, "runner", _compiling_runner)
     torch._dynamo.reset()
     model, assistant, reference = tiny_model("qwen3"), tiny_draft("qwen3"), tiny_model("qwen3")
     before = counters["stats"]["unique_graphs"]
@@ -600,13 +600,6 @@ def test_layers_compile_once_for_any_depth(monkeypatch):
     compilation would trace each stack), and tokens equal the eager engine's."""
     from torch._dynamo.utils import counters
 
-    from flashspec.generation.compiled import DecoderRunner
-
-    def compiling_runner(self, decoder, role):
-        if decoder not in self.runners:
-            self.runners[decoder] = DecoderRunner(decoder, role, True, self.events)
-        return self.runners[decoder]
-
     torch._dynamo.reset()
     before = counters["stats"]["unique_graphs"]
     ids = torch.randint(1, 100, (3, 7), generator=torch.Generator().manual_seed(1))
@@ -614,7 +607,7 @@ def test_layers_compile_once_for_any_depth(monkeypatch):
         stack = dict(num_hidden_layers=layers, layer_types=["full_attention"] * layers)
         eager = flash(tiny_model("qwen3", **stack), ids, max_new_tokens=10, do_sample=False)
         with monkeypatch.context() as patch:
-            patch.setattr(engine_module.Engine, "runner", compiling_runner)
+            patch.setattr(engine_module.Engine, "runner", _compiling_runner)
             model = tiny_model("qwen3", **stack)
             compiled = flash(model, ids, max_new_tokens=10, do_sample=False)
             assert [e.kind for e in engine_module.cached_engine(model.model).events] == ["compile"]
@@ -642,12 +635,7 @@ def test_layers_under_accelerate_hooks_compile_regionally(monkeypatch):
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
     from torch._dynamo.utils import counters
 
-    from flashspec.generation.compiled import DecoderRunner, _decoder_layers
-
-    def compiling_runner(self, decoder, role):
-        if decoder not in self.runners:
-            self.runners[decoder] = DecoderRunner(decoder, role, True, self.events)
-        return self.runners[decoder]
+    from flashspec.generation.compiled import _decoder_layers
 
     torch._dynamo.reset()
     before = counters["stats"]["unique_graphs"]
@@ -660,7 +648,7 @@ def test_layers_under_accelerate_hooks_compile_regionally(monkeypatch):
     hooked = [(layer.forward, layer._old_forward) for layer in model.model.layers]
     assert _decoder_layers(model.model) is model.model.layers
     with monkeypatch.context() as patch:
-        patch.setattr(engine_module.Engine, "runner", compiling_runner)
+        patch.setattr(engine_module.Engine, "runner", _compiling_runner)
         compiled = flash(model, ids, max_new_tokens=10, do_sample=False)
         assert [e.kind for e in engine_module.cached_engine(model.model).events] == ["compile"]
     assert torch.equal(compiled.sequences, eager.sequences)
