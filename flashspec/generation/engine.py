@@ -67,9 +67,7 @@ def engine_for(plan, sampler: str = "fused", invariant: bool = False) -> "Engine
     if engine is None or not engine.serves(plan.head):
         if engine is not None:
             engine.release()
-        device = plan.head.weight.device
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            engine = Engine(plan.head)      # its pool anchor captured on the head's GPU
+        engine = Engine(plan.head)
         object.__setattr__(decoder, _ENGINE_ATTRIBUTE, engine)
     engine.sampler_kind = sampler
     engine.invariant = invariant

@@ -154,7 +154,7 @@ class WindowCache(Cache):
         self.num_updates = 0
         self.mask = None                    # what the last `begin` returned
         self._views: dict[int, torch.Tensor] = {}
-        self._columns_copies: dict[torch.device, torch.Tensor] = {}
+        self._columns_copies: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.set_view(capacity)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -204,12 +204,6 @@ class WindowCache(Cache):
         rows = position_ids.shape[0]
         self.drop_from(position_ids[:, 0])
         self.columns = self.last_live_column() + self.column_index[: position_ids.shape[1]]
-        # Layers that accelerate placed on other GPUs write through copies of the columns,
-        # made here, outside the compiled layers (which then read the same dict each step).
-        self._columns_copies.clear()
-        for device in {layer.keys.device for layer in self.layers if layer.is_initialized}:
-            if device != self.columns.device:
-                self._columns_copies[device] = self.columns.to(device)
         first_rows(self.position, rows).index_copy_(1, self.columns, position_ids)
         live = torch.ones_like(position_ids, dtype=torch.bool) if new_live is None else new_live
         first_rows(self.live, rows).index_copy_(1, self.columns, live)
@@ -274,12 +268,11 @@ class WindowCache(Cache):
 
     def columns_on(self, device: torch.device) -> torch.Tensor:
         """This forward's write columns on `device` (a layer's, when accelerate spread the
-        layers over GPUs): copied once per forward and device, by `begin` where the layer
-        already holds entries (a forward's first writes copy them here)."""
+        layers over GPUs): copied once per forward and device."""
         copy = self._columns_copies.get(device)
-        if copy is None:
-            copy = self._columns_copies[device] = self.columns.to(device)
-        return copy
+        if copy is None or copy[0] is not self.columns:
+            copy = self._columns_copies[device] = (self.columns, self.columns.to(device))
+        return copy[1]
 
     def compact(self) -> None:
         """Move every row's live entries to its first columns, in column order (eager: a
